@@ -1,0 +1,67 @@
+"""`rlrun`: compose the config (Hydra), validate it, run the loop, record it. Nothing else lives here."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from . import tracking
+from .config import ConfigError, validate
+from .models import ModelError
+from .tasks import TaskError
+
+log = logging.getLogger("rlrun")
+
+# Errors that are the user's input, not a bug: shown as one clear message, no traceback.
+USER_ERRORS = (ConfigError, ModelError, TaskError, tracking.TrackingError)
+# conf/ sits beside the package in the repository (install with `pip install -e .`).
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def run(cfg: DictConfig, run_name: str | None = None) -> dict:
+    """Validate, open the tracker, train; the MLflow run ends FINISHED, FAILED or KILLED, never RUNNING."""
+    from . import loop  # heavy imports after validation, so bad configs fail fast
+
+    validate(cfg)
+    tracker = tracking.start(cfg.tracking, cfg, run_name)
+    try:
+        summary = loop.train(cfg, tracker)
+    except KeyboardInterrupt:
+        tracker.tags({"error": "interrupted (KeyboardInterrupt)"})
+        tracker.finish("KILLED")
+        raise
+    except BaseException as e:
+        tracker.tags({"error": f"{type(e).__name__}: {e}"})
+        tracker.finish("FAILED")
+        raise
+    tracker.summary(summary)
+    tracker.finish("FINISHED")
+    log.info("summary: %s", {k: round(v, 4) for k, v in summary.items()})
+    if tracker.run_id:
+        log.info("mlflow run %s (%s)", tracker.run_id, cfg.tracking.uri)
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig):
+    hc = HydraConfig.get()
+    run_name = cfg.get("run_name") or hc.job.override_dirname or "default"
+    try:
+        run(cfg, run_name)
+    except USER_ERRORS + (KeyboardInterrupt,) as e:
+        if str(hc.mode) == "RunMode.MULTIRUN":
+            raise  # the sweep records this job as failed and goes on
+        if isinstance(e, KeyboardInterrupt):
+            print("rlrun: interrupted", file=sys.stderr)
+            sys.exit(130)
+        print(f"rlrun: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Tiled head (DeepSpeed TiledFusedLogitsLoss pattern, as open-instruct's tiled GRPO loss uses it).
+
+The whole objective is computed tile by tile inside one autograd function. For each tile, forward computes the
+logits, the tile's share of the loss (already divided by the GLOBAL valid-token count, so the lm-head gradient
+is right without rescaling), and its gradients at once: dloss/dlogprob through the small per-token objective
+graph, then the hand-written softmax backward into the hidden-state gradient buffer and the fp32 weight-gradient
+accumulator. backward only scales what forward stored. FLOPs equal dense; one tile's logits exist at a time.
+"""
+
+import torch
+
+from ..losses import masked_total
+from .chunked import logprobs as _chunked_logprobs
+from .common import accumulate_grads, logit_grad_, tile_logits, tile_logprobs, tiles
+
+
+class TiledLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, mask, num_tokens, objective, temperature, size, stats_out):
+        need_h, need_w = hidden.requires_grad, weight.requires_grad
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        parts: dict[str, list] = {}
+        for sl in tiles(targets.shape[0], size):
+            z = tile_logits(hidden[sl], weight, temperature)
+            lp, lse = tile_logprobs(z, targets[sl])
+            with torch.enable_grad():
+                leaf = lp.detach().requires_grad_(True)
+                loss_tokens, stats = objective(leaf, sl)
+                part = masked_total(loss_tokens, mask[sl], num_tokens)
+                (g,) = torch.autograd.grad(part, leaf)
+            total += part.detach()
+            for k, v in stats.items():
+                parts.setdefault(k, []).append(v.detach())
+            dz = logit_grad_(z, lse, targets[sl], g, temperature)
+            accumulate_grads(dz, hidden[sl], weight, grad_h[sl] if need_h else None, grad_w)
+            del z, dz
+        stats_out.update({k: torch.cat(v) for k, v in parts.items()})
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        grad_h = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
+        grad_w = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
+        return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+def logprobs(hidden, weight, targets, temperature: float = 1.0, size: int = 1024):
+    # Logprob-only passes (old policy, reference) need no fused loss: the chunked function computes them tile by
+    # tile too, so no path of a tiled run builds the full logits.
+    return _chunked_logprobs(hidden, weight, targets, temperature, size)
+
+
+def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float = 1.0, size: int = 1024):
+    stats: dict = {}
+    total = TiledLoss.apply(hidden, weight, targets, mask, num_tokens, objective, temperature, size, stats)
+    return total, stats

@@ -1,0 +1,245 @@
+"""The GRPO training loop (dapo, cispo). Read top to bottom.
+
+Schedule: `train.steps` optimizer steps. Each optimizer step consumes `grad_accum = batch_size / micro_batch`
+micro-batches from a queue; when the queue runs short, a rollout of `rollout_batch` sequences is generated with
+the current weights, scored, given group-normalised advantages, given whatever old-policy / reference logprobs
+the logprob policy says it needs, and enqueued `num_iterations` times. So an optimizer step may span rollouts and
+a rollout may span optimizer steps, exactly as in TRL's step schedule, and the window policy's decision is exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from . import heads, logprobs, losses, models, offload, rollout, tasks
+from .engine import single
+from .meters import Meter
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+@dataclass
+class Micro:
+    """One micro-batch of a rollout, flattened to response tokens where the heads need it."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_len: int
+    targets: torch.Tensor  # [N] response tokens
+    mask: torch.Tensor  # [N] valid response tokens
+    advantages: torch.Tensor  # [N]
+    gen_logprobs: torch.Tensor  # [N]
+    old_logprobs: torch.Tensor | None = None  # [N], None: old pass skipped
+    ref_logprobs: torch.Tensor | None = None  # [N], None: reference pass skipped
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
+    """(reward - group mean) / (group std + 1e-4), per prompt group of consecutive completions (GRPO)."""
+    grouped = rewards.view(-1, group_size)
+    adv = grouped - grouped.mean(1, keepdim=True)
+    if scale:
+        adv = adv / (grouped.std(1, keepdim=True) + 1e-4)
+    return adv.reshape(-1)
+
+
+def response_hidden(backbone, micro: Micro):
+    """Hidden states that predict the response tokens, flattened to [N, H]."""
+    h = models.hidden_states(backbone, micro.input_ids, micro.attention_mask)
+    p = micro.prompt_len
+    return h[:, p - 1 : -1].reshape(-1, h.shape[-1])
+
+
+def split_rollout(roll, advantages: torch.Tensor, micro_batch: int) -> list[Micro]:
+    out = []
+    R = roll.response_mask.shape[1]
+    for i in range(0, roll.input_ids.shape[0], micro_batch):
+        rows = slice(i, i + micro_batch)
+        out.append(Micro(
+            input_ids=roll.input_ids[rows],
+            attention_mask=roll.attention_mask[rows],
+            prompt_len=roll.prompt_len,
+            targets=roll.input_ids[rows, roll.prompt_len:].reshape(-1),
+            mask=roll.response_mask[rows].reshape(-1),
+            advantages=advantages[rows, None].expand(-1, R).reshape(-1),
+            gen_logprobs=roll.gen_logprobs[rows].reshape(-1),
+        ))
+    return out
+
+
+@torch.no_grad()
+def logprob_pass(model, micros: list[Micro], head, head_cfg, temperature: float) -> list[torch.Tensor]:
+    """Per-token logprobs of each micro-batch's response under `model` (no grad, through the head)."""
+    backbone, weight = models.split(model)
+    return [head.logprobs(response_hidden(backbone, m), weight, m.targets, temperature, head_cfg.size)
+            for m in micros]
+
+
+def mismatch(micros: list[Micro]) -> dict[str, float]:
+    """Generation vs trainer old-policy logprobs: mean |diff| and NeMo-RL's token_mult_prob_error."""
+    diff = torch.cat([(m.gen_logprobs - m.old_logprobs)[m.mask] for m in micros]).abs().double()
+    return {"mismatch/gen_vs_train_abs": diff.mean().item(), "mismatch/token_mult_prob_error": diff.exp().mean().item()}
+
+
+def train(cfg, tracker) -> dict[str, float]:
+    t, lcfg = cfg.train, cfg.loss
+    seed_everything(cfg.seed)
+    device = single.device(cfg.engine)
+    policy, tokenizer = models.build(cfg.model, cfg.seed)
+    policy.to(device)
+    examples, reward_fn = tasks.build(cfg.task, cfg.seed)
+    prompts = tasks.prompt_stream(examples, cfg.seed)
+    generate = rollout.get(cfg.rollout.name)
+    head = heads.HEADS[cfg.head.name]
+    policy_name = cfg.logprob_policy.name
+    reference = None
+    if logprobs.needs_reference_model(policy_name, lcfg.kl_coef):
+        reference = copy.deepcopy(policy).requires_grad_(False)
+    optimizer, scheduler = single.optimizer(policy, t)
+    backbone, weight = models.split(policy)
+    if cfg.offload.enabled and not offload.effective(True, device):
+        log.info("offload=on on a CPU-only run: optimizer state already lives in host memory, nothing moves.")
+        tracker.tags({"offload.effective": "false"})
+
+    grad_accum = t.batch_size // t.micro_batch
+    window = (t.rollout_batch // t.micro_batch) * t.num_iterations
+    temperature = cfg.rollout.temperature
+    loss_kwargs = dict(clip_low=lcfg.clip_low, clip_high=lcfg.clip_high, kl_coef=lcfg.kl_coef,
+                       kl_estimator=lcfg.kl_estimator, tis_cap=lcfg.tis.cap if lcfg.tis.enabled else None)
+    queue: deque[Micro] = deque()
+    enqueued = 0  # micro-steps enqueued so far = start of the next rollout's window
+    totals: Counter = Counter()
+    history: list[dict[str, float]] = []
+    meter = Meter(device)
+
+    bar = tqdm(range(t.steps), desc="rlrun", unit="step", dynamic_ncols=True, disable=not cfg.progress)
+    for step in bar:
+        meter.new_step()
+        m: dict[str, float] = {}
+        rewards, lengths, gen_tokens, finished, mism, counts = [], [], 0, [], [], Counter()
+
+        # 1. Refill: generate, score, advantages, and only the logprob passes this rollout needs.
+        while len(queue) < grad_accum:
+            batch = [next(prompts) for _ in range(t.rollout_batch // t.group_size)]
+            with meter.phase("generate"):
+                roll = generate(policy, tokenizer, [ex["prompt"] for ex in batch for _ in range(t.group_size)],
+                                cfg.rollout, device)
+            answers = [ex["answer"] for ex in batch for _ in range(t.group_size)]
+            reward = torch.tensor([reward_fn(c, a) for c, a in zip(roll.completions, answers)], dtype=torch.float32)
+            advantages = group_advantages(reward, t.group_size, t.scale_advantages).to(device)
+            micros = split_rollout(roll, advantages, t.micro_batch)
+            need = logprobs.plan(policy_name, start=enqueued, window=window, grad_accum=grad_accum,
+                                 ref_coef=lcfg.kl_coef)
+            with meter.phase("offload"):
+                offload.to_host(optimizer, cfg.offload.enabled, device)
+            if need.old:
+                with meter.phase("old_logprobs"):
+                    for mb, lp in zip(micros, logprob_pass(policy, micros, head, cfg.head, temperature)):
+                        mb.old_logprobs = lp
+                mism.append(mismatch(micros))
+            if need.ref:
+                with meter.phase("ref_logprobs"):
+                    for mb, lp in zip(micros, logprob_pass(reference, micros, head, cfg.head, temperature)):
+                        mb.ref_logprobs = lp
+            with meter.phase("onload"):
+                offload.to_device(optimizer, cfg.offload.enabled, device)
+            counts.update({"old_run": need.old, "old_skipped": not need.old,
+                           "ref_run": need.ref, "ref_skipped": not need.ref})
+            rewards.append(reward)
+            lengths.append(roll.response_mask.sum(1).float())
+            finished.append(roll.finished.float())
+            gen_tokens += int(roll.response_mask.sum())
+            for _ in range(t.num_iterations):
+                queue.extend(micros)
+            enqueued += window
+
+        # 2. Train: one optimizer step over grad_accum micro-batches, loss normalised by the step's token count.
+        step_micros = [queue.popleft() for _ in range(grad_accum)]
+        num_tokens = max(sum(int(mb.mask.sum()) for mb in step_micros), 1)
+        stats_parts, masks, loss_total = [], [], 0.0
+        with meter.phase("train"):
+            for mb in step_micros:
+                objective = losses.objective(lcfg.name, mb.advantages, mb.old_logprobs, mb.ref_logprobs,
+                                             mb.gen_logprobs, **loss_kwargs)
+                hidden = response_hidden(backbone, mb)
+                loss, stats = head.loss(hidden, weight, mb.targets, mb.mask, objective, num_tokens,
+                                        temperature, cfg.head.size)
+                if not torch.isfinite(loss):
+                    raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; lower train.lr or train.grad_clip, "
+                                             "or check the reward function.")
+                loss.backward()
+                loss_total += loss.item()
+                stats_parts.append(stats)
+                masks.append(mb.mask)
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), t.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        # 3. Metrics: a metric that depends on a skipped pass is absent, never a zero that looks real.
+        stats = {k: torch.cat([s[k] for s in stats_parts]) for k in stats_parts[0]}
+        m.update({"loss": loss_total, **losses.summarize(stats, torch.cat(masks)),
+                  "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]})
+        if rewards:
+            r = torch.cat(rewards)
+            m.update({"reward_mean": r.mean().item(), "reward_std": r.std().item(),
+                      "solved_frac": (r >= 1.0).float().mean().item(),  # completions with full reward
+                      "response_len_mean": torch.cat(lengths).mean().item(),
+                      "finished_frac": torch.cat(finished).mean().item()})
+        for key in ("gen_vs_train_abs", "token_mult_prob_error"):
+            if mism:
+                m[f"mismatch/{key}"] = float(np.mean([x[f"mismatch/{key}"] for x in mism]))
+        totals.update(counts)
+        for key in ("old_run", "old_skipped", "ref_run", "ref_skipped"):
+            m[f"passes/{key}"] = counts[key]
+            m[f"passes/{key}_total"] = totals[key]
+        m.update(meter.metrics())
+        if gen_tokens:
+            m["throughput/gen_tokens_per_s"] = gen_tokens / meter.seconds["generate"]
+        m["throughput/train_tokens_per_s"] = num_tokens / meter.seconds["train"]
+        m["train_tokens"] = num_tokens
+        history.append(m)
+        tracker.log(step, m)
+        bar.set_postfix(reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
+                        tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
+    return summarize_run(history)
+
+
+def summarize_run(history: list[dict[str, float]]) -> dict[str, float]:
+    """Run-level numbers: mean throughput, max peak memory per phase, pass counts, final reward."""
+    def mean(key):
+        vals = [h[key] for h in history if key in h and math.isfinite(h[key])]
+        return float(np.mean(vals)) if vals else None
+
+    out = {"gen_tokens_per_s": mean("throughput/gen_tokens_per_s"),
+           "train_tokens_per_s": mean("throughput/train_tokens_per_s"),
+           "step_s": mean("time/step_s")}
+    for key in {k for h in history for k in h if k.startswith("mem/")}:
+        out[key.replace("mem/", "max_")] = max(h[key] for h in history if key in h)
+    last = history[-1]
+    for key in ("old_run", "old_skipped", "ref_run", "ref_skipped"):
+        out[f"passes_{key}"] = last[f"passes/{key}_total"]
+    rewards = [h["reward_mean"] for h in history if "reward_mean" in h]
+    if rewards:
+        out["reward_first"] = float(np.mean(rewards[:3]))
+        out["reward_last"] = float(np.mean(rewards[-3:]))
+    out["loss_last"] = last["loss"]
+    return {k: v for k, v in out.items() if v is not None}

@@ -1,0 +1,108 @@
+"""Objectives as plain tensor functions.
+
+Every GRPO objective is a per-token function (see dapo.py, cispo.py) wrapped by `objective`, which adds the KL
+term and the truncated importance-sampling weight and returns per-token losses and stats. Heads call the
+objective on slices of tokens (a tile, a chunk, or everything), so all heads compute the same numbers; `summarize`
+turns the per-token stats into metrics. `dapo_loss` / `cispo_loss` are the one-call library form.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cispo, dapo
+from .kl import ESTIMATORS, kl
+
+POLICY_LOSSES = {"dapo": dapo.token_loss, "cispo": cispo.token_loss}
+
+
+def objective(
+    name: str,
+    advantages: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    gen_logprobs: torch.Tensor | None = None,
+    *,
+    clip_low: float | None = 0.2,
+    clip_high: float = 0.28,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    tis_cap: float | None = None,
+):
+    """A per-token objective `f(logprobs, sl) -> (loss_tokens, stats)` over flat [tokens] inputs.
+
+    `sl` selects the tokens `logprobs` belongs to. `old_logprobs=None` means the old-policy pass was skipped: the
+    ratio is taken against `logprobs.detach()` (value 1, gradient intact). `tis_cap` turns on truncated importance
+    sampling: the policy-gradient term is weighted by min(exp(old - gen), tis_cap), detached.
+    """
+    token_loss = POLICY_LOSSES[name]
+
+    def f(logprobs: torch.Tensor, sl=slice(None)):
+        old = logprobs.detach() if old_logprobs is None else old_logprobs[sl]
+        loss, stats = token_loss(logprobs, old, advantages[sl], clip_low=clip_low, clip_high=clip_high)
+        stats["pg_loss"] = loss.detach()
+        if tis_cap is not None:
+            weight = torch.clamp(torch.exp(old - gen_logprobs[sl]), max=tis_cap).detach()
+            loss = loss * weight
+            stats["is_weight"] = weight
+        if ref_logprobs is not None:
+            k = kl(logprobs, ref_logprobs[sl], kl_estimator)
+            stats["kl"] = k.detach()
+            if kl_coef:
+                loss = loss + kl_coef * k
+        return loss, stats
+
+    return f
+
+
+# How each per-token stat becomes metrics: token-weighted mean, and for some also min / max.
+MEAN = {"pg_loss": "pg_loss", "clipped": "clipfrac", "kl": "kl", "ratio": "ratio_mean", "is_weight": "is_weight_mean"}
+RANGE = {"ratio": "ratio", "is_weight": "is_weight"}
+
+
+def summarize(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, float]:
+    """Token-weighted metrics of per-token `stats` over the tokens where `mask` is true."""
+    valid = mask.bool()
+    out = {}
+    for key, values in stats.items():
+        v = values[valid].double()
+        if v.numel() == 0:
+            continue
+        if key in MEAN:
+            out[MEAN[key]] = v.mean().item()
+        if key in RANGE:
+            out[RANGE[key] + "_min"] = v.min().item()
+            out[RANGE[key] + "_max"] = v.max().item()
+    return out
+
+
+def masked_total(loss_tokens: torch.Tensor, mask: torch.Tensor, num_tokens: int | float) -> torch.Tensor:
+    """Sum of per-token losses over valid tokens, divided by the global valid-token count of the optimizer step.
+
+    Dividing by the global count inside each micro batch (not a per-micro-batch mean) makes gradient accumulation
+    give exactly the token-level mean over the whole step (DAPO).
+    """
+    return torch.where(mask.bool(), loss_tokens, 0.0).sum() / num_tokens
+
+
+def _loss(name, logprobs, old_logprobs, advantages, mask, num_tokens=None, **kwargs):
+    f = objective(name, advantages, old_logprobs, kwargs.pop("ref_logprobs", None),
+                  kwargs.pop("gen_logprobs", None), **kwargs)
+    loss_tokens, stats = f(logprobs)
+    total = masked_total(loss_tokens, mask, num_tokens if num_tokens is not None else mask.sum().clamp(min=1))
+    return total, {"loss": total.item(), **summarize(stats, mask)}
+
+
+def dapo_loss(logprobs, old_logprobs, advantages, mask, num_tokens=None, **kwargs):
+    """DAPO loss over flat tokens; returns (loss, metrics). kwargs: clip_low, clip_high, ref_logprobs, kl_coef,
+    kl_estimator, gen_logprobs, tis_cap."""
+    return _loss("dapo", logprobs, old_logprobs, advantages, mask, num_tokens, **kwargs)
+
+
+def cispo_loss(logprobs, old_logprobs, advantages, mask, num_tokens=None, **kwargs):
+    """CISPO loss over flat tokens; returns (loss, metrics). Same kwargs as `dapo_loss` (clip_low default None)."""
+    kwargs.setdefault("clip_low", None)
+    return _loss("cispo", logprobs, old_logprobs, advantages, mask, num_tokens, **kwargs)
+
+
+__all__ = ["ESTIMATORS", "POLICY_LOSSES", "objective", "summarize", "masked_total", "dapo_loss", "cispo_loss", "kl"]

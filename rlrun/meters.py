@@ -1,0 +1,75 @@
+"""Per-phase wall time and peak memory.
+
+Peak memory: on CUDA the allocator's peak, reset at each phase start; on CPU the process peak RSS (VmHWM), reset
+by writing 5 to /proc/self/clear_refs (Linux). Where the reset is refused, the CPU peak is the process peak so
+far, and `peak_resets` is False so the numbers are not mistaken for per-phase ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+MIB = 2**20
+
+
+def _rss_peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class Meter:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.peak_resets = True if self.cuda else _reset_rss_peak()
+        self.new_step()
+
+    def new_step(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.peak: dict[str, int] = {}
+
+    def reset_peak(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.peak_resets = _reset_rss_peak() and self.peak_resets
+
+    def read_peak(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        return _rss_peak_bytes()
+
+    @contextmanager
+    def phase(self, name: str):
+        self.reset_peak()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            peak = self.read_peak()
+            self.seconds[name] += time.perf_counter() - start
+            self.peak[name] = max(self.peak.get(name, 0), peak)
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{k}_s": v for k, v in self.seconds.items()}
+        out.update({f"mem/{k}_peak_mib": v / MIB for k, v in self.peak.items()})
+        out["time/step_s"] = sum(self.seconds.values())
+        return out

@@ -1,0 +1,123 @@
+"""Models and tokenizers: the embedded tiny model, local HF checkpoints, and the backbone / lm-head split.
+
+The heads need hidden states and the output-embedding weight separately (so the tiled and chunked heads never
+build [tokens, vocab] logits); `split` returns both for any causal LM whose last layer is a bias-free linear.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+# Characters of the built-in tokenizer: enough for arithmetic prompts and plain lower-case text.
+CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz +-*/=?:;,.!()'\"")
+SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelError(ValueError):
+    """A model path or model option that cannot be used."""
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer built in code (no download). One token per character."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def tiny_model(cfg, tokenizer, seed: int) -> torch.nn.Module:
+    """A random-init causal LM of a real transformers architecture, deterministic in `seed`."""
+    arch = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}
+    if cfg.arch not in arch:
+        raise ModelError(f"model.arch={cfg.arch!r} is not supported; supported: {sorted(arch)}")
+    import transformers
+
+    config = getattr(transformers, arch[cfg.arch])(
+        vocab_size=cfg.vocab_size or len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=cfg.tie_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype])
+    return model
+
+
+def load_hf(path: str, dtype: str):
+    """Load a local transformers checkpoint and its tokenizer; never reaches a hub."""
+    if not path or not os.path.isdir(path):
+        raise ModelError(
+            f"model.path={path!r} is not a directory. Point model.path at a local transformers checkpoint "
+            "(a folder with config.json and the weights, as written by save_pretrained)."
+        )
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelError(f"model.path={path!r} has no config.json; it is not a transformers checkpoint folder.")
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"could not load model.path={path!r}: {e}") from e
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def build(cfg, seed: int):
+    """Return (model, tokenizer) for the `model` config group."""
+    if cfg.dtype not in DTYPES:
+        raise ModelError(f"model.dtype={cfg.dtype!r} is not supported; supported: {sorted(DTYPES)}")
+    if cfg.name == "tiny":
+        tokenizer = char_tokenizer()
+        model = tiny_model(cfg, tokenizer, seed)
+    else:
+        model, tokenizer = load_hf(cfg.path, cfg.dtype)
+    tokenizer.padding_side = "left"  # generation appends on the right
+    split(model)  # fail now, not mid-run, if the model has no usable lm head
+    return model, tokenizer
+
+
+def unwrap(model):
+    """The causal LM inside wrappers (DeepSpeed engine, DDP, PEFT) that hide it behind `.module`."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def split(model):
+    """(backbone, lm_head weight): hidden states come from the backbone, logits = hidden @ weight.T."""
+    lm = unwrap(model)
+    head = lm.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ModelError(f"{type(lm).__name__} has no output embedding layer; rlrun needs a causal LM.")
+    if getattr(head, "bias", None) is not None:
+        raise ModelError(f"{type(lm).__name__}'s lm head has a bias; rlrun's heads support bias-free lm heads.")
+    for key in ("final_logit_softcapping", "logit_scale"):
+        if getattr(lm.config, key, None) not in (None, 1.0):
+            raise ModelError(f"{type(lm).__name__} uses {key}; rlrun's heads compute plain logits = h @ W.T.")
+    return getattr(lm, lm.base_model_prefix), head.weight
+
+
+def hidden_states(backbone, input_ids, attention_mask):
+    """Last hidden states, with position ids from the attention mask (left padding), as generate uses."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    return out.last_hidden_state

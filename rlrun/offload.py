@@ -1,0 +1,37 @@
+"""Optimizer-state offload around the logprob passes (seed 002: make it optional and time it).
+
+`offload=on` moves every optimizer-state tensor to host memory before the old/reference logprob passes and back
+before training; `off` leaves it where it is. Moves are plain `.to()` copies, so state round-trips bit for bit.
+On a CPU-only run the state is already in host memory and nothing moves; the loop says so once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def move_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> int:
+    """Move all tensors of the optimizer state to `device`; return the bytes that changed device."""
+    device = torch.device(device)
+    moved = 0
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.device != device:
+                moved += value.numel() * value.element_size()
+                state[key] = value.to(device, non_blocking=device.type == "cpu")
+    if device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return moved
+
+
+def effective(enabled: bool, device: torch.device) -> bool:
+    """Whether offload moves anything: only when the state lives on an accelerator."""
+    return bool(enabled) and device.type != "cpu"
+
+
+def to_host(optimizer, enabled: bool, device: torch.device) -> int:
+    return move_state(optimizer, "cpu") if effective(enabled, device) else 0
+
+
+def to_device(optimizer, enabled: bool, device: torch.device) -> int:
+    return move_state(optimizer, device) if effective(enabled, device) else 0

@@ -1,0 +1,176 @@
+"""tiled and chunked reproduce dense (loss, both gradients, every metric) and never build [tokens, vocab] logits."""
+
+import itertools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rlrun.heads import HEADS
+from rlrun.losses import objective, summarize
+
+N, H, V = 37, 24, 97
+
+
+def inputs(seed=0, masked_tile=False):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.2
+    targets = torch.randint(0, V, (N,), generator=g)
+    mask = torch.rand(N, generator=g) > 0.25
+    if masked_tile:
+        mask[8:16] = False  # with size 8, the second tile has no valid token
+    adv = torch.randn(N, generator=g)
+    noise = lambda s: s * torch.randn(N, generator=g)  # noqa: E731
+    return hidden, weight, targets, mask, adv, noise
+
+
+def run_head(name, hidden, weight, targets, mask, make_objective, temperature, size):
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    loss, stats = HEADS[name].loss(h, w, targets, mask, make_objective(), int(mask.sum()), temperature, size)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad, summarize(stats, mask)
+
+
+def assert_close(a, b, what):
+    err = ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
+    assert err < 1e-5, f"{what}: max relative error {err:.2e}"
+
+
+CASES = list(itertools.product(["dapo", "cispo"], [None, "k1", "k2", "k3"], [1.0, 0.7], [False, True]))
+
+
+@pytest.mark.parametrize("loss_name,kl_est,temperature,tis", CASES)
+@pytest.mark.parametrize("size", [8, 5, 1000])  # 8: tile without valid token; 5: does not divide 37; 1000: > tokens
+def test_heads_match_dense(loss_name, kl_est, temperature, tis, size):
+    hidden, weight, targets, mask, adv, noise = inputs(masked_tile=True)
+    with torch.no_grad():
+        cur = HEADS["dense"].logprobs(hidden, weight, targets, temperature)
+    old, ref, gen = cur + noise(0.5), cur + noise(0.2), cur + noise(0.1)
+
+    def make_objective():
+        return objective(loss_name, adv, old, ref if kl_est else None, gen, clip_low=0.2 if loss_name == "dapo" else None,
+                         clip_high=0.28, kl_coef=0.05 if kl_est else 0.0, kl_estimator=kl_est or "k3",
+                         tis_cap=1.5 if tis else None)
+
+    dense = run_head("dense", hidden, weight, targets, mask, make_objective, temperature, size)
+    assert 0 < dense[3]["clipfrac"] < 1  # the case exercises clipping on both sides of the mask
+    for name in ("tiled", "chunked"):
+        got = run_head(name, hidden, weight, targets, mask, make_objective, temperature, size)
+        assert_close(got[0], dense[0], f"{name} loss")
+        assert_close(got[1], dense[1], f"{name} grad hidden")
+        assert_close(got[2], dense[2], f"{name} grad weight")
+        assert got[3].keys() == dense[3].keys()
+        for k in dense[3]:
+            assert got[3][k] == pytest.approx(dense[3][k], rel=1e-5, abs=1e-7), f"{name} metric {k}"
+
+
+@pytest.mark.parametrize("name", ["tiled", "chunked"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_logprobs_match_dense_with_and_without_grad(name, temperature):
+    hidden, weight, targets, *_ = inputs(1)
+    ref = HEADS["dense"].logprobs(hidden, weight, targets, temperature)
+    with torch.no_grad():
+        assert_close(HEADS[name].logprobs(hidden, weight, targets, temperature, 6), ref, "no-grad logprobs")
+    # with grad: any loss on top (here a weighted sum) gets dense's gradients
+    coef = torch.randn(N)
+    grads = []
+    for head in ("dense", name):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        (HEADS[head].logprobs(h, w, targets, temperature, 6) * coef).sum().backward()
+        grads.append((h.grad, w.grad))
+    assert_close(grads[1][0], grads[0][0], "grad hidden")
+    assert_close(grads[1][1], grads[0][1], "grad weight")
+
+
+def test_bf16_weight_accumulates_in_fp32():
+    hidden, weight, targets, *_ = inputs(2)
+    ref = HEADS["dense"].logprobs(hidden.bfloat16().float(), weight.bfloat16().float(), targets)
+    got = HEADS["chunked"].logprobs(hidden.bfloat16(), weight.bfloat16(), targets, 1.0, 8)
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max() < 0.05  # bf16 matmul, fp32 logsumexp
+
+
+class MaxTensor(TorchDispatchMode):
+    """Largest tensor any op produces: a deterministic stand-in for 'did the full logits ever exist'."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def saved_bytes(fn):
+    total = []
+
+    def pack(t):
+        total.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(total), out
+
+
+@pytest.mark.parametrize("name", ["tiled", "chunked"])
+def test_memory_is_one_tile_not_all_tokens(name):
+    n, h, v, size = 512, 16, 2000, 64
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g, requires_grad=True)
+    weight = (torch.randn(v, h, generator=g) * 0.1).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    mask = torch.ones(n, dtype=torch.bool)
+    adv = torch.randn(n, generator=g)
+
+    def step(head):
+        f = objective("dapo", adv, None)
+        loss, _ = HEADS[head].loss(hidden, weight, targets, mask, f, n, 1.0, size)
+        return loss
+
+    dense_saved, _ = saved_bytes(lambda: step("dense"))
+    assert dense_saved >= n * v * 4  # dense keeps at least the [tokens, vocab] fp32 logits for backward
+
+    with MaxTensor() as mode:
+        saved, loss = saved_bytes(lambda: step(name))
+        loss.backward()
+    # saved for backward: O(tokens x hidden + vocab x hidden), no vocab-sized term per token
+    assert saved <= 2 * (n * h + v * h) * 4 + 16 * n * 4
+    # no tensor ever reached [tokens, vocab]; the largest is one tile's logits
+    assert mode.max_numel == size * v
+    hidden.grad = weight.grad = None
+    with MaxTensor() as mode:
+        step("dense").backward()
+    assert mode.max_numel >= n * v
+
+
+def test_real_model_tied_embeddings_all_heads_same_grads():
+    from omegaconf import OmegaConf
+
+    from rlrun import models
+
+    cfg = OmegaConf.create(dict(name="tiny", arch="qwen2", hidden_size=32, intermediate_size=64, layers=1, heads=4,
+                                kv_heads=2, max_positions=64, vocab_size=None, tie_embeddings=True, dtype="float32"))
+    model, tok = models.build(cfg, seed=0)
+    backbone, weight = models.split(model)
+    assert weight is model.get_input_embeddings().weight  # tied: one parameter
+    ids = torch.randint(4, len(tok), (3, 9))
+    mask = torch.ones_like(ids)
+    adv = torch.randn(3 * 8)
+    grads = {}
+    for name in ("dense", "tiled", "chunked"):
+        model.zero_grad()
+        hid = models.hidden_states(backbone, ids, mask)[:, :-1].reshape(-1, 32)
+        f = objective("cispo", adv, None, clip_low=None)
+        loss, _ = HEADS[name].loss(hid, weight, ids[:, 1:].reshape(-1), torch.ones(24, dtype=bool), f, 24, 0.8, 5)
+        loss.backward()
+        grads[name] = {k: p.grad.clone() for k, p in model.named_parameters()}
+    for name in ("tiled", "chunked"):
+        for k in grads["dense"]:
+            assert_close(grads[name][k], grads["dense"][k], f"{name} {k}")
