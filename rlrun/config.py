@@ -72,7 +72,8 @@ def validate(cfg) -> None:
             p.append(f"logprob_policy=skip skips the reference pass, which needs loss.kl_coef=0 "
                      f"(got loss.kl_coef={loss.kl_coef}). Set loss.kl_coef=0, or use logprob_policy=window "
                      "(reference pass only when its coefficient is non-zero).")
-        if ok("batch_size", "rollout_batch", "num_iterations") and (t.batch_size != t.rollout_batch or t.num_iterations != 1):
+        equal_ok = ok("batch_size", "rollout_batch", "num_iterations")
+        if equal_ok and (t.batch_size != t.rollout_batch or t.num_iterations != 1):
             p.append(f"logprob_policy=skip skips the old-policy pass, which needs train.batch_size == "
                      f"train.rollout_batch and train.num_iterations == 1 (got train.batch_size={t.batch_size}, "
                      f"train.rollout_batch={t.rollout_batch}, train.num_iterations={t.num_iterations}). Make them "

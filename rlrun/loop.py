@@ -183,8 +183,8 @@ def train(cfg, tracker) -> dict[str, float]:
                 loss, stats = head.loss(hidden, weight, mb.targets, mb.mask, objective, num_tokens,
                                         temperature, cfg.head.size)
                 if not torch.isfinite(loss):
-                    raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; lower train.lr or train.grad_clip, "
-                                             "or check the reward function.")
+                    raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; lower train.lr or "
+                                             "train.grad_clip, or check the reward function.")
                 loss.backward()
                 loss_total += loss.item()
                 stats_parts.append(stats)

@@ -1,8 +1,10 @@
 """Per-phase wall time and peak memory.
 
 Peak memory: on CUDA the allocator's peak, reset at each phase start; on CPU the process peak RSS (VmHWM), reset
-by writing 5 to /proc/self/clear_refs (Linux). Where the reset is refused, the CPU peak is the process peak so
-far, and `peak_resets` is False so the numbers are not mistaken for per-phase ones.
+by writing 5 to /proc/self/clear_refs (Linux). `growth` is the peak minus what was in use when the phase began:
+on CPU the process baseline (libraries, model) dominates the peak, so growth is what tells phases apart.
+Where the reset is refused, the CPU peak is the process peak so far, and `peak_resets` is False so the numbers
+are not mistaken for per-phase ones.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ def _rss_peak_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -43,6 +53,7 @@ class Meter:
     def new_step(self):
         self.seconds: dict[str, float] = defaultdict(float)
         self.peak: dict[str, int] = {}
+        self.growth: dict[str, int] = {}  # peak minus memory in use when the phase started
 
     def reset_peak(self):
         if self.cuda:
@@ -50,6 +61,9 @@ class Meter:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self.peak_resets = _reset_rss_peak() and self.peak_resets
+
+    def current(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else _rss_bytes()
 
     def read_peak(self) -> int:
         if self.cuda:
@@ -60,6 +74,7 @@ class Meter:
     @contextmanager
     def phase(self, name: str):
         self.reset_peak()
+        base = self.current()
         start = time.perf_counter()
         try:
             yield
@@ -67,9 +82,11 @@ class Meter:
             peak = self.read_peak()
             self.seconds[name] += time.perf_counter() - start
             self.peak[name] = max(self.peak.get(name, 0), peak)
+            self.growth[name] = max(self.growth.get(name, 0), peak - base)
 
     def metrics(self) -> dict[str, float]:
         out = {f"time/{k}_s": v for k, v in self.seconds.items()}
         out.update({f"mem/{k}_peak_mib": v / MIB for k, v in self.peak.items()})
+        out.update({f"mem/{k}_growth_mib": v / MIB for k, v in self.growth.items()})
         out["time/step_s"] = sum(self.seconds.values())
         return out

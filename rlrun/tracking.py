@@ -35,13 +35,17 @@ def check_uri(uri: str) -> None:
     if scheme in ("", "file"):
         raise TrackingError(
             f"tracking.uri={uri!r} is a file store, which MLflow 3.13+ rejects; use sqlite:///mlflow.db "
-            "(a local database file) or http(s)://HOST:PORT for a tracking server."
+            "(a local database file), http(s)://HOST:PORT for a tracking server, or tracking=none."
         )
     if scheme == "sqlite":
         path = uri[len("sqlite:///") :]
         folder = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise TrackingError(f"tracking.uri={uri!r}: folder {folder!r} does not exist or is not writable.")
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise TrackingError(f"tracking.uri={uri!r}: cannot create folder {folder!r} ({e.strerror}).") from e
+        if not os.access(folder, os.W_OK):
+            raise TrackingError(f"tracking.uri={uri!r}: folder {folder!r} is not writable; choose another path.")
 
 
 class Null:

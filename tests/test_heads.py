@@ -50,8 +50,9 @@ def test_heads_match_dense(loss_name, kl_est, temperature, tis, size):
     old, ref, gen = cur + noise(0.5), cur + noise(0.2), cur + noise(0.1)
 
     def make_objective():
-        return objective(loss_name, adv, old, ref if kl_est else None, gen, clip_low=0.2 if loss_name == "dapo" else None,
-                         clip_high=0.28, kl_coef=0.05 if kl_est else 0.0, kl_estimator=kl_est or "k3",
+        return objective(loss_name, adv, old, ref if kl_est else None, gen,
+                         clip_low=0.2 if loss_name == "dapo" else None, clip_high=0.28,
+                         kl_coef=0.05 if kl_est else 0.0, kl_estimator=kl_est or "k3",
                          tis_cap=1.5 if tis else None)
 
     dense = run_head("dense", hidden, weight, targets, mask, make_objective, temperature, size)

@@ -26,7 +26,10 @@ def brute_force(rollout_batch, batch_size, micro_batch, num_iterations, n_rollou
     return needs
 
 
-@pytest.mark.parametrize("rollout_mult,batch_mult,num_iterations", itertools.product(range(1, 7), range(1, 7), [1, 2, 3]))
+SIZES = itertools.product(range(1, 7), range(1, 7), [1, 2, 3])
+
+
+@pytest.mark.parametrize("rollout_mult,batch_mult,num_iterations", SIZES)
 @pytest.mark.parametrize("micro_batch", [1, 4])
 def test_window_matches_brute_force(rollout_mult, batch_mult, num_iterations, micro_batch):
     rollout_batch, batch_size = rollout_mult * micro_batch, batch_mult * micro_batch

@@ -29,7 +29,8 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 def optimizer(model, train_cfg):
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=train_cfg.lr, betas=tuple(train_cfg.betas), weight_decay=train_cfg.weight_decay,
-                            foreach=False)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, train_cfg.steps))
+    opt = torch.optim.AdamW(params, lr=train_cfg.lr, betas=tuple(train_cfg.betas),
+                            weight_decay=train_cfg.weight_decay, foreach=False)
+    schedule = lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, train_cfg.steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     return opt, sched

@@ -26,8 +26,6 @@ def generate(model, tokenizer, prompts: list[str], cfg, device) -> Rollout:
     prompt_len = enc.input_ids.shape[1]
     response = out.sequences[:, prompt_len:]
     # `scores` are the processed logits the sampler drew from (temperature, top-p applied).
-    gen_logprobs = torch.stack(
-        [torch.log_softmax(s.float(), -1).gather(-1, response[:, i : i + 1]).squeeze(-1) for i, s in enumerate(out.scores)],
-        dim=1,
-    )
+    steps = [torch.log_softmax(s.float(), -1).gather(-1, response[:, i, None]) for i, s in enumerate(out.scores)]
+    gen_logprobs = torch.cat(steps, dim=1)
     return Rollout.from_response(enc.input_ids, enc.attention_mask, response, gen_logprobs, tokenizer)

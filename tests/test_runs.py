@@ -1,0 +1,165 @@
+"""End-to-end runs: the real entry point, MLflow records and statuses, reproducibility, and the equivalence of
+heads, logprob policies and offload settings on seeded runs."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import history, runs
+
+from rlrun.cli import run
+from rlrun.loop import NonFiniteLossError
+
+SMOKE = "experiment=smoke"
+
+
+def run_in(tmp_path, *overrides):
+    from conftest import make_cfg
+
+    summary = run(make_cfg(*overrides, tmp_path=tmp_path))
+    client, rs = runs(tmp_path / "mlflow.db")
+    return summary, client, rs[0]
+
+
+def test_smoke_through_the_real_entry_point(tmp_path):
+    env = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
+    r = subprocess.run(["rlrun", SMOKE, "loss=cispo", "progress=false"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    client, rs = runs(tmp_path / "mlflow.db")  # default store: sqlite:///mlflow.db in the working directory
+    (run_,) = rs
+    assert run_.info.status == "FINISHED"
+    params = run_.data.params
+    assert params["loss.name"] == "cispo" and params["train.steps"] == "3" and params["head.name"] == "dense"
+    assert run_.data.tags["mlflow.runName"] == "experiment=smoke,loss=cispo,progress=false"
+    for key in ("loss", "reward_mean", "clipfrac", "kl", "ratio_mean", "ratio_min", "ratio_max", "pg_loss",
+                "throughput/gen_tokens_per_s", "throughput/train_tokens_per_s", "time/generate_s", "time/train_s",
+                "time/old_logprobs_s", "time/ref_logprobs_s", "mem/train_peak_mib", "mem/generate_peak_mib",
+                "mismatch/gen_vs_train_abs", "mismatch/token_mult_prob_error", "passes/old_run", "response_len_mean"):
+        assert len(history(client, run_.info.run_id, key)) == 3, key
+    assert history(client, run_.info.run_id, "mem/train_peak_mib")[0] > 10  # real RSS in MiB, not zero
+    assert history(client, run_.info.run_id, "mismatch/token_mult_prob_error")[0] == pytest.approx(1.0, abs=1e-4)
+    assert "summary/train_tokens_per_s" in run_.data.metrics
+    artifacts = [a.path for a in client.list_artifacts(run_.info.run_id)]
+    assert "config.yaml" in artifacts
+
+
+def test_same_seed_same_curve_bit_for_bit(tmp_path):
+    curves = []
+    for i in range(2):
+        _, client, r = run_in(tmp_path / str(i), SMOKE, "train.steps=4")
+        curves.append((history(client, r.info.run_id, "loss"), history(client, r.info.run_id, "reward_mean")))
+    assert curves[0] == curves[1]
+    _, client, r = run_in(tmp_path / "other", SMOKE, "train.steps=4", "seed=1")
+    assert history(client, r.info.run_id, "reward_mean") != curves[0][1]
+
+
+def loss_curve(tmp_path, *overrides):
+    summary, client, r = run_in(tmp_path, SMOKE, "train.steps=5", "train.lr=1e-2", *overrides)
+    return summary, {k: history(client, r.info.run_id, k) for k in ("loss", "reward_mean", "clipfrac")}, r
+
+
+@pytest.mark.parametrize("loss", ["dapo", "cispo"])
+def test_heads_give_the_same_curve(tmp_path, loss):
+    _, dense, _ = loss_curve(tmp_path / "dense", f"loss={loss}")
+    for head in ("tiled", "chunked"):
+        _, got, _ = loss_curve(tmp_path / head, f"loss={loss}", f"head={head}")
+        assert got["reward_mean"] == dense["reward_mean"]  # same samples: generation identical through step 5
+        assert torch.allclose(torch.tensor(got["loss"]), torch.tensor(dense["loss"]), rtol=1e-4, atol=1e-6), head
+
+
+def test_skip_and_window_reproduce_always_and_count_skipped_passes(tmp_path):
+    s_always, always, _ = loss_curve(tmp_path / "always")
+    s_skip, skip, _ = loss_curve(tmp_path / "skip", "logprob_policy=skip")
+    s_window, window, _ = loss_curve(tmp_path / "window", "logprob_policy=window")
+    for got in (skip, window):
+        assert got["reward_mean"] == always["reward_mean"]
+        assert torch.allclose(torch.tensor(got["loss"]), torch.tensor(always["loss"]), rtol=1e-4, atol=1e-6)
+    assert s_always["passes_old_run"] == 5 and s_always["passes_ref_run"] == 5
+    assert s_skip["passes_old_run"] == 0 and s_skip["passes_old_skipped"] == 5 and s_skip["passes_ref_skipped"] == 5
+    # smoke: batch == rollout, so no step falls inside a rollout; kl_coef 0 so no reference pass either
+    assert s_window["passes_old_run"] == 0 and s_window["passes_ref_run"] == 0
+
+
+def test_window_recomputes_when_a_step_falls_inside_a_rollout(tmp_path):
+    # rollout 8 = 2 micro-steps, optimizer step every micro-step: every rollout needs its old logprobs
+    s, _, r = loss_curve(tmp_path, "logprob_policy=window", "train.batch_size=4")
+    assert s["passes_old_run"] == 3 and s["passes_old_skipped"] == 0  # 5 steps of 4 -> 3 rollouts of 8
+    # the skipped pass's metrics are absent for steps without a rollout, never zeros
+    assert "mismatch/gen_vs_train_abs" in r.data.metrics
+
+
+def test_skipped_pass_metrics_are_not_logged(tmp_path):
+    _, client, r = run_in(tmp_path, SMOKE, "logprob_policy=skip")
+    assert history(client, r.info.run_id, "mismatch/gen_vs_train_abs") == []
+    assert history(client, r.info.run_id, "kl") == []
+
+
+def test_offload_on_equals_off_and_says_it_moved_nothing_on_cpu(tmp_path):
+    _, off, _ = loss_curve(tmp_path / "off")
+    _, on, r = loss_curve(tmp_path / "on", "offload=on")
+    assert on["loss"] == off["loss"] and on["reward_mean"] == off["reward_mean"]
+    assert r.data.tags["offload.effective"] == "false"
+    assert "time/offload_s" in r.data.metrics and "time/onload_s" in r.data.metrics
+
+
+def test_tiny_model_learns_the_default_task(tmp_path):
+    # default config (arith, dapo, dense), 80 of its 400 steps: the reward climbs far above a random policy's
+    summary, client, r = run_in(tmp_path, "train.steps=80")
+    rewards = history(client, r.info.run_id, "reward_mean")
+    assert rewards[0] < 0.05 and summary["reward_last"] > 0.3
+
+
+def test_nan_loss_marks_run_failed_and_keeps_logged_steps(tmp_path):
+    from conftest import make_cfg
+
+    with pytest.raises(NonFiniteLossError):
+        run(make_cfg(SMOKE, "task.reward=helpers:nan_after_two_rollouts", tmp_path=tmp_path))
+    client, (r,) = runs(tmp_path / "mlflow.db")
+    assert r.info.status == "FAILED" and "NonFiniteLossError" in r.data.tags["error"]
+    assert len(history(client, r.info.run_id, "loss")) == 2  # the two good steps are kept
+
+
+def test_ctrl_c_marks_run_killed(tmp_path):
+    from conftest import make_cfg
+
+    with pytest.raises(KeyboardInterrupt):
+        run(make_cfg(SMOKE, "task.reward=helpers:interrupt_after_two_rollouts", tmp_path=tmp_path))
+    client, (r,) = runs(tmp_path / "mlflow.db")
+    assert r.info.status == "KILLED"
+    assert len(history(client, r.info.run_id, "loss")) == 2
+
+
+def cli(tmp_path, *args):
+    env = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
+    return subprocess.run([sys.executable, "-m", "rlrun", SMOKE, "progress=false", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bad_model_path_fails_clearly_and_marks_run_failed(tmp_path):
+    r = cli(tmp_path, "model=hf", f"model.path={tmp_path}/missing")
+    assert r.returncode == 2
+    assert "model.path=" in r.stderr and "is not a directory" in r.stderr and "Traceback" not in r.stderr
+    _, (run_,) = runs(tmp_path / "mlflow.db")
+    assert run_.info.status == "FAILED"
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 3}\n')
+    r = cli(tmp_path, "task=jsonl", f"task.path={tmp_path}/d.jsonl", "tracking=none")
+    assert r.returncode == 2 and "d.jsonl:2:" in r.stderr
+
+
+@pytest.mark.parametrize("uri,needle", [("http://127.0.0.1:9", "cannot be reached"), ("./mlruns", "file store")])
+def test_unusable_tracking_uri_fails_before_training(tmp_path, uri, needle):
+    r = cli(tmp_path, f"tracking.uri={uri}")
+    assert r.returncode == 2 and needle in r.stderr and "tracking=none" in r.stderr
+    assert "rlrun: 0%" not in r.stderr  # no training step was started
+
+
+def test_tracking_none_runs_without_a_store(tmp_path):
+    r = cli(tmp_path, "tracking=none", "head=tiled")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not (tmp_path / "mlflow.db").exists()
