@@ -8,7 +8,7 @@ function's output is just the per-token logprobs.
 import torch
 
 from ..losses import masked_total
-from .common import accumulate_grads, chunked_logprobs_nograd, logit_grad_, tile_logits, tile_logprobs, tiles
+from .common import accumulate_grads, chunked_logprobs_nograd, logit_grad_, softmax_stats_, tile_logits, tiles
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -26,8 +26,8 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for sl in tiles(targets.shape[0], ctx.size):
             z = tile_logits(hidden[sl], weight, ctx.temperature)
-            _, lse = tile_logprobs(z, targets[sl])
-            dz = logit_grad_(z, lse, targets[sl], grad_lp[sl], ctx.temperature)
+            _, sums = softmax_stats_(z, targets[sl])
+            dz = logit_grad_(z, sums, targets[sl], grad_lp[sl], ctx.temperature)
             accumulate_grads(dz, hidden[sl], weight, grad_h[sl] if need_h else None, grad_w)
             del z, dz
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None

@@ -1,8 +1,9 @@
 """Tile arithmetic shared by the tiled and chunked heads.
 
 For one tile of tokens: z = (h @ W.T) / T in fp32, logprob = z[target] - logsumexp(z). The gradient of a loss
-w.r.t. the tile's pre-temperature logits is g * (onehot(target) - softmax(z)) / T, where g = dloss/dlogprob;
-`logit_grad_` computes it in place in the logits buffer, so a tile costs one [tile, vocab] fp32 buffer.
+w.r.t. the tile's pre-temperature logits is g * (onehot(target) - softmax(z)) / T, where g = dloss/dlogprob.
+Everything happens in place in the one [tile, vocab] fp32 buffer: `softmax_stats_` turns z into exp(z - max)
+(logsumexp would allocate a second tile-sized temporary), and `logit_grad_` turns that into the gradient.
 """
 
 from __future__ import annotations
@@ -24,18 +25,21 @@ def tile_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> to
     return z
 
 
-def tile_logprobs(z: torch.Tensor, targets: torch.Tensor):
-    """(logprobs of targets, logsumexp) of fp32 logits."""
-    lse = torch.logsumexp(z, dim=-1)
-    return z.gather(-1, targets[:, None]).squeeze(-1) - lse, lse
+def softmax_stats_(z: torch.Tensor, targets: torch.Tensor):
+    """Logprobs of `targets` and row sums; `z` becomes exp(z - rowmax) in place (fp32 throughout)."""
+    picked = z.gather(-1, targets[:, None]).squeeze(-1)
+    rowmax = z.amax(-1)
+    z.sub_(rowmax[:, None]).exp_()
+    sums = z.sum(-1)
+    return picked - rowmax - sums.log(), sums
 
 
-def logit_grad_(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor, temperature: float):
-    """Turn logits `z` in place into dloss/d(h @ W.T) = g * (onehot - softmax(z)) / T."""
+def logit_grad_(e: torch.Tensor, sums: torch.Tensor, targets: torch.Tensor, g: torch.Tensor, temperature: float):
+    """Turn `e` = exp(z - rowmax) in place into dloss/d(h @ W.T) = g * (onehot - softmax(z)) / T."""
     scale = g.float() / temperature
-    z.sub_(lse[:, None]).exp_().mul_(-scale[:, None])
-    z.scatter_add_(-1, targets[:, None], scale[:, None])
-    return z
+    e.mul_((-scale / sums)[:, None])
+    e.scatter_add_(-1, targets[:, None], scale[:, None])
+    return e
 
 
 def accumulate_grads(dz, h, weight, grad_h_out, grad_w):
@@ -50,5 +54,5 @@ def chunked_logprobs_nograd(hidden, weight, targets, temperature: float, size: i
     out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
     with torch.no_grad():
         for sl in tiles(targets.shape[0], size):
-            out[sl] = tile_logprobs(tile_logits(hidden[sl], weight, temperature), targets[sl])[0]
+            out[sl] = softmax_stats_(tile_logits(hidden[sl], weight, temperature), targets[sl])[0]
     return out

@@ -11,7 +11,7 @@ import torch
 
 from ..losses import masked_total
 from .chunked import logprobs as _chunked_logprobs
-from .common import accumulate_grads, logit_grad_, tile_logits, tile_logprobs, tiles
+from .common import accumulate_grads, logit_grad_, softmax_stats_, tile_logits, tiles
 
 
 class TiledLoss(torch.autograd.Function):
@@ -24,7 +24,7 @@ class TiledLoss(torch.autograd.Function):
         parts: dict[str, list] = {}
         for sl in tiles(targets.shape[0], size):
             z = tile_logits(hidden[sl], weight, temperature)
-            lp, lse = tile_logprobs(z, targets[sl])
+            lp, sums = softmax_stats_(z, targets[sl])
             with torch.enable_grad():
                 leaf = lp.detach().requires_grad_(True)
                 loss_tokens, stats = objective(leaf, sl)
@@ -33,7 +33,7 @@ class TiledLoss(torch.autograd.Function):
             total += part.detach()
             for k, v in stats.items():
                 parts.setdefault(k, []).append(v.detach())
-            dz = logit_grad_(z, lse, targets[sl], g, temperature)
+            dz = logit_grad_(z, sums, targets[sl], g, temperature)
             accumulate_grads(dz, hidden[sl], weight, grad_h[sl] if need_h else None, grad_w)
             del z, dz
         stats_out.update({k: torch.cat(v) for k, v in parts.items()})
@@ -43,8 +43,10 @@ class TiledLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        grad_h = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
-        grad_w = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
+        if grad_out.item() != 1.0:  # scale in place: a copy would add a second weight-sized gradient
+            for g in (grad_h, grad_w):
+                if g is not None:
+                    g.mul_(grad_out.to(g.dtype))
         return grad_h, grad_w, None, None, None, None, None, None, None
 
 

@@ -1,0 +1,224 @@
+"""Benchmarks: commands that print a table and log it to MLflow (never timed tests).
+
+    python -m rlrun.bench heads --tokens 2048 --hidden 512 --vocab 151936 --tile-size 256
+
+`heads`: one DAPO forward+backward of the lm head + loss per implementation, each in its own process (so peaks do
+not mix), on identical seeded inputs: rlrun's dense / tiled / chunked heads and the peers a user would pick
+instead, DeepSpeed's TiledFusedLogitsLoss and (if liger-kernel is installed) Liger's LigerFusedLinearGRPOLoss.
+Reports time, peak extra memory (peak minus memory in use before the call: CPU RSS or CUDA allocated), and the
+max relative error of loss and gradients against dense.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import tempfile
+import time
+
+import torch
+
+from .heads import HEADS
+from .heads.common import chunked_logprobs_nograd
+from .losses import objective
+from .losses.dapo import token_loss as dapo_token_loss
+from .meters import MIB, _reset_rss_peak, _rss_bytes, _rss_peak_bytes
+
+PEERS = ("deepspeed", "liger")
+CLIP = dict(clip_low=0.2, clip_high=0.28)
+
+
+def make_inputs(a, device):
+    g = torch.Generator().manual_seed(a.seed)
+    dtype = getattr(torch, a.dtype)
+    n = a.tokens
+    hidden = torch.randn(n, a.hidden, generator=g).to(device, dtype)
+    weight = (torch.randn(a.vocab, a.hidden, generator=g) / math.sqrt(a.hidden)).to(device, dtype)
+    targets = torch.randint(0, a.vocab, (n,), generator=g).to(device)
+    seq_adv = torch.randn(a.seqs, generator=g)
+    adv = seq_adv.repeat_interleave(n // a.seqs).to(device)
+    mask = torch.ones(n, dtype=torch.bool, device=device)
+    # old logprobs near the current ones, so that some ratios clip
+    old = chunked_logprobs_nograd(hidden, weight, targets, 1.0, a.tile_size)
+    old = old + 0.3 * torch.randn(n, generator=g).to(device)
+    return hidden, weight, targets, mask, adv, seq_adv.to(device), old
+
+
+def run_impl(name, a, hidden, weight, targets, mask, adv, seq_adv, old):
+    n = targets.shape[0]
+    if name in HEADS:
+        f = objective("dapo", adv, old, **CLIP)
+        loss, _ = HEADS[name].loss(hidden, weight, targets, mask, f, n, 1.0, a.tile_size)
+        return loss
+    if name == "deepspeed":
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+        def shard_loss(_self, x, y, m):  # dense DAPO on one (flattened) shard, normalised by the global count
+            lp = torch.log_softmax((x @ weight.T).float(), -1).gather(-1, y[:, 0].long()[:, None]).squeeze(-1)
+            tok, _ = dapo_token_loss(lp, y[:, 1], y[:, 2], **CLIP)
+            return torch.where(m, tok, 0.0).sum() / n
+
+        y = torch.stack([targets.float(), old, adv], -1)[None]
+        shards = math.ceil(n / a.tile_size)
+        return TiledFusedLogitsLoss.apply(shard_loss, None, hidden[None], y, mask[None], shards, [weight], "sum")
+    if name == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        rows = a.seqs
+        fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=False, loss_type="dapo",
+                                      chunk_size=max(1, a.tile_size // (n // rows)), epsilon_low=0.2, epsilon_high=0.28)
+        out = fn(hidden.view(rows, n // rows, -1), weight, targets.view(rows, -1), mask.view(rows, -1).long(), seq_adv,
+                 old_per_token_logps=old.view(rows, -1))
+        return out[0] if isinstance(out, tuple) else out
+    raise ValueError(name)
+
+
+def child(name, a, out_path):
+    torch.set_num_threads(a.threads or torch.get_num_threads())
+    device = torch.device(a.device)
+    hidden, weight, targets, mask, adv, seq_adv, old = make_inputs(a, device)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    times, peaks = [], []
+    for _ in range(a.repeat + 1):  # the first call warms up (allocator, lazy imports) and is not counted
+        hidden.grad = weight.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            _reset_rss_peak()
+            base = _rss_bytes()
+        t0 = time.perf_counter()
+        loss = run_impl(name, a, hidden, weight, targets, mask, adv, seq_adv, old)
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+        else:
+            peak = _rss_peak_bytes() - base
+        times.append(time.perf_counter() - t0)
+        peaks.append(peak)
+    torch.save({"loss": loss.detach().double().cpu(), "grad_h": hidden.grad.double().cpu(),
+                "grad_w": weight.grad.double().cpu(), "time": min(times[1:]), "peak": max(peaks[1:])}, out_path)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+def available(name):
+    if name in HEADS:
+        return True
+    try:
+        __import__({"deepspeed": "deepspeed", "liger": "liger_kernel"}[name])
+        return True
+    except ImportError:
+        return False
+
+
+def heads_bench(a):
+    from tqdm import tqdm
+
+    names = [n for n in a.impls.split(",") if n]
+    missing = [n for n in names if not available(n)]
+    names = [n for n in names if n not in missing]
+    ctx = mp.get_context("spawn")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in tqdm(names, desc="heads", unit="impl"):
+            path = os.path.join(tmp, f"{name}.pt")
+            p = ctx.Process(target=child, args=(name, a, path))
+            p.start()
+            p.join()
+            if p.exitcode != 0:
+                results[name] = {"error": f"exit code {p.exitcode}"}
+                continue
+            results[name] = torch.load(path)
+    ref = results.get("dense")
+    rows = []
+    for name in names:
+        r = results[name]
+        if "error" in r:
+            rows.append({"impl": name, "error": r["error"]})
+            continue
+        row = {"impl": name, "time_s": r["time"], "peak_extra_mib": r["peak"] / MIB, "loss": r["loss"].item()}
+        if ref is not None and "error" not in ref:
+            row.update(err_loss=rel_err(r["loss"], ref["loss"]), err_grad_h=rel_err(r["grad_h"], ref["grad_h"]),
+                       err_grad_w=rel_err(r["grad_w"], ref["grad_w"]))
+        rows.append(row)
+    table = format_table(rows, a)
+    print(table)
+    for name in missing:
+        print(f"(skipped {name}: not installed)")
+    log_mlflow(a, rows, table, "heads")
+    return rows
+
+
+def format_table(rows, a):
+    head = (f"DAPO fwd+bwd, {a.dtype}, {a.tokens} tokens x hidden {a.hidden} x vocab {a.vocab}, "
+            f"tile {a.tile_size} tokens, device {a.device}")
+    lines = [head, f"{'impl':<10} {'time s':>8} {'peak extra MiB':>15} {'loss':>12} {'err loss':>9} "
+                   f"{'err dh':>9} {'err dW':>9}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['impl']:<10} failed: {r['error']}")
+            continue
+        errs = " ".join(f"{r[k]:>9.1e}" if k in r else f"{'-':>9}" for k in ("err_loss", "err_grad_h", "err_grad_w"))
+        lines.append(f"{r['impl']:<10} {r['time_s']:>8.2f} {r['peak_extra_mib']:>15.0f} {r['loss']:>12.6f} {errs}")
+    return "\n".join(lines)
+
+
+def log_mlflow(a, rows, table, kind):
+    if a.tracking_uri == "none":
+        return
+    from mlflow.tracking import MlflowClient
+
+    from .tracking import check_uri
+
+    check_uri(a.tracking_uri)
+    client = MlflowClient(a.tracking_uri)
+    exp = client.get_experiment_by_name("rlrun-bench")
+    exp_id = exp.experiment_id if exp else client.create_experiment("rlrun-bench")
+    run = client.create_run(exp_id, run_name=f"bench-{kind}")
+    rid = run.info.run_id
+    for k, v in vars(a).items():
+        if k != "func":
+            client.log_param(rid, k, v)
+    for r in rows:
+        for k, v in r.items():
+            if isinstance(v, float):
+                client.log_metric(rid, f"{k}/{r['impl']}", v)
+    client.log_text(rid, table, f"{kind}.txt")
+    client.set_terminated(rid, "FINISHED")
+    print(f"logged to MLflow run {rid} ({a.tracking_uri}, experiment rlrun-bench)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m rlrun.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(required=True)
+    h = sub.add_parser("heads", help="lm head + DAPO loss: time, peak memory, agreement")
+    h.add_argument("--tokens", type=int, default=2048)
+    h.add_argument("--seqs", type=int, default=8, help="sequences the tokens form (Liger takes [seqs, len, hidden])")
+    h.add_argument("--hidden", type=int, default=512)
+    h.add_argument("--vocab", type=int, default=151936)
+    h.add_argument("--tile-size", type=int, default=256, help="tokens per tile / chunk / shard")
+    h.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    h.add_argument("--impls", default="dense,tiled,chunked,deepspeed,liger")
+    h.add_argument("--repeat", type=int, default=1, help="timed calls after one warm-up; min time, max peak")
+    h.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    h.add_argument("--threads", type=int, default=0)
+    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
+    h.set_defaults(func=heads_bench)
+    a = p.parse_args(argv)
+    if a.tokens % a.seqs:
+        p.error(f"--tokens {a.tokens} must be divisible by --seqs {a.seqs}")
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    main()
