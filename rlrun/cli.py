@@ -51,16 +51,31 @@ def run(cfg: DictConfig, run_name: str | None = None) -> dict:
 def main(cfg: DictConfig):
     hc = HydraConfig.get()
     run_name = cfg.get("run_name") or hc.job.override_dirname or "default"
+    if str(hc.mode) == "RunMode.MULTIRUN":
+        return sweep_job(cfg, run_name)
     try:
         run(cfg, run_name)
     except USER_ERRORS + (KeyboardInterrupt,) as e:
-        if str(hc.mode) == "RunMode.MULTIRUN":
-            raise  # the sweep records this job as failed and goes on
         if isinstance(e, KeyboardInterrupt):
             print("rlrun: interrupted", file=sys.stderr)
             sys.exit(130)
         print(f"rlrun: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def sweep_job(cfg: DictConfig, run_name: str):
+    """One job of a multirun: a failure is recorded (child run FAILED with its error) and the sweep goes on."""
+    try:
+        return run(cfg, run_name)
+    except KeyboardInterrupt:
+        if cfg.tracking.name == "mlflow" and cfg.tracking.parent_run_id:
+            tracking.mark(cfg.tracking.uri, cfg.tracking.parent_run_id, "KILLED")
+        raise
+    except Exception as e:  # noqa: BLE001 - every failure of a job is reported by the sweep
+        log.error("job %s failed: %s: %s", run_name, type(e).__name__, e)
+        if isinstance(e, ConfigError) and cfg.tracking.name == "mlflow":
+            tracking.record_failure(cfg, run_name, e)  # refused before a run existed: still list it
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 if __name__ == "__main__":

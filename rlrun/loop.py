@@ -105,6 +105,7 @@ def train(cfg, tracker) -> dict[str, float]:
     device = single.device(cfg.engine)
     policy, tokenizer = models.build(cfg.model, cfg.seed)
     policy.to(device)
+    tracker.tags({"rlrun.device": device.type, "rlrun.torch": torch.__version__})
     examples, reward_fn = tasks.build(cfg.task, cfg.seed)
     prompts = tasks.prompt_stream(examples, cfg.seed)
     generate = rollout.get(cfg.rollout.name)

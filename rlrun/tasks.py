@@ -19,19 +19,18 @@ class TaskError(ValueError):
 def partial_credit(completion: str, answer: str) -> float:
     """1.0 for the exact answer; otherwise up to 0.75 for form and per-position correct characters.
 
-    Form (0.25 for digits only, 0.25 for the right length) gives a tiny random model a signal it can climb before
-    it gets answers right; matching characters (0.25 x share) then lead to the exact answer.
+    Form (0.25 x the share of characters of the answer's kind, digit or not; 0.25 for the right length) gives even
+    a random model rewards that differ within a group, so advantages are never all zero; matching characters
+    (0.25 x share) then lead to the exact answer.
     """
     completion = completion.strip()
     if completion == answer:
         return 1.0
-    score = 0.0
-    if completion and completion.isdigit() == answer.isdigit():
-        score += 0.25
-    if len(completion) == len(answer):
-        score += 0.25
+    if not completion:
+        return 0.0
+    same_kind = sum(c.isdigit() == answer.isdigit() for c in completion) / len(completion)
     matches = sum(a == b for a, b in zip(completion, answer))
-    return score + 0.25 * matches / max(len(answer), 1)
+    return 0.25 * same_kind + 0.25 * (len(completion) == len(answer)) + 0.25 * matches / max(len(answer), 1)
 
 
 def exact_match(completion: str, answer: str) -> float:

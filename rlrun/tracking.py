@@ -120,6 +120,19 @@ class MLflow:
         self.client.set_terminated(self.run_id, status=status)
 
 
+def mark(uri: str, run_id: str, status: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(uri).set_terminated(run_id, status)
+
+
+def record_failure(config_obj, run_name: str, error: Exception) -> None:
+    """A FAILED run for a job that was refused before training, so a sweep lists every job."""
+    tracker = MLflow(config_obj.tracking, OmegaConf.to_container(config_obj, resolve=True), run_name)
+    tracker.tags({"error": f"{type(error).__name__}: {error}"})
+    tracker.finish("FAILED")
+
+
 def start(cfg, config_obj, run_name: str | None = None):
     """A tracker for the `tracking` config group; `config_obj` is the resolved config (logged as params)."""
     if cfg.name == "none":

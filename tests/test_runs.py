@@ -33,7 +33,7 @@ def test_smoke_through_the_real_entry_point(tmp_path):
     assert run_.info.status == "FINISHED"
     params = run_.data.params
     assert params["loss.name"] == "cispo" and params["train.steps"] == "3" and params["head.name"] == "dense"
-    assert run_.data.tags["mlflow.runName"] == "experiment=smoke,loss=cispo,progress=false"
+    assert run_.data.tags["mlflow.runName"] == "experiment=smoke,loss=cispo"  # progress, tracking.uri excluded
     for key in ("loss", "reward_mean", "clipfrac", "kl", "ratio_mean", "ratio_min", "ratio_max", "pg_loss",
                 "throughput/gen_tokens_per_s", "throughput/train_tokens_per_s", "time/generate_s", "time/train_s",
                 "time/old_logprobs_s", "time/ref_logprobs_s", "mem/train_peak_mib", "mem/generate_peak_mib",
@@ -58,7 +58,16 @@ def test_same_seed_same_curve_bit_for_bit(tmp_path):
 
 def loss_curve(tmp_path, *overrides):
     summary, client, r = run_in(tmp_path, SMOKE, "train.steps=5", "train.lr=1e-2", *overrides)
-    return summary, {k: history(client, r.info.run_id, k) for k in ("loss", "reward_mean", "clipfrac")}, r
+    curves = {k: history(client, r.info.run_id, k) for k in ("loss", "reward_mean", "clipfrac", "grad_norm")}
+    # non-trivial: zero advantages would make every comparison below pass
+    assert len(curves["grad_norm"]) == 5 and min(curves["grad_norm"]) > 1e-3 and max(map(abs, curves["loss"])) > 1e-3
+    return summary, curves, r
+
+
+def assert_same_curves(got, ref):
+    assert got["reward_mean"] == ref["reward_mean"]  # same samples: generation identical through the run
+    for key in ("loss", "grad_norm"):  # grad_norm: the gradients themselves agree, step after step
+        assert torch.allclose(torch.tensor(got[key]), torch.tensor(ref[key]), rtol=1e-4, atol=1e-6), key
 
 
 @pytest.mark.parametrize("loss", ["dapo", "cispo"])
@@ -66,8 +75,7 @@ def test_heads_give_the_same_curve(tmp_path, loss):
     _, dense, _ = loss_curve(tmp_path / "dense", f"loss={loss}")
     for head in ("tiled", "chunked"):
         _, got, _ = loss_curve(tmp_path / head, f"loss={loss}", f"head={head}")
-        assert got["reward_mean"] == dense["reward_mean"]  # same samples: generation identical through step 5
-        assert torch.allclose(torch.tensor(got["loss"]), torch.tensor(dense["loss"]), rtol=1e-4, atol=1e-6), head
+        assert_same_curves(got, dense)
 
 
 def test_skip_and_window_reproduce_always_and_count_skipped_passes(tmp_path):
@@ -75,8 +83,7 @@ def test_skip_and_window_reproduce_always_and_count_skipped_passes(tmp_path):
     s_skip, skip, _ = loss_curve(tmp_path / "skip", "logprob_policy=skip")
     s_window, window, _ = loss_curve(tmp_path / "window", "logprob_policy=window")
     for got in (skip, window):
-        assert got["reward_mean"] == always["reward_mean"]
-        assert torch.allclose(torch.tensor(got["loss"]), torch.tensor(always["loss"]), rtol=1e-4, atol=1e-6)
+        assert_same_curves(got, always)
     assert s_always["passes_old_run"] == 5 and s_always["passes_ref_run"] == 5
     assert s_skip["passes_old_run"] == 0 and s_skip["passes_old_skipped"] == 5 and s_skip["passes_ref_skipped"] == 5
     # smoke: batch == rollout, so no step falls inside a rollout; kl_coef 0 so no reference pass either
@@ -100,16 +107,16 @@ def test_skipped_pass_metrics_are_not_logged(tmp_path):
 def test_offload_on_equals_off_and_says_it_moved_nothing_on_cpu(tmp_path):
     _, off, _ = loss_curve(tmp_path / "off")
     _, on, r = loss_curve(tmp_path / "on", "offload=on")
-    assert on["loss"] == off["loss"] and on["reward_mean"] == off["reward_mean"]
+    assert on == off  # bit for bit
     assert r.data.tags["offload.effective"] == "false"
     assert "time/offload_s" in r.data.metrics and "time/onload_s" in r.data.metrics
 
 
 def test_tiny_model_learns_the_default_task(tmp_path):
-    # default config (arith, dapo, dense), 80 of its 400 steps: the reward climbs far above a random policy's
-    summary, client, r = run_in(tmp_path, "train.steps=80")
+    # default config (arith, dapo, dense), 150 of its 400 steps: the reward climbs far above a random policy's
+    summary, client, r = run_in(tmp_path, "train.steps=150")
     rewards = history(client, r.info.run_id, "reward_mean")
-    assert rewards[0] < 0.05 and summary["reward_last"] > 0.3
+    assert rewards[0] < 0.1 and summary["reward_last"] > rewards[0] + 0.3
 
 
 def test_nan_loss_marks_run_failed_and_keeps_logged_steps(tmp_path):

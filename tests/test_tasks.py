@@ -10,6 +10,7 @@ def test_partial_credit():
     assert tasks.partial_credit("5", "7") == 0.5  # digits, right length, no match
     assert tasks.partial_credit("12", "17") == pytest.approx(0.25 + 0.25 + 0.125)
     assert tasks.partial_credit("x", "7") == 0.25  # right length only
+    assert tasks.partial_credit("a1b2", "7") == 0.125  # half the characters are digits
     assert tasks.partial_credit("", "7") == 0.0
 
 

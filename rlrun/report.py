@@ -1,0 +1,248 @@
+"""Figures that compare runs, drawn from MLflow alone.
+
+    rlrun-report PARENT_RUN_ID                       # the jobs of a sweep
+    rlrun-report --experiment rlrun --filter "params.\\`loss.name\\` = 'dapo'"   # any runs, by MLflow filter
+
+Draws memory.png (peak memory per phase), throughput.png (tokens/s and step time by phase), curves.png (loss and
+reward per step, one line per run) and, where runs differ only in an efficiency axis (head, logprob_policy,
+offload), equivalence.png (max difference of each curve from its dense/always/off baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+STYLES = ["-", "--", ":", "-."]
+PHASES = ["generate", "offload", "old_logprobs", "ref_logprobs", "onload", "train"]
+EFFICIENCY_AXES = ("head.", "logprob_policy.", "offload.")
+BASELINE = {"head.name": "dense", "logprob_policy.name": "always", "offload.name": "off"}
+IGNORED_PARAMS = ("run_name", "tracking.", "progress")
+
+
+def child_runs(client, parent_run_id: str):
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                              order_by=["attributes.start_time ASC"], max_results=5000)
+    return parent, runs
+
+
+def labels(runs) -> list[str]:
+    """Run names (the overrides) without the overrides every run shares."""
+    parts = [(r.data.tags.get("mlflow.runName") or r.info.run_id[:8]).split(",") for r in runs]
+    common = set.intersection(*(set(p) for p in parts)) if len(parts) > 1 else set()
+    return [",".join(x for x in p if x not in common) or ",".join(p) for p in parts]
+
+
+def histories(client, run, keys):
+    out = {}
+    for key in keys:
+        hist = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        if hist:
+            out[key] = (np.array([m.step for m in hist]), np.array([m.value for m in hist]))
+    return out
+
+
+def collect(client, runs):
+    keys = ["loss", "reward_mean", "throughput/gen_tokens_per_s", "throughput/train_tokens_per_s"]
+    keys += [f"mem/{p}_peak_mib" for p in PHASES] + [f"mem/{p}_growth_mib" for p in PHASES]
+    keys += [f"time/{p}_s" for p in PHASES]
+    return [histories(client, r, keys) for r in runs]
+
+
+def _height(n: int) -> float:
+    return 1.6 + 0.32 * max(n, 2)
+
+
+def _hbars(ax, names, series: dict[str, list[float]], xlabel, title, stacked=False, log=False):
+    """Horizontal bars, one row per run (readable for many runs); grouped or stacked series."""
+    y = np.arange(len(names))
+    height = 0.8 if stacked else 0.8 / max(len(series), 1)
+    left = np.zeros(len(names))
+    for i, (label, values) in enumerate(series.items()):
+        values = np.nan_to_num(np.array(values, dtype=float))
+        if stacked:
+            ax.barh(y, values, height, left=left, label=label)
+            left += values
+        else:
+            ax.barh(y - 0.4 + height * (i + 0.5), values, height, label=label)
+    ax.set_yticks(y, names, fontsize=8)
+    if not ax.yaxis_inverted():  # first run on top, in sweep order (once: shared axes invert together)
+        ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    if log:
+        ax.set_xscale("log")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+
+
+def _heatmap(fig, ax, names, columns, values, unit, title):
+    """Runs x phases, each cell annotated; NaN (phase absent) left blank."""
+    values = np.array(values, dtype=float)
+    im = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="viridis")
+    ax.set_xticks(range(len(columns)), columns, rotation=20, fontsize=8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(im, ax=ax, label=unit)
+    finite = values[np.isfinite(values)]
+    mid = (finite.min() + finite.max()) / 2 if finite.size else 0
+    for (r, c), v in np.ndenumerate(values):
+        if np.isfinite(v):
+            ax.text(c, r, f"{v:.0f}" if abs(v) >= 10 else f"{v:.2g}", ha="center", va="center", fontsize=7,
+                    color="black" if v > mid else "white")
+
+
+def _stat(h, key, fn):
+    return float(fn(h[key][1])) if key in h else float("nan")
+
+
+def memory_figure(names, data, device):
+    present = [p for p in PHASES if any(f"mem/{p}_peak_mib" in h for h in data)]
+    fig, axes = plt.subplots(1, 2, figsize=(16, _height(len(names))))
+    what = "CUDA peak allocated" if device == "cuda" else "process peak RSS"
+    _heatmap(fig, axes[0], names, present, [[_stat(h, f"mem/{p}_peak_mib", np.max) for p in present] for h in data],
+             "MiB", f"Peak memory per phase, MiB ({what}, {device})")
+    _heatmap(fig, axes[1], [""] * len(names), present,
+             [[_stat(h, f"mem/{p}_growth_mib", np.max) for p in present] for h in data],
+             "MiB", "Peak growth over the phase's starting memory, MiB")
+    fig.tight_layout()
+    return fig
+
+
+def throughput_figure(names, data):
+    fig, axes = plt.subplots(1, 2, figsize=(16, _height(len(names))), sharey=True)
+    _hbars(axes[0], names, {"generated": [_stat(h, "throughput/gen_tokens_per_s", np.mean) for h in data],
+                            "trained": [_stat(h, "throughput/train_tokens_per_s", np.mean) for h in data]},
+           "tokens / s (mean over steps)", "Throughput")
+    present = [p for p in PHASES if any(f"time/{p}_s" in h for h in data)]
+    _hbars(axes[1], names, {p: [_stat(h, f"time/{p}_s", np.mean) for h in data] for p in present},
+           "seconds (mean per step)", "Step time by phase", stacked=True)
+    fig.tight_layout()
+    return fig
+
+
+def curves_figure(names, data):
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5 + 0.12 * len(names)))
+    for ax, key, ylabel in ((axes[0], "loss", "loss"), (axes[1], "reward_mean", "mean reward")):
+        for i, (name, h) in enumerate(zip(names, data)):
+            if key in h:  # line styles vary so that runs with identical curves stay visible on top of each other
+                ax.plot(*h[key], label=name, lw=1.4, alpha=0.8, ls=STYLES[i % len(STYLES)])
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{ylabel} per step, one line per run", fontsize=10)
+        ax.grid(alpha=0.3)
+    handles, legend = axes[1].get_legend_handles_labels()
+    axes[1].legend(handles, legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    return fig
+
+
+def equivalence(runs, names, data):
+    """Max |curve - baseline curve| for runs that differ from a dense/always/off run only in efficiency axes."""
+    def key(run):
+        return tuple(sorted((k, v) for k, v in run.data.params.items()
+                            if not k.startswith(EFFICIENCY_AXES + IGNORED_PARAMS)))
+
+    rows = []
+    groups: dict = {}
+    for i, r in enumerate(runs):
+        groups.setdefault(key(r), []).append(i)
+    for idx in groups.values():
+        base = [i for i in idx if all(runs[i].data.params.get(k) == v for k, v in BASELINE.items())]
+        if not base:
+            continue
+        b = base[0]
+        for i in idx:
+            if i == b:
+                continue
+            row = {"run": names[i], "baseline": names[b]}
+            for k in ("loss", "reward_mean"):
+                if k in data[i] and k in data[b]:
+                    n = min(len(data[i][k][1]), len(data[b][k][1]))
+                    row[k] = float(np.max(np.abs(data[i][k][1][:n] - data[b][k][1][:n]))) if n else float("nan")
+            rows.append(row)
+    return rows
+
+
+def equivalence_figure(rows):
+    fig, ax = plt.subplots(figsize=(12, _height(len(rows))))
+    names = [f"{r['run']}  vs  {r['baseline']}" for r in rows]
+    floor = 1e-12
+    _hbars(ax, names, {"loss": [max(r.get("loss", 0), floor) for r in rows],
+                       "reward": [max(r.get("reward_mean", 0), floor) for r in rows]},
+           f"max |difference| over steps (log scale; {floor:g} = identical)",
+           "Curves vs the dense / always / off baseline", log=True)
+    fig.tight_layout()
+    return fig
+
+
+def figures(client, runs, device="cpu"):
+    """{filename: figure} comparing `runs`, plus the equivalence rows."""
+    names = labels(runs)
+    data = collect(client, runs)
+    figs = {"memory.png": memory_figure(names, data, device), "throughput.png": throughput_figure(names, data),
+            "curves.png": curves_figure(names, data)}
+    rows = equivalence(runs, names, data)
+    if rows:
+        figs["equivalence.png"] = equivalence_figure(rows)
+    return figs, rows
+
+
+def write(figs, rows, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    for name, fig in figs.items():
+        fig.savefig(os.path.join(out_dir, name), dpi=110)
+    if rows:
+        text = "\n".join(f"{r['run']:<40} vs {r['baseline']:<30} max|dloss|={r.get('loss', float('nan')):.3g} "
+                         f"max|dreward|={r.get('reward_mean', float('nan')):.3g}" for r in rows)
+        with open(os.path.join(out_dir, "equivalence.txt"), "w") as f:
+            f.write(text + "\n")
+        print(text)
+
+
+def main(argv=None):
+    from mlflow.tracking import MlflowClient
+
+    p = argparse.ArgumentParser(prog="rlrun-report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("parent_run_id", nargs="?", help="a sweep's parent run: compare its child runs")
+    p.add_argument("--experiment", help="compare runs of this experiment (with --filter)")
+    p.add_argument("--filter", default="", help="MLflow search filter, e.g. \"params.`loss.name` = 'dapo'\"")
+    p.add_argument("--uri", default="sqlite:///mlflow.db", help="tracking URI (default: %(default)s)")
+    p.add_argument("--out", help="folder for the PNGs (default: report-<id or experiment>)")
+    p.add_argument("--log", action="store_true", help="also log the figures on the parent run")
+    a = p.parse_args(argv)
+    if not a.parent_run_id and not a.experiment:
+        p.error("give a PARENT_RUN_ID or --experiment NAME")
+    client = MlflowClient(a.uri)
+    if a.parent_run_id:
+        _, runs = child_runs(client, a.parent_run_id)
+    else:
+        exp = client.get_experiment_by_name(a.experiment)
+        if exp is None:
+            p.error(f"no experiment {a.experiment!r} in {a.uri}")
+        runs = client.search_runs([exp.experiment_id], a.filter, order_by=["attributes.start_time ASC"],
+                                  max_results=5000)
+        runs = [r for r in runs if r.data.tags.get("rlrun.kind") != "sweep"]
+    if not runs:
+        p.error("no runs matched")
+    figs, rows = figures(client, runs, runs[0].data.tags.get("rlrun.device", "cpu"))
+    out = a.out or f"report-{a.parent_run_id or a.experiment}"
+    write(figs, rows, out)
+    if a.log and a.parent_run_id:
+        for name, fig in figs.items():
+            client.log_figure(a.parent_run_id, fig, name)
+    print(f"{len(runs)} runs -> {', '.join(os.path.join(out, n) for n in figs)}")
+
+
+if __name__ == "__main__":
+    main()
