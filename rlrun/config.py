@@ -67,7 +67,7 @@ def validate(cfg) -> None:
 
     # The skip rules (seed 000): follow from the conditions, name both keys and values.
     policy = cfg.logprob_policy.name
-    if policy == "skip":
+    if policy == "skip" and loss.name in FUSABLE:
         if loss.get("kl_coef", 0):
             p.append(f"logprob_policy=skip skips the reference pass, which needs loss.kl_coef=0 "
                      f"(got loss.kl_coef={loss.kl_coef}). Set loss.kl_coef=0, or use logprob_policy=window "
@@ -79,10 +79,20 @@ def validate(cfg) -> None:
                      f"train.rollout_batch={t.rollout_batch}, train.num_iterations={t.num_iterations}). Make them "
                      "equal, or use logprob_policy=window (recomputes only when a step falls inside a rollout).")
 
+    if loss.name == "dpo":
+        if policy == "skip":
+            p.append("logprob_policy=skip skips the reference pass, but loss=dpo needs the reference logprobs. Use "
+                     "logprob_policy=window (reference logprobs computed once per pair and reused) or always.")
+        if not (isinstance(loss.beta, (int, float)) and loss.beta > 0):
+            p.append(f"loss.beta={loss.beta!r} must be > 0.")
+        if not (isinstance(loss.label_smoothing, (int, float)) and 0 <= loss.label_smoothing < 0.5):
+            p.append(f"loss.label_smoothing={loss.label_smoothing!r} must be in [0, 0.5).")
+
     head = cfg.head.name
     if head == "tiled" and loss.name not in FUSABLE:
-        p.append(f"head=tiled fuses the GRPO objectives {sorted(FUSABLE)}; loss={loss.name} cannot be fused. "
-                 "Use head=chunked (any loss on top of per-token logprobs) or head=dense.")
+        p.append(f"head=tiled fuses the per-token GRPO objectives {sorted(FUSABLE)}; loss={loss.name} couples the "
+                 "tokens of a chosen/rejected pair through sequence sums, so it cannot be fused tile by tile. Use "
+                 "head=chunked (same memory profile: any loss on top of per-token logprobs) or head=dense.")
     if head in ("tiled", "chunked") and not (isinstance(cfg.head.size, int) and cfg.head.size >= 1):
         p.append(f"head.size={cfg.head.size!r} must be a positive integer (tokens per tile/chunk).")
 

@@ -1,4 +1,4 @@
-"""The GRPO training loop (dapo, cispo). Read top to bottom.
+"""The training loops: `train` (GRPO: dapo, cispo) and `train_dpo` (DPO). Read each top to bottom.
 
 Schedule: `train.steps` optimizer steps. Each optimizer step consumes `grad_accum = batch_size / micro_batch`
 micro-batches from a queue; when the queue runs short, a rollout of `rollout_batch` sequences is generated with
@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from . import heads, logprobs, losses, models, offload, rollout, tasks
 from .engine import single
+from .losses.dpo import dpo_loss, sequence_logprobs
 from .meters import Meter
 
 log = logging.getLogger(__name__)
@@ -99,13 +100,39 @@ def mismatch(micros: list[Micro]) -> dict[str, float]:
     return {"mismatch/gen_vs_train_abs": diff.mean().item(), "mismatch/token_mult_prob_error": diff.exp().mean().item()}
 
 
-def train(cfg, tracker) -> dict[str, float]:
-    t, lcfg = cfg.train, cfg.loss
+def setup(cfg, tracker):
+    """Seeded policy, tokenizer, optimizer and schedule on the engine's device (shared by both loops)."""
     seed_everything(cfg.seed)
     device = single.device(cfg.engine)
     policy, tokenizer = models.build(cfg.model, cfg.seed)
     policy.to(device)
     tracker.tags({"rlrun.device": device.type, "rlrun.torch": torch.__version__})
+    optimizer, scheduler = single.optimizer(policy, cfg.train)
+    if cfg.offload.enabled and not offload.effective(True, device):
+        log.info("offload=on on a CPU-only run: optimizer state already lives in host memory, nothing moves.")
+        tracker.tags({"offload.effective": "false"})
+    return device, policy, tokenizer, optimizer, scheduler
+
+
+def frozen_reference(policy, path: str | None, dtype: str, device):
+    """The reference model: a frozen copy of the initial policy, or a local checkpoint."""
+    ref = models.load_hf(path, dtype)[0] if path else copy.deepcopy(policy)
+    return ref.to(device).requires_grad_(False)
+
+
+def optimizer_step(policy, optimizer, scheduler, grad_clip: float) -> float:
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def train(cfg, tracker) -> dict[str, float]:
+    if cfg.loss.name == "dpo":
+        return train_dpo(cfg, tracker)
+    t, lcfg = cfg.train, cfg.loss
+    device, policy, tokenizer, optimizer, scheduler = setup(cfg, tracker)
     examples, reward_fn = tasks.build(cfg.task, cfg.seed)
     prompts = tasks.prompt_stream(examples, cfg.seed)
     generate = rollout.get(cfg.rollout.name)
@@ -113,12 +140,8 @@ def train(cfg, tracker) -> dict[str, float]:
     policy_name = cfg.logprob_policy.name
     reference = None
     if logprobs.needs_reference_model(policy_name, lcfg.kl_coef):
-        reference = copy.deepcopy(policy).requires_grad_(False)
-    optimizer, scheduler = single.optimizer(policy, t)
+        reference = frozen_reference(policy, None, cfg.model.dtype, device)
     backbone, weight = models.split(policy)
-    if cfg.offload.enabled and not offload.effective(True, device):
-        log.info("offload=on on a CPU-only run: optimizer state already lives in host memory, nothing moves.")
-        tracker.tags({"offload.effective": "false"})
 
     grad_accum = t.batch_size // t.micro_batch
     window = (t.rollout_batch // t.micro_batch) * t.num_iterations
@@ -190,15 +213,12 @@ def train(cfg, tracker) -> dict[str, float]:
                 loss_total += loss.item()
                 stats_parts.append(stats)
                 masks.append(mb.mask)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), t.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = optimizer_step(policy, optimizer, scheduler, t.grad_clip)
 
         # 3. Metrics: a metric that depends on a skipped pass is absent, never a zero that looks real.
         stats = {k: torch.cat([s[k] for s in stats_parts]) for k in stats_parts[0]}
         m.update({"loss": loss_total, **losses.summarize(stats, torch.cat(masks)),
-                  "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]})
+                  "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0]})
         if rewards:
             r = torch.cat(rewards)
             m.update({"reward_mean": r.mean().item(), "reward_std": r.std().item(),
@@ -221,11 +241,134 @@ def train(cfg, tracker) -> dict[str, float]:
         tracker.log(step, m)
         bar.set_postfix(reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
                         tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
-    return summarize_run(history)
+    return summarize_run(history, "reward_mean")
 
 
-def summarize_run(history: list[dict[str, float]]) -> dict[str, float]:
-    """Run-level numbers: mean throughput, max peak memory per phase, pass counts, final reward."""
+@dataclass
+class Pairs:
+    """Chosen then rejected sequences of a batch of preference pairs, right-padded, response tokens flattened."""
+
+    ids: list[int]  # pair ids (for the reference cache)
+    input_ids: torch.Tensor  # [2B, T]
+    attention_mask: torch.Tensor  # [2B, T]
+    predicts: torch.Tensor  # [2B, T-1] bool: hidden state at t predicts a response token at t+1
+    targets: torch.Tensor  # [N] response tokens (EOS included)
+    seq_index: torch.Tensor  # [N] which of the 2B sequences each token belongs to
+    lengths: torch.Tensor  # [2B] response tokens per sequence
+
+
+def encode_pairs(tokenizer, pairs: list[dict], device) -> Pairs:
+    rows, starts = [], []
+    for side in ("chosen", "rejected"):
+        for p in pairs:
+            prompt = tokenizer(p["prompt"], add_special_tokens=False).input_ids
+            rows.append(prompt + tokenizer(p[side], add_special_tokens=False).input_ids + [tokenizer.eos_token_id])
+            starts.append(len(prompt))
+    width = max(map(len, rows))
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    response = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        response[i, start : len(row)] = True
+    attention = (torch.arange(width)[None] < torch.tensor(list(map(len, rows)))[:, None]).long()
+    predicts = response[:, 1:]
+    return Pairs(
+        ids=[p["id"] for p in pairs],
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        predicts=predicts.to(device),
+        targets=input_ids[:, 1:][predicts].to(device),
+        seq_index=torch.arange(len(rows))[:, None].expand_as(predicts)[predicts].to(device),
+        lengths=response.sum(1).to(device),
+    )
+
+
+def pair_logprobs(model, batch: Pairs, head, head_cfg, average: bool):
+    """(chosen, rejected) sequence logprobs [B] each, through the head (grad if enabled)."""
+    backbone, weight = models.split(model)
+    hidden = models.hidden_states(backbone, batch.input_ids, batch.attention_mask)[:, :-1][batch.predicts]
+    token_lp = head.logprobs(hidden, weight, batch.targets, 1.0, head_cfg.size)
+    seq = sequence_logprobs(token_lp, batch.seq_index, len(batch.lengths), batch.lengths, average)
+    b = len(batch.ids)
+    return seq[:b], seq[b:]
+
+
+def train_dpo(cfg, tracker) -> dict[str, float]:
+    """DPO: batches of (prompt, chosen, rejected), a frozen reference, the sigmoid loss on the log-ratio margin.
+
+    Logprob policy: `always` computes the reference logprobs of every batch; `window` computes them once per pair
+    and reuses them in later epochs (the reference never changes); `skip` is refused by the validator.
+    """
+    t, lcfg = cfg.train, cfg.loss
+    device, policy, tokenizer, optimizer, scheduler = setup(cfg, tracker)
+    pairs = [dict(p, id=i) for i, p in enumerate(tasks.build_pairs(cfg.task, cfg.seed))]
+    stream = tasks.prompt_stream(pairs, cfg.seed)
+    head = heads.HEADS[cfg.head.name]
+    reference = frozen_reference(policy, lcfg.reference_path, cfg.model.dtype, device)
+    cache: dict[int, tuple[float, float]] = {}  # window: reference logprobs per pair id
+    meter, history, totals = Meter(device), [], Counter()
+
+    bar = tqdm(range(t.steps), desc="rlrun dpo", unit="step", dynamic_ncols=True, disable=not cfg.progress)
+    for step in bar:
+        meter.new_step()
+        batch = [next(stream) for _ in range(t.batch_size)]
+        micro_pairs = [batch[i : i + t.micro_batch] for i in range(0, len(batch), t.micro_batch)]
+
+        # 1. Reference logprobs: every batch (always) or once per pair (window).
+        known = cache if cfg.logprob_policy.name == "window" else {}
+        todo = [p for p in batch if p["id"] not in known]
+        with meter.phase("offload"):
+            offload.to_host(optimizer, cfg.offload.enabled, device)
+        fresh = {}
+        with meter.phase("ref_logprobs"), torch.no_grad():
+            for i in range(0, len(todo), t.micro_batch):
+                chunk = encode_pairs(tokenizer, todo[i : i + t.micro_batch], device)
+                chosen, rejected = pair_logprobs(reference, chunk, head, cfg.head, lcfg.average_logprobs)
+                fresh.update({pid: (c, r) for pid, c, r in zip(chunk.ids, chosen.tolist(), rejected.tolist())})
+        known.update(fresh)
+        with meter.phase("onload"):
+            offload.to_device(optimizer, cfg.offload.enabled, device)
+        counts = Counter({"ref_run": len(todo), "ref_skipped": len(batch) - len(todo)})
+
+        # 2. Train: one optimizer step over the batch; each micro-batch's loss is its share of the batch mean.
+        parts, tokens = [], 0
+        with meter.phase("train"):
+            for chunk_pairs in micro_pairs:
+                mb = encode_pairs(tokenizer, chunk_pairs, device)
+                chosen, rejected = pair_logprobs(policy, mb, head, cfg.head, lcfg.average_logprobs)
+                ref = torch.tensor([known[pid] for pid in mb.ids], device=device, dtype=chosen.dtype)
+                nll = None
+                if lcfg.sft_coef:  # per-token NLL of the chosen response
+                    summed = chosen if not lcfg.average_logprobs else chosen * mb.lengths[: len(mb.ids)]
+                    nll = -summed / mb.lengths[: len(mb.ids)]
+                loss, metrics = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta=lcfg.beta,
+                                         label_smoothing=lcfg.label_smoothing, chosen_nll=nll,
+                                         sft_coef=lcfg.sft_coef, num_pairs=len(batch))
+                if not torch.isfinite(loss):
+                    raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; lower train.lr.")
+                loss.backward()
+                parts.append((len(chunk_pairs), metrics))
+                tokens += int(mb.lengths.sum())
+            grad_norm = optimizer_step(policy, optimizer, scheduler, t.grad_clip)
+
+        m = {k: sum(n * mt[k] for n, mt in parts) / len(batch) for k in parts[0][1] if k != "loss"}
+        m.update({"loss": sum(mt["loss"] for _, mt in parts), "grad_norm": grad_norm,
+                  "lr": scheduler.get_last_lr()[0], "train_tokens": tokens})
+        totals.update(counts)
+        for key in ("ref_run", "ref_skipped"):
+            m[f"passes/{key}"] = counts[key]
+            m[f"passes/{key}_total"] = totals[key]
+        m.update(meter.metrics())
+        m["throughput/train_tokens_per_s"] = tokens / meter.seconds["train"]
+        history.append(m)
+        tracker.log(step, m)
+        bar.set_postfix(acc=f"{m['rewards/accuracy']:.2f}", loss=f"{m['loss']:.4f}",
+                        tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
+    return summarize_run(history, "rewards/accuracy")
+
+
+def summarize_run(history: list[dict[str, float]], curve: str) -> dict[str, float]:
+    """Run-level numbers: mean throughput, max peak memory per phase, pass counts, first and last of `curve`."""
     def mean(key):
         vals = [h[key] for h in history if key in h and math.isfinite(h[key])]
         return float(np.mean(vals)) if vals else None
@@ -236,11 +379,13 @@ def summarize_run(history: list[dict[str, float]]) -> dict[str, float]:
     for key in {k for h in history for k in h if k.startswith("mem/")}:
         out[key.replace("mem/", "max_")] = max(h[key] for h in history if key in h)
     last = history[-1]
-    for key in ("old_run", "old_skipped", "ref_run", "ref_skipped"):
-        out[f"passes_{key}"] = last[f"passes/{key}_total"]
-    rewards = [h["reward_mean"] for h in history if "reward_mean" in h]
-    if rewards:
-        out["reward_first"] = float(np.mean(rewards[:3]))
-        out["reward_last"] = float(np.mean(rewards[-3:]))
+    for key in last:
+        if key.startswith("passes/") and key.endswith("_total"):
+            out["passes_" + key.removeprefix("passes/").removesuffix("_total")] = last[key]
+    values = [h[curve] for h in history if curve in h]
+    if values:
+        name = curve.split("/")[-1].replace("_mean", "")
+        out[f"{name}_first"] = float(np.mean(values[:3]))
+        out[f"{name}_last"] = float(np.mean(values[-3:]))
     out["loss_last"] = last["loss"]
     return {k: v for k, v in out.items() if v is not None}

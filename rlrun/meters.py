@@ -9,6 +9,8 @@ are not mistaken for per-phase ones.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -34,7 +36,26 @@ def _rss_bytes() -> int:
     return 0
 
 
+def _load_libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def _release_free_heap() -> None:
+    """Hand memory that is free but still held by the allocator back to the OS (glibc malloc_trim), so that
+    RSS measures live memory: otherwise, after earlier jobs of a sweep in the same process, a phase reuses pages
+    that are already resident and its growth reads as zero."""
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
 def _reset_rss_peak() -> bool:
+    _release_free_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

@@ -5,10 +5,11 @@ from .engine import single
 from .heads import HEADS
 from .logprobs import POLICIES
 from .losses import POLICY_LOSSES
+from .losses.dpo import dpo_loss
 from .rollout import hf
 
 REGISTRY: dict[str, dict] = {
-    "loss": dict(POLICY_LOSSES),
+    "loss": {**POLICY_LOSSES, "dpo": dpo_loss},
     "head": dict(HEADS),
     "logprob_policy": {name: name for name in POLICIES},
     "offload": {"on": True, "off": False},

@@ -185,12 +185,27 @@ def equivalence_figure(rows):
     return fig
 
 
+def table(names, data) -> str:
+    """One line per run: mean step time, throughput, and the largest peak / growth of any phase."""
+    head = f"{'run':<44} {'step s':>8} {'gen tok/s':>10} {'train tok/s':>12} {'peak MiB':>9} {'growth MiB':>11}"
+    lines = [head]
+    for name, h in zip(names, data):
+        step = sum(_stat(h, f"time/{p}_s", np.mean) for p in PHASES if f"time/{p}_s" in h)
+        peak = max((_stat(h, f"mem/{p}_peak_mib", np.max) for p in PHASES if f"mem/{p}_peak_mib" in h), default=0)
+        growth = max((_stat(h, f"mem/{p}_growth_mib", np.max) for p in PHASES if f"mem/{p}_growth_mib" in h),
+                     default=0)
+        lines.append(f"{name[:44]:<44} {step:>8.4f} {_stat(h, 'throughput/gen_tokens_per_s', np.mean):>10.0f} "
+                     f"{_stat(h, 'throughput/train_tokens_per_s', np.mean):>12.0f} {peak:>9.0f} {growth:>11.0f}")
+    return "\n".join(lines)
+
+
 def figures(client, runs, device="cpu"):
     """{filename: figure} comparing `runs`, plus the equivalence rows."""
     names = labels(runs)
     data = collect(client, runs)
     figs = {"memory.png": memory_figure(names, data, device), "throughput.png": throughput_figure(names, data),
             "curves.png": curves_figure(names, data)}
+    print(table(names, data))
     rows = equivalence(runs, names, data)
     if rows:
         figs["equivalence.png"] = equivalence_figure(rows)

@@ -88,6 +88,29 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
     return out
 
 
+def arith_pairs(examples: list[dict], seed: int) -> list[dict]:
+    """Preference pairs from verifiable problems: chosen = the answer, rejected = a wrong number."""
+    rng = random.Random(seed + 1)
+    pairs = []
+    for ex in examples:
+        value = int(ex["answer"])
+        wrong = value
+        while wrong == value:
+            wrong = max(0, value + rng.choice([-3, -2, -1, 1, 2, 3]))
+        pairs.append({"prompt": ex["prompt"], "chosen": ex["answer"], "rejected": str(wrong)})
+    return pairs
+
+
+def build_pairs(cfg, seed: int) -> list[dict]:
+    """Preference pairs for `loss=dpo` from the same `task` options: synthetic from `arith`, or a JSONL file with
+    `prompt`, `chosen`, `rejected`."""
+    if cfg.name == "arith":
+        return arith_pairs(arith_examples(cfg.size, cfg.max_operand, list(cfg.ops), seed), seed)
+    if cfg.name == "jsonl":
+        return read_jsonl(cfg.path, ("prompt", "chosen", "rejected"))
+    raise TaskError(f"task={cfg.name!r} has no preference pairs; use task=arith or task=jsonl.")
+
+
 def build(cfg, seed: int):
     """(examples, reward_fn) for the `task` config group."""
     if cfg.name == "arith":
