@@ -1,12 +1,18 @@
 """Benchmarks: commands that print a table and log it to MLflow (never timed tests).
 
     python -m rlrun.bench heads --tokens 2048 --hidden 512 --vocab 151936 --tile-size 256
+    python -m rlrun.bench dpo --vocab 151936 --lengths 256,512,1024,2048,4096 --budget-mib 4096
 
 `heads`: one DAPO forward+backward of the lm head + loss per implementation, each in its own process (so peaks do
 not mix), on identical seeded inputs: rlrun's dense / tiled / chunked heads and the peers a user would pick
 instead, DeepSpeed's TiledFusedLogitsLoss and (if liger-kernel is installed) Liger's LigerFusedLinearGRPOLoss.
 Reports time, peak extra memory (peak minus memory in use before the call: CPU RSS or CUDA allocated), and the
 max relative error of loss and gradients against dense.
+
+`dpo`: one DPO step (reference logprob pass + policy forward and backward) of the embedded tiny model with a
+large vocabulary, per head and response length, each in its own process; reports time and peak extra memory and
+the longest length each head fits within `--budget-mib`. Points whose dense logits alone would not fit in this
+machine's available memory are skipped rather than run into the OOM killer.
 """
 
 from __future__ import annotations
@@ -196,6 +202,105 @@ def log_mlflow(a, rows, table, kind):
     print(f"logged to MLflow run {rid} ({a.tracking_uri}, experiment rlrun-bench)")
 
 
+def dpo_child(head_name, length, a, out_path):
+    import random
+
+    from omegaconf import OmegaConf
+
+    from . import models
+    from .loop import encode_pairs, pair_logprobs
+    from .losses.dpo import dpo_loss
+
+    torch.set_num_threads(a.threads or torch.get_num_threads())
+    device = torch.device(a.device)
+    mcfg = OmegaConf.create(dict(name="tiny", arch="llama", hidden_size=a.hidden, intermediate_size=4 * a.hidden,
+                                 layers=2, heads=4, kv_heads=2, max_positions=length + 64, vocab_size=a.vocab,
+                                 tie_embeddings=False, dtype="float32"))
+    policy, tok = models.build(mcfg, seed=0)
+    reference, _ = models.build(mcfg, seed=1)
+    policy.to(device), reference.to(device).requires_grad_(False)
+    rng = random.Random(0)
+    text = lambda: "".join(rng.choice(models.CHARS[:36]) for _ in range(length - 1))  # noqa: E731
+    pairs = [{"id": i, "prompt": "1+2=", "chosen": text(), "rejected": text()} for i in range(a.pairs)]
+    batch = encode_pairs(tok, pairs, device)
+    head, hcfg = HEADS[head_name], OmegaConf.create({"size": a.tile_size})
+    times, peaks = [], []
+    for _ in range(2):  # warm-up, then measured
+        policy.zero_grad(set_to_none=True)
+        _reset_rss_peak()
+        base = _rss_bytes() if device.type == "cpu" else torch.cuda.memory_allocated()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            rc, rr = pair_logprobs(reference, batch, head, hcfg, False)
+        pc, pr = pair_logprobs(policy, batch, head, hcfg, False)
+        loss, _ = dpo_loss(pc, pr, rc, rr, beta=0.1)
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        peaks.append((torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_peak_bytes()) - base)
+    torch.save({"time": times[-1], "peak": peaks[-1], "loss": loss.item()}, out_path)
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def dpo_bench(a):
+    from tqdm import tqdm
+
+    lengths = [int(x) for x in a.lengths.split(",")]
+    heads = [h for h in a.impls.split(",") if h]
+    bad = [h for h in heads if h not in ("dense", "chunked")]
+    if bad:
+        raise SystemExit(f"--impls {bad}: DPO runs on dense and chunked (tiled is refused for DPO)")
+    ctx = mp.get_context("spawn")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for head in heads:
+            for length in tqdm(lengths, desc=f"dpo {head}", unit="len"):
+                tokens = 2 * a.pairs * length
+                # dense holds ~4 [tokens, vocab] fp32 tensors at its peak (logits, log-softmax, their gradients)
+                need = 4 * tokens * a.vocab * 4 if head == "dense" else 0
+                if a.device == "cpu" and need > 0.8 * available_bytes():
+                    rows.append({"impl": head, "length": length, "error": f"skipped: needs ~{need / 2**30:.0f} GiB"})
+                    continue
+                path = os.path.join(tmp, f"{head}-{length}.pt")
+                p = ctx.Process(target=dpo_child, args=(head, length, a, path))
+                p.start()
+                p.join()
+                if p.exitcode != 0:
+                    rows.append({"impl": head, "length": length, "error": f"exit code {p.exitcode}"})
+                    continue
+                r = torch.load(path)
+                rows.append({"impl": head, "length": length, "time_s": r["time"], "peak_extra_mib": r["peak"] / MIB,
+                             "loss": r["loss"]})
+    lines = [f"DPO step (reference pass + policy fwd/bwd), {a.pairs} pair(s), tiny model hidden {a.hidden}, "
+             f"vocab {a.vocab}, chunk {a.tile_size}, device {a.device}",
+             f"{'impl':<8} {'length':>7} {'tokens':>7} {'time s':>8} {'peak extra MiB':>15}"]
+    for r in rows:
+        tokens = 2 * a.pairs * r["length"]
+        if "error" in r:
+            lines.append(f"{r['impl']:<8} {r['length']:>7} {tokens:>7} {r['error']}")
+        else:
+            lines.append(f"{r['impl']:<8} {r['length']:>7} {tokens:>7} {r['time_s']:>8.2f} "
+                         f"{r['peak_extra_mib']:>15.0f}")
+    for head in heads:
+        fits = [r["length"] for r in rows if r["impl"] == head and "error" not in r
+                and r["peak_extra_mib"] <= a.budget_mib]
+        lines.append(f"longest response length within {a.budget_mib} MiB, {head}: {max(fits) if fits else 'none'}")
+    table = "\n".join(lines)
+    print(table)
+    log_mlflow(a, [dict(r, impl=f"{r['impl']}-{r['length']}") for r in rows], table, "dpo")
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m rlrun.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -214,8 +319,21 @@ def main(argv=None):
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
     h.set_defaults(func=heads_bench)
+    d = sub.add_parser("dpo", help="DPO step memory, dense vs chunked, as the response length grows")
+    d.add_argument("--lengths", default="256,512,1024,2048,4096", help="response tokens per sequence")
+    d.add_argument("--pairs", type=int, default=1)
+    d.add_argument("--hidden", type=int, default=64)
+    d.add_argument("--vocab", type=int, default=151936)
+    d.add_argument("--tile-size", type=int, default=256, help="tokens per chunk")
+    d.add_argument("--impls", default="dense,chunked")
+    d.add_argument("--budget-mib", type=float, default=4096)
+    d.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    d.add_argument("--threads", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
+    d.set_defaults(func=dpo_bench, tokens=None, seqs=None)
     a = p.parse_args(argv)
-    if a.tokens % a.seqs:
+    if a.func is heads_bench and a.tokens % a.seqs:
         p.error(f"--tokens {a.tokens} must be divisible by --seqs {a.seqs}")
     return a.func(a)
 

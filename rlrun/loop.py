@@ -151,6 +151,7 @@ def train(cfg, tracker) -> dict[str, float]:
     queue: deque[Micro] = deque()
     enqueued = 0  # micro-steps enqueued so far = start of the next rollout's window
     totals: Counter = Counter()
+    pass_seconds: Counter = Counter()  # time spent in each kind of logprob pass, for the saved-time estimate
     history: list[dict[str, float]] = []
     meter = Meter(device)
 
@@ -232,6 +233,13 @@ def train(cfg, tracker) -> dict[str, float]:
         for key in ("old_run", "old_skipped", "ref_run", "ref_skipped"):
             m[f"passes/{key}"] = counts[key]
             m[f"passes/{key}_total"] = totals[key]
+        for kind in ("old", "ref"):
+            pass_seconds[kind] += meter.seconds.get(f"{kind}_logprobs", 0.0)
+            if counts[f"{kind}_skipped"] and totals[f"{kind}_run"]:
+                # estimated from this run's own passes of that kind; a run that never ran one (skip) has no
+                # estimate: compare it with an `always` run instead (sweeps/logprob_policies.yaml)
+                per_pass = pass_seconds[kind] / totals[f"{kind}_run"]
+                m[f"passes/{kind}_saved_s_est"] = counts[f"{kind}_skipped"] * per_pass
         m.update(meter.metrics())
         if gen_tokens:
             m["throughput/gen_tokens_per_s"] = gen_tokens / meter.seconds["generate"]

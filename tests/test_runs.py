@@ -98,6 +98,20 @@ def test_window_recomputes_when_a_step_falls_inside_a_rollout(tmp_path):
     assert "mismatch/gen_vs_train_abs" in r.data.metrics
 
 
+def test_window_on_a_non_aligned_schedule_reproduces_always(tmp_path):
+    # seed 001's case: 2 micro-steps per rollout, an optimizer step every 3 micro-steps (steps span rollouts)
+    from rlrun.logprobs import crosses_step
+
+    sizes = ("train.rollout_batch=8", "train.batch_size=12", "train.micro_batch=4")  # 5 steps
+    s_always, always, _ = loss_curve(tmp_path / "always", *sizes)
+    s_window, window, r = loss_curve(tmp_path / "window", *sizes, "logprob_policy=window")
+    assert_same_curves(window, always)
+    rollouts = s_window["passes_old_run"] + s_window["passes_old_skipped"]
+    assert rollouts == s_always["passes_old_run"] == 8  # 5 steps x 12 sequences, 8 per rollout, rounded up
+    assert s_window["passes_old_run"] == sum(crosses_step(2 * i, 2, 3) for i in range(rollouts)) == 3
+    assert "passes/old_saved_s_est" in r.data.metrics
+
+
 def test_skipped_pass_metrics_are_not_logged(tmp_path):
     _, client, r = run_in(tmp_path, SMOKE, "logprob_policy=skip")
     assert history(client, r.info.run_id, "mismatch/gen_vs_train_abs") == []
