@@ -10,7 +10,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from . import tracking
+from . import checkpoint, tracking
 from .config import ConfigError, validate
 from .models import ModelError
 from .tasks import TaskError
@@ -18,7 +18,7 @@ from .tasks import TaskError
 log = logging.getLogger("rlrun")
 
 # Errors that are the user's input, not a bug: shown as one clear message, no traceback.
-USER_ERRORS = (ConfigError, ModelError, TaskError, tracking.TrackingError)
+USER_ERRORS = (ConfigError, ModelError, TaskError, tracking.TrackingError, checkpoint.CheckpointError)
 # conf/ sits beside the package in the repository (install with `pip install -e .`).
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -28,9 +28,18 @@ def run(cfg: DictConfig, run_name: str | None = None) -> dict:
     from . import loop  # heavy imports after validation, so bad configs fail fast
 
     validate(cfg)
-    tracker = tracking.start(cfg.tracking, cfg, run_name)
+    state = None
+    if cfg.resume:
+        state, path = checkpoint.load_latest(cfg.checkpoint.dir if cfg.resume is True else str(cfg.resume))
+        changed = checkpoint.changed_keys(state["config"], loop.cfg_flat(cfg))
+        if changed:
+            raise ConfigError([f"resume from {path}: {k} was {state['config'].get(k)!r}, now "
+                               f"{loop.cfg_flat(cfg).get(k)!r}; a resumed run must train the same thing (only "
+                               "train.steps, the head, logging and tracking may change)" for k in changed])
+        log.info("resuming from %s at step %d", path, state["step"])
+    tracker = tracking.start(cfg.tracking, cfg, run_name, resume_run_id=state and state["run_id"])
     try:
-        summary = loop.train(cfg, tracker)
+        summary = loop.train(cfg, tracker, state)
     except KeyboardInterrupt:
         tracker.tags({"error": "interrupted (KeyboardInterrupt)"})
         tracker.finish("KILLED")

@@ -109,6 +109,13 @@ def validate(cfg) -> None:
         p.append("model=hf needs model.path=DIR (a local transformers checkpoint folder).")
     if cfg.task.name == "jsonl" and _get(cfg, "task.path") in ("???", None, ""):
         p.append("task=jsonl needs task.path=FILE (JSONL with 'prompt' and 'answer' fields).")
+    c = cfg.checkpoint
+    if c.dir is not None and not (isinstance(c.every, int) and c.every >= 0 and isinstance(c.keep, int)
+                                  and c.keep >= 1):
+        p.append(f"checkpoint.every={c.every!r} must be an integer >= 0 and checkpoint.keep={c.keep!r} >= 1.")
+    if cfg.resume is True and not c.dir:
+        p.append("resume=true continues from the newest checkpoint in checkpoint.dir, which is not set. Set "
+                 "checkpoint.dir=FOLDER (the one the run wrote to), or resume=PATH.")
     if cfg.tracking.name == "mlflow" and not _get(cfg, "tracking.uri"):
         p.append("tracking.uri is empty; use sqlite:///mlflow.db, http(s)://HOST:PORT, or tracking=none.")
 

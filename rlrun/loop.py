@@ -10,6 +10,7 @@ a rollout may span optimizer steps, exactly as in TRL's step schedule, and the w
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import random
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import heads, logprobs, losses, models, offload, rollout, tasks
+from . import checkpoint, heads, logprobs, losses, models, offload, rollout, tasks
 from .engine import single
 from .losses.dpo import dpo_loss, sequence_logprobs
 from .meters import Meter
@@ -100,6 +101,59 @@ def mismatch(micros: list[Micro]) -> dict[str, float]:
     return {"mismatch/gen_vs_train_abs": diff.mean().item(), "mismatch/token_mult_prob_error": diff.exp().mean().item()}
 
 
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def restore(resume: dict | None, policy, optimizer, scheduler, reference, stream) -> int:
+    """Load a checkpoint's state into the run's objects; returns the step to continue from (0 if none)."""
+    if resume is None:
+        return 0
+    policy.load_state_dict(resume["model"])
+    optimizer.load_state_dict(resume["optimizer"])
+    scheduler.load_state_dict(resume["scheduler"])
+    if reference is not None:
+        reference.load_state_dict(resume["reference"])
+    stream.load_state_dict(resume["stream"])
+    set_rng_state(resume["rng"])
+    return resume["step"]
+
+
+def maybe_checkpoint(cfg, step: int, stop: bool, state_fn) -> None:
+    """Write a checkpoint after `step` when it is due (every N steps, the last step, or a stop signal)."""
+    c = cfg.checkpoint
+    done = step + 1
+    if c.dir and ((c.every and done % c.every == 0) or done == cfg.train.steps or stop):
+        path = checkpoint.save(c.dir, done, state_fn(done), c.keep)
+        log.info("checkpoint %s", path)
+    if stop:
+        raise KeyboardInterrupt
+
+
+def snapshot(step, cfg, policy, optimizer, scheduler, reference, stream, tracker, **extra) -> dict:
+    return {"step": step, "model": policy.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "reference": None if reference is None else reference.state_dict(),
+            "stream": stream.state_dict(), "rng": rng_state(), "run_id": tracker.run_id,
+            "config": cfg_flat(cfg), **extra}
+
+
+def cfg_flat(cfg) -> dict[str, str]:
+    from omegaconf import OmegaConf
+
+    from .tracking import flatten
+
+    return flatten(OmegaConf.to_container(cfg, resolve=True))
+
+
 def setup(cfg, tracker):
     """Seeded policy, tokenizer, optimizer and schedule on the engine's device (shared by both loops)."""
     seed_everything(cfg.seed)
@@ -128,9 +182,10 @@ def optimizer_step(policy, optimizer, scheduler, grad_clip: float) -> float:
     return float(grad_norm)
 
 
-def train(cfg, tracker) -> dict[str, float]:
+def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
+    """GRPO. `resume`: a checkpoint's state, to continue that run exactly where it stopped."""
     if cfg.loss.name == "dpo":
-        return train_dpo(cfg, tracker)
+        return train_dpo(cfg, tracker, resume)
     t, lcfg = cfg.train, cfg.loss
     device, policy, tokenizer, optimizer, scheduler = setup(cfg, tracker)
     examples, reward_fn = tasks.build(cfg.task, cfg.seed)
@@ -154,101 +209,114 @@ def train(cfg, tracker) -> dict[str, float]:
     pass_seconds: Counter = Counter()  # time spent in each kind of logprob pass, for the saved-time estimate
     history: list[dict[str, float]] = []
     meter = Meter(device)
+    start = restore(resume, policy, optimizer, scheduler, reference, prompts)
+    if resume is not None:
+        queue.extend(Micro(**m) for m in resume["queue"])
+        enqueued, history = resume["enqueued"], resume["history"]
+        totals, pass_seconds = Counter(resume["totals"]), Counter(resume["pass_seconds"])
 
-    bar = tqdm(range(t.steps), desc="rlrun", unit="step", dynamic_ncols=True, disable=not cfg.progress)
-    for step in bar:
-        meter.new_step()
-        m: dict[str, float] = {}
-        rewards, lengths, gen_tokens, finished, mism, counts = [], [], 0, [], [], Counter()
+    def state(done):
+        return snapshot(done, cfg, policy, optimizer, scheduler, reference, prompts, tracker, history=history,
+                        queue=[dataclasses.asdict(m) for m in queue], enqueued=enqueued, totals=dict(totals),
+                        pass_seconds=dict(pass_seconds))
 
-        # 1. Refill: generate, score, advantages, and only the logprob passes this rollout needs.
-        while len(queue) < grad_accum:
-            batch = [next(prompts) for _ in range(t.rollout_batch // t.group_size)]
-            with meter.phase("generate"):
-                roll = generate(policy, tokenizer, [ex["prompt"] for ex in batch for _ in range(t.group_size)],
-                                cfg.rollout, device)
-            answers = [ex["answer"] for ex in batch for _ in range(t.group_size)]
-            reward = torch.tensor([reward_fn(c, a) for c, a in zip(roll.completions, answers)], dtype=torch.float32)
-            advantages = group_advantages(reward, t.group_size, t.scale_advantages).to(device)
-            micros = split_rollout(roll, advantages, t.micro_batch)
-            need = logprobs.plan(policy_name, start=enqueued, window=window, grad_accum=grad_accum,
-                                 ref_coef=lcfg.kl_coef)
-            with meter.phase("offload"):
-                offload.to_host(optimizer, cfg.offload.enabled, device)
-            if need.old:
-                with meter.phase("old_logprobs"):
-                    for mb, lp in zip(micros, logprob_pass(policy, micros, head, cfg.head, temperature)):
-                        mb.old_logprobs = lp
-                mism.append(mismatch(micros))
-            if need.ref:
-                with meter.phase("ref_logprobs"):
-                    for mb, lp in zip(micros, logprob_pass(reference, micros, head, cfg.head, temperature)):
-                        mb.ref_logprobs = lp
-            with meter.phase("onload"):
-                offload.to_device(optimizer, cfg.offload.enabled, device)
-            counts.update({"old_run": need.old, "old_skipped": not need.old,
-                           "ref_run": need.ref, "ref_skipped": not need.ref})
-            rewards.append(reward)
-            lengths.append(roll.response_mask.sum(1).float())
-            finished.append(roll.finished.float())
-            gen_tokens += int(roll.response_mask.sum())
-            for _ in range(t.num_iterations):
-                queue.extend(micros)
-            enqueued += window
+    bar = tqdm(range(start, t.steps), desc="rlrun", unit="step", dynamic_ncols=True, disable=not cfg.progress,
+               initial=start, total=t.steps)
+    with checkpoint.deferred_interrupts() as signals:
+        for step in bar:
+            meter.new_step()
+            m: dict[str, float] = {}
+            rewards, lengths, gen_tokens, finished, mism, counts = [], [], 0, [], [], Counter()
 
-        # 2. Train: one optimizer step over grad_accum micro-batches, loss normalised by the step's token count.
-        step_micros = [queue.popleft() for _ in range(grad_accum)]
-        num_tokens = max(sum(int(mb.mask.sum()) for mb in step_micros), 1)
-        stats_parts, masks, loss_total = [], [], 0.0
-        with meter.phase("train"):
-            for mb in step_micros:
-                objective = losses.objective(lcfg.name, mb.advantages, mb.old_logprobs, mb.ref_logprobs,
-                                             mb.gen_logprobs, **loss_kwargs)
-                hidden = response_hidden(backbone, mb)
-                loss, stats = head.loss(hidden, weight, mb.targets, mb.mask, objective, num_tokens,
-                                        temperature, cfg.head.size)
-                if not torch.isfinite(loss):
-                    raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; lower train.lr or "
-                                             "train.grad_clip, or check the reward function.")
-                loss.backward()
-                loss_total += loss.item()
-                stats_parts.append(stats)
-                masks.append(mb.mask)
-            grad_norm = optimizer_step(policy, optimizer, scheduler, t.grad_clip)
+            # 1. Refill: generate, score, advantages, and only the logprob passes this rollout needs.
+            while len(queue) < grad_accum:
+                batch = [next(prompts) for _ in range(t.rollout_batch // t.group_size)]
+                with meter.phase("generate"):
+                    roll = generate(policy, tokenizer, [ex["prompt"] for ex in batch for _ in range(t.group_size)],
+                                    cfg.rollout, device)
+                answers = [ex["answer"] for ex in batch for _ in range(t.group_size)]
+                reward = torch.tensor([reward_fn(c, a) for c, a in zip(roll.completions, answers)], dtype=torch.float32)
+                advantages = group_advantages(reward, t.group_size, t.scale_advantages).to(device)
+                micros = split_rollout(roll, advantages, t.micro_batch)
+                need = logprobs.plan(policy_name, start=enqueued, window=window, grad_accum=grad_accum,
+                                     ref_coef=lcfg.kl_coef)
+                with meter.phase("offload"):
+                    offload.to_host(optimizer, cfg.offload.enabled, device)
+                if need.old:
+                    with meter.phase("old_logprobs"):
+                        for mb, lp in zip(micros, logprob_pass(policy, micros, head, cfg.head, temperature)):
+                            mb.old_logprobs = lp
+                    mism.append(mismatch(micros))
+                if need.ref:
+                    with meter.phase("ref_logprobs"):
+                        for mb, lp in zip(micros, logprob_pass(reference, micros, head, cfg.head, temperature)):
+                            mb.ref_logprobs = lp
+                with meter.phase("onload"):
+                    offload.to_device(optimizer, cfg.offload.enabled, device)
+                counts.update({"old_run": need.old, "old_skipped": not need.old,
+                               "ref_run": need.ref, "ref_skipped": not need.ref})
+                rewards.append(reward)
+                lengths.append(roll.response_mask.sum(1).float())
+                finished.append(roll.finished.float())
+                gen_tokens += int(roll.response_mask.sum())
+                for _ in range(t.num_iterations):
+                    queue.extend(micros)
+                enqueued += window
 
-        # 3. Metrics: a metric that depends on a skipped pass is absent, never a zero that looks real.
-        stats = {k: torch.cat([s[k] for s in stats_parts]) for k in stats_parts[0]}
-        m.update({"loss": loss_total, **losses.summarize(stats, torch.cat(masks)),
-                  "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0]})
-        if rewards:
-            r = torch.cat(rewards)
-            m.update({"reward_mean": r.mean().item(), "reward_std": r.std().item(),
-                      "solved_frac": (r >= 1.0).float().mean().item(),  # completions with full reward
-                      "response_len_mean": torch.cat(lengths).mean().item(),
-                      "finished_frac": torch.cat(finished).mean().item()})
-        for key in ("gen_vs_train_abs", "token_mult_prob_error"):
-            if mism:
-                m[f"mismatch/{key}"] = float(np.mean([x[f"mismatch/{key}"] for x in mism]))
-        totals.update(counts)
-        for key in ("old_run", "old_skipped", "ref_run", "ref_skipped"):
-            m[f"passes/{key}"] = counts[key]
-            m[f"passes/{key}_total"] = totals[key]
-        for kind in ("old", "ref"):
-            pass_seconds[kind] += meter.seconds.get(f"{kind}_logprobs", 0.0)
-            if counts[f"{kind}_skipped"] and totals[f"{kind}_run"]:
-                # estimated from this run's own passes of that kind; a run that never ran one (skip) has no
-                # estimate: compare it with an `always` run instead (sweeps/logprob_policies.yaml)
-                per_pass = pass_seconds[kind] / totals[f"{kind}_run"]
-                m[f"passes/{kind}_saved_s_est"] = counts[f"{kind}_skipped"] * per_pass
-        m.update(meter.metrics())
-        if gen_tokens:
-            m["throughput/gen_tokens_per_s"] = gen_tokens / meter.seconds["generate"]
-        m["throughput/train_tokens_per_s"] = num_tokens / meter.seconds["train"]
-        m["train_tokens"] = num_tokens
-        history.append(m)
-        tracker.log(step, m)
-        bar.set_postfix(reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
-                        tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
+            # 2. Train: one optimizer step over grad_accum micro-batches, loss normalised by the step's token count.
+            step_micros = [queue.popleft() for _ in range(grad_accum)]
+            num_tokens = max(sum(int(mb.mask.sum()) for mb in step_micros), 1)
+            stats_parts, masks, loss_total = [], [], 0.0
+            with meter.phase("train"):
+                for mb in step_micros:
+                    objective = losses.objective(lcfg.name, mb.advantages, mb.old_logprobs, mb.ref_logprobs,
+                                                 mb.gen_logprobs, **loss_kwargs)
+                    hidden = response_hidden(backbone, mb)
+                    loss, stats = head.loss(hidden, weight, mb.targets, mb.mask, objective, num_tokens,
+                                            temperature, cfg.head.size)
+                    if not torch.isfinite(loss):
+                        raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; lower train.lr or "
+                                                 "train.grad_clip, or check the reward function.")
+                    loss.backward()
+                    loss_total += loss.item()
+                    stats_parts.append(stats)
+                    masks.append(mb.mask)
+                grad_norm = optimizer_step(policy, optimizer, scheduler, t.grad_clip)
+
+            # 3. Metrics: a metric that depends on a skipped pass is absent, never a zero that looks real.
+            stats = {k: torch.cat([s[k] for s in stats_parts]) for k in stats_parts[0]}
+            m.update({"loss": loss_total, **losses.summarize(stats, torch.cat(masks)),
+                      "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0]})
+            if rewards:
+                r = torch.cat(rewards)
+                m.update({"reward_mean": r.mean().item(), "reward_std": r.std().item(),
+                          "solved_frac": (r >= 1.0).float().mean().item(),  # completions with full reward
+                          "response_len_mean": torch.cat(lengths).mean().item(),
+                          "finished_frac": torch.cat(finished).mean().item()})
+            for key in ("gen_vs_train_abs", "token_mult_prob_error"):
+                if mism:
+                    m[f"mismatch/{key}"] = float(np.mean([x[f"mismatch/{key}"] for x in mism]))
+            totals.update(counts)
+            for key in ("old_run", "old_skipped", "ref_run", "ref_skipped"):
+                m[f"passes/{key}"] = counts[key]
+                m[f"passes/{key}_total"] = totals[key]
+            for kind in ("old", "ref"):
+                pass_seconds[kind] += meter.seconds.get(f"{kind}_logprobs", 0.0)
+                if counts[f"{kind}_skipped"] and totals[f"{kind}_run"]:
+                    # estimated from this run's own passes of that kind; a run that never ran one (skip) has no
+                    # estimate: compare it with an `always` run instead (sweeps/logprob_policies.yaml)
+                    per_pass = pass_seconds[kind] / totals[f"{kind}_run"]
+                    m[f"passes/{kind}_saved_s_est"] = counts[f"{kind}_skipped"] * per_pass
+            m.update(meter.metrics())
+            if gen_tokens:
+                m["throughput/gen_tokens_per_s"] = gen_tokens / meter.seconds["generate"]
+            m["throughput/train_tokens_per_s"] = num_tokens / meter.seconds["train"]
+            m["train_tokens"] = num_tokens
+            history.append(m)
+            tracker.log(step, m)
+            bar.set_postfix(reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
+                            tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
+            maybe_checkpoint(cfg, step, signals["stop"], state)
     return summarize_run(history, "reward_mean")
 
 
@@ -301,7 +369,7 @@ def pair_logprobs(model, batch: Pairs, head, head_cfg, average: bool):
     return seq[:b], seq[b:]
 
 
-def train_dpo(cfg, tracker) -> dict[str, float]:
+def train_dpo(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
     """DPO: batches of (prompt, chosen, rejected), a frozen reference, the sigmoid loss on the log-ratio margin.
 
     Logprob policy: `always` computes the reference logprobs of every batch; `window` computes them once per pair
@@ -315,63 +383,73 @@ def train_dpo(cfg, tracker) -> dict[str, float]:
     reference = frozen_reference(policy, lcfg.reference_path, cfg.model.dtype, device)
     cache: dict[int, tuple[float, float]] = {}  # window: reference logprobs per pair id
     meter, history, totals = Meter(device), [], Counter()
+    start = restore(resume, policy, optimizer, scheduler, reference, stream)
+    if resume is not None:
+        cache, history, totals = resume["cache"], resume["history"], Counter(resume["totals"])
 
-    bar = tqdm(range(t.steps), desc="rlrun dpo", unit="step", dynamic_ncols=True, disable=not cfg.progress)
-    for step in bar:
-        meter.new_step()
-        batch = [next(stream) for _ in range(t.batch_size)]
-        micro_pairs = [batch[i : i + t.micro_batch] for i in range(0, len(batch), t.micro_batch)]
+    def state(done):
+        return snapshot(done, cfg, policy, optimizer, scheduler, reference, stream, tracker, history=history,
+                        cache=cache, totals=dict(totals))
 
-        # 1. Reference logprobs: every batch (always) or once per pair (window).
-        known = cache if cfg.logprob_policy.name == "window" else {}
-        todo = [p for p in batch if p["id"] not in known]
-        with meter.phase("offload"):
-            offload.to_host(optimizer, cfg.offload.enabled, device)
-        fresh = {}
-        with meter.phase("ref_logprobs"), torch.no_grad():
-            for i in range(0, len(todo), t.micro_batch):
-                chunk = encode_pairs(tokenizer, todo[i : i + t.micro_batch], device)
-                chosen, rejected = pair_logprobs(reference, chunk, head, cfg.head, lcfg.average_logprobs)
-                fresh.update({pid: (c, r) for pid, c, r in zip(chunk.ids, chosen.tolist(), rejected.tolist())})
-        known.update(fresh)
-        with meter.phase("onload"):
-            offload.to_device(optimizer, cfg.offload.enabled, device)
-        counts = Counter({"ref_run": len(todo), "ref_skipped": len(batch) - len(todo)})
+    bar = tqdm(range(start, t.steps), desc="rlrun dpo", unit="step", dynamic_ncols=True, disable=not cfg.progress,
+               initial=start, total=t.steps)
+    with checkpoint.deferred_interrupts() as signals:
+        for step in bar:
+            meter.new_step()
+            batch = [next(stream) for _ in range(t.batch_size)]
+            micro_pairs = [batch[i : i + t.micro_batch] for i in range(0, len(batch), t.micro_batch)]
 
-        # 2. Train: one optimizer step over the batch; each micro-batch's loss is its share of the batch mean.
-        parts, tokens = [], 0
-        with meter.phase("train"):
-            for chunk_pairs in micro_pairs:
-                mb = encode_pairs(tokenizer, chunk_pairs, device)
-                chosen, rejected = pair_logprobs(policy, mb, head, cfg.head, lcfg.average_logprobs)
-                ref = torch.tensor([known[pid] for pid in mb.ids], device=device, dtype=chosen.dtype)
-                nll = None
-                if lcfg.sft_coef:  # per-token NLL of the chosen response
-                    summed = chosen if not lcfg.average_logprobs else chosen * mb.lengths[: len(mb.ids)]
-                    nll = -summed / mb.lengths[: len(mb.ids)]
-                loss, metrics = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta=lcfg.beta,
-                                         label_smoothing=lcfg.label_smoothing, chosen_nll=nll,
-                                         sft_coef=lcfg.sft_coef, num_pairs=len(batch))
-                if not torch.isfinite(loss):
-                    raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; lower train.lr.")
-                loss.backward()
-                parts.append((len(chunk_pairs), metrics))
-                tokens += int(mb.lengths.sum())
-            grad_norm = optimizer_step(policy, optimizer, scheduler, t.grad_clip)
+            # 1. Reference logprobs: every batch (always) or once per pair (window).
+            known = cache if cfg.logprob_policy.name == "window" else {}
+            todo = [p for p in batch if p["id"] not in known]
+            with meter.phase("offload"):
+                offload.to_host(optimizer, cfg.offload.enabled, device)
+            fresh = {}
+            with meter.phase("ref_logprobs"), torch.no_grad():
+                for i in range(0, len(todo), t.micro_batch):
+                    chunk = encode_pairs(tokenizer, todo[i : i + t.micro_batch], device)
+                    chosen, rejected = pair_logprobs(reference, chunk, head, cfg.head, lcfg.average_logprobs)
+                    fresh.update({pid: (c, r) for pid, c, r in zip(chunk.ids, chosen.tolist(), rejected.tolist())})
+            known.update(fresh)
+            with meter.phase("onload"):
+                offload.to_device(optimizer, cfg.offload.enabled, device)
+            counts = Counter({"ref_run": len(todo), "ref_skipped": len(batch) - len(todo)})
 
-        m = {k: sum(n * mt[k] for n, mt in parts) / len(batch) for k in parts[0][1] if k != "loss"}
-        m.update({"loss": sum(mt["loss"] for _, mt in parts), "grad_norm": grad_norm,
-                  "lr": scheduler.get_last_lr()[0], "train_tokens": tokens})
-        totals.update(counts)
-        for key in ("ref_run", "ref_skipped"):
-            m[f"passes/{key}"] = counts[key]
-            m[f"passes/{key}_total"] = totals[key]
-        m.update(meter.metrics())
-        m["throughput/train_tokens_per_s"] = tokens / meter.seconds["train"]
-        history.append(m)
-        tracker.log(step, m)
-        bar.set_postfix(acc=f"{m['rewards/accuracy']:.2f}", loss=f"{m['loss']:.4f}",
-                        tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
+            # 2. Train: one optimizer step over the batch; each micro-batch's loss is its share of the batch mean.
+            parts, tokens = [], 0
+            with meter.phase("train"):
+                for chunk_pairs in micro_pairs:
+                    mb = encode_pairs(tokenizer, chunk_pairs, device)
+                    chosen, rejected = pair_logprobs(policy, mb, head, cfg.head, lcfg.average_logprobs)
+                    ref = torch.tensor([known[pid] for pid in mb.ids], device=device, dtype=chosen.dtype)
+                    nll = None
+                    if lcfg.sft_coef:  # per-token NLL of the chosen response
+                        summed = chosen if not lcfg.average_logprobs else chosen * mb.lengths[: len(mb.ids)]
+                        nll = -summed / mb.lengths[: len(mb.ids)]
+                    loss, metrics = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta=lcfg.beta,
+                                             label_smoothing=lcfg.label_smoothing, chosen_nll=nll,
+                                             sft_coef=lcfg.sft_coef, num_pairs=len(batch))
+                    if not torch.isfinite(loss):
+                        raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; lower train.lr.")
+                    loss.backward()
+                    parts.append((len(chunk_pairs), metrics))
+                    tokens += int(mb.lengths.sum())
+                grad_norm = optimizer_step(policy, optimizer, scheduler, t.grad_clip)
+
+            m = {k: sum(n * mt[k] for n, mt in parts) / len(batch) for k in parts[0][1] if k != "loss"}
+            m.update({"loss": sum(mt["loss"] for _, mt in parts), "grad_norm": grad_norm,
+                      "lr": scheduler.get_last_lr()[0], "train_tokens": tokens})
+            totals.update(counts)
+            for key in ("ref_run", "ref_skipped"):
+                m[f"passes/{key}"] = counts[key]
+                m[f"passes/{key}_total"] = totals[key]
+            m.update(meter.metrics())
+            m["throughput/train_tokens_per_s"] = tokens / meter.seconds["train"]
+            history.append(m)
+            tracker.log(step, m)
+            bar.set_postfix(acc=f"{m['rewards/accuracy']:.2f}", loss=f"{m['loss']:.4f}",
+                            tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
+            maybe_checkpoint(cfg, step, signals["stop"], state)
     return summarize_run(history, "rewards/accuracy")
 
 

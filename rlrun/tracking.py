@@ -70,7 +70,7 @@ class Null:
 
 
 class MLflow:
-    def __init__(self, cfg, config: dict, run_name: str | None):
+    def __init__(self, cfg, config: dict, run_name: str | None, resume_run_id: str | None = None):
         check_uri(cfg.uri)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -88,19 +88,28 @@ class MLflow:
                 f"tracking.uri={cfg.uri!r} cannot be reached or used ({type(e).__name__}: {str(e)[:300]}). "
                 "Start the server, fix the URI, or run with tracking=none."
             ) from e
+        self.mlflow = mlflow
+        self.experiment_id = exp_id
+        self.first_step = 0  # steps below this were logged before a resume: recomputed, not logged twice
+        if resume_run_id:  # the same run continues: RUNNING again, params as first logged
+            self.run_id = resume_run_id
+            self.client.update_run(resume_run_id, status="RUNNING")
+            logged = self.client.get_metric_history(resume_run_id, "loss")
+            self.first_step = max((m.step for m in logged), default=-1) + 1
+            return
         tags = {"mlflow.runName": run_name} if run_name else {}
         if cfg.parent_run_id:
             tags["mlflow.parentRunId"] = cfg.parent_run_id
         self.run = self.client.create_run(exp_id, tags=tags, run_name=run_name)
         self.run_id = self.run.info.run_id
-        self.experiment_id = exp_id
         params = [Param(k, v[:6000]) for k, v in flatten(config).items()]
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i : i + 100])
         self.client.log_dict(self.run_id, config, "config.yaml")
-        self.mlflow = mlflow
 
     def log(self, step: int, metrics: dict[str, float]):
+        if step < self.first_step:
+            return
         now = int(time.time() * 1000)
         batch = [self._Metric(k, float(v), now, step) for k, v in metrics.items()]
         for i in range(0, len(batch), 500):
@@ -111,7 +120,9 @@ class MLflow:
             self.client.set_tag(self.run_id, k, str(v)[:5000])
 
     def summary(self, metrics: dict[str, float]):
-        self.log(0, {f"summary/{k}": v for k, v in metrics.items()})
+        now = int(time.time() * 1000)
+        batch = [self._Metric(f"summary/{k}", float(v), now, 0) for k, v in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=batch)
 
     def figure(self, fig, name: str):
         self.client.log_figure(self.run_id, fig, name)
@@ -133,8 +144,8 @@ def record_failure(config_obj, run_name: str, error: Exception) -> None:
     tracker.finish("FAILED")
 
 
-def start(cfg, config_obj, run_name: str | None = None):
+def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | None = None):
     """A tracker for the `tracking` config group; `config_obj` is the resolved config (logged as params)."""
     if cfg.name == "none":
         return Null()
-    return MLflow(cfg, OmegaConf.to_container(config_obj, resolve=True), run_name)
+    return MLflow(cfg, OmegaConf.to_container(config_obj, resolve=True), run_name, resume_run_id)

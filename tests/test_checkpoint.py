@@ -1,0 +1,114 @@
+"""Checkpoint and resume: kill -9 or Ctrl-C at any moment, resume, and get the same curve in the same run."""
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import runs
+
+from rlrun import checkpoint
+
+ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
+
+
+def test_save_read_keep_and_fall_back_past_a_corrupted_checkpoint(tmp_path, caplog):
+    for step in range(1, 6):
+        checkpoint.save(str(tmp_path), step, {"step": step, "w": torch.full((3,), float(step))}, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003.pt", "step_00000004.pt", "step_00000005.pt"]
+    state, path = checkpoint.load_latest(str(tmp_path))
+    assert state["step"] == 5 and torch.equal(state["w"], torch.full((3,), 5.0))
+    newest = tmp_path / "step_00000005.pt"
+    newest.write_bytes(newest.read_bytes()[:-20])  # truncated
+    data = bytearray((tmp_path / "step_00000004.pt").read_bytes())
+    data[100] ^= 0xFF  # one flipped byte
+    (tmp_path / "step_00000004.pt").write_bytes(bytes(data))
+    state, path = checkpoint.load_latest(str(tmp_path))
+    assert state["step"] == 3 and path.endswith("step_00000003.pt")
+    assert "checksum mismatch" in caplog.text
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint"):
+        checkpoint.load_latest(str(tmp_path / "empty"))
+
+
+def test_changed_keys():
+    saved = {"train.lr": "0.1", "train.steps": "5", "head.name": "dense", "tracking.uri": "a", "seed": "0"}
+    now = {"train.lr": "0.2", "train.steps": "9", "head.name": "tiled", "tracking.uri": "b", "seed": "0"}
+    assert checkpoint.changed_keys(saved, now) == ["train.lr"]
+
+
+def rlrun(tmp, *args):
+    return subprocess.Popen([sys.executable, "-m", "rlrun", *args, "progress=false",
+                             f"tracking.uri=sqlite:///{tmp}/mlflow.db"], cwd=tmp, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def logged_steps(db):
+    """Steps logged so far, read through a read-only connection: an MLflow client here could race the run's own
+    creation of the store's tables."""
+    if not os.path.exists(db):
+        return 0
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as con:
+            return con.execute("SELECT COUNT(DISTINCT step) FROM metrics WHERE key = 'loss'").fetchone()[0]
+    except sqlite3.Error:  # tables not created yet
+        return 0
+
+
+def kill_after(tmp, args, at_step, sig):
+    p = rlrun(tmp, *args)
+    deadline = time.time() + 240
+    while p.poll() is None and logged_steps(tmp / "mlflow.db") < at_step and time.time() < deadline:
+        time.sleep(0.02)
+    assert p.poll() is None, "the run ended before it could be interrupted"
+    p.send_signal(sig)
+    p.wait(timeout=120)
+    return p
+
+
+def curve(db):
+    client, (r,) = runs(db)
+    hist = sorted(client.get_metric_history(r.info.run_id, "loss"), key=lambda m: m.step)
+    return r, [m.step for m in hist], [m.value for m in hist]
+
+
+@pytest.mark.parametrize("loss", ["dapo", "dpo"])
+def test_sigkill_at_a_random_step_then_resume_gives_the_same_curve(tmp_path, loss):
+    args = ["experiment=smoke", f"loss={loss}", "train.steps=40", f"checkpoint.dir={tmp_path}/run/ckpt",
+            "checkpoint.every=3"]
+    (tmp_path / "base").mkdir()
+    (tmp_path / "run").mkdir()
+    base = rlrun(tmp_path / "base", *args[:-2])
+    assert base.wait(timeout=600) == 0, base.stderr.read()[-2000:]
+    at = random.Random().randint(2, 30)
+    p = kill_after(tmp_path / "run", args, at, signal.SIGKILL)
+    assert p.returncode == -signal.SIGKILL
+    r = rlrun(tmp_path / "run", *args, "resume=true")
+    assert r.wait(timeout=600) == 0, r.stderr.read()[-2000:]
+    run_, steps, values = curve(tmp_path / "run" / "mlflow.db")
+    _, base_steps, base_values = curve(tmp_path / "base" / "mlflow.db")
+    assert run_.info.status == "FINISHED"
+    assert steps == base_steps == list(range(40))  # no missing, no duplicated step
+    assert values == base_values, f"killed after step {at}"  # bit for bit
+
+
+def test_ctrl_c_writes_a_checkpoint_marks_killed_and_resume_finishes(tmp_path):
+    args = ["experiment=smoke", "train.steps=40", f"checkpoint.dir={tmp_path}/ckpt"]  # no periodic checkpoints
+    p = kill_after(tmp_path, args, 5, signal.SIGINT)
+    assert p.returncode == 130
+    run_, steps, _ = curve(tmp_path / "mlflow.db")
+    assert run_.info.status == "KILLED"
+    state, _ = checkpoint.load_latest(str(tmp_path / "ckpt"))
+    assert state["step"] == len(steps)  # the step in flight finished, was logged and checkpointed
+    refused = subprocess.run([sys.executable, "-m", "rlrun", *args, "resume=true", "train.lr=0.5"], cwd=tmp_path,
+                             env=ENV, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "train.lr was '0.001', now '0.5'" in refused.stderr
+    r = rlrun(tmp_path, *args, "resume=true", "train.steps=45")  # more steps may be asked for
+    assert r.wait(timeout=600) == 0, r.stderr.read()[-2000:]
+    run2, steps, _ = curve(tmp_path / "mlflow.db")
+    assert run2.info.run_id == run_.info.run_id and run2.info.status == "FINISHED"
+    assert steps == list(range(45))
