@@ -30,7 +30,7 @@ from .heads import HEADS
 from .heads.common import chunked_logprobs_nograd
 from .losses import objective
 from .losses.dapo import token_loss as dapo_token_loss
-from .meters import MIB, _reset_rss_peak, _rss_bytes, _rss_peak_bytes
+from .meters import MIB, _reset_rss_peak, _rss_bytes, _rss_peak_bytes, proc_bytes
 
 PEERS = ("deepspeed", "liger")
 CLIP = dict(clip_low=0.2, clip_high=0.28)
@@ -245,11 +245,7 @@ def dpo_child(head_name, length, a, out_path):
 
 
 def available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def dpo_bench(a):

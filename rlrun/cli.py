@@ -31,11 +31,12 @@ def run(cfg: DictConfig, run_name: str | None = None) -> dict:
     state = None
     if cfg.resume:
         state, path = checkpoint.load_latest(cfg.checkpoint.dir if cfg.resume is True else str(cfg.resume))
-        changed = checkpoint.changed_keys(state["config"], loop.cfg_flat(cfg))
+        now = loop.cfg_flat(cfg)
+        changed = checkpoint.changed_keys(state["config"], now)
         if changed:
-            raise ConfigError([f"resume from {path}: {k} was {state['config'].get(k)!r}, now "
-                               f"{loop.cfg_flat(cfg).get(k)!r}; a resumed run must train the same thing (only "
-                               "train.steps, the head, logging and tracking may change)" for k in changed])
+            raise ConfigError([f"resume from {path}: {k} was {state['config'].get(k)!r}, now {now.get(k)!r}; a "
+                               "resumed run must train the same thing (only train.steps, the head, logging and "
+                               "tracking may change)" for k in changed])
         log.info("resuming from %s at step %d", path, state["step"])
     tracker = tracking.start(cfg.tracking, cfg, run_name, resume_run_id=state and state["run_id"])
     try:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import checkpoint, heads, logprobs, losses, models, offload, rollout, tasks
+from . import checkpoint, heads, logprobs, losses, models, offload, registry, tasks
 from .engine import single
 from .losses.dpo import dpo_loss, sequence_logprobs
 from .meters import Meter
@@ -190,7 +190,7 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
     device, policy, tokenizer, optimizer, scheduler = setup(cfg, tracker)
     examples, reward_fn = tasks.build(cfg.task, cfg.seed)
     prompts = tasks.prompt_stream(examples, cfg.seed)
-    generate = rollout.get(cfg.rollout.name)
+    generate = registry.get("rollout", cfg.rollout.name)
     head = heads.HEADS[cfg.head.name]
     policy_name = cfg.logprob_policy.name
     reference = None

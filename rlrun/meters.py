@@ -20,20 +20,21 @@ import torch
 MIB = 2**20
 
 
-def _rss_peak_bytes() -> int:
-    with open("/proc/self/status") as f:
+def proc_bytes(path: str, key: str) -> int:
+    """A `key:  N kB` line of a /proc file, in bytes (0 where absent)."""
+    with open(path) as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _rss_peak_bytes() -> int:
+    return proc_bytes("/proc/self/status", "VmHWM")
 
 
 def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return proc_bytes("/proc/self/status", "VmRSS")
 
 
 def _load_libc():

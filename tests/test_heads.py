@@ -175,3 +175,45 @@ def test_real_model_tied_embeddings_all_heads_same_grads():
     for name in ("tiled", "chunked"):
         for k in grads["dense"]:
             assert_close(grads[name][k], grads["dense"][k], f"{name} {k}")
+
+
+class MaxVocabTensor(TorchDispatchMode):
+    """Largest newly allocated tensor with a vocab-sized last dim (logits-like) that any op creates; views and
+    in-place results (e.g. the transposed lm-head weight) share an input's storage and are not counted."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.max_numel = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        storages = {a.untyped_storage().data_ptr() for a in inputs}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab
+                    and t.untyped_storage().data_ptr() not in storages):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("loss", ["dapo", "dpo"])
+def test_no_step_of_a_training_run_builds_full_logits(cfg_factory, loss):
+    """Whole training steps (generation, old / reference passes, training) with tiled or chunked never create
+    a [tokens, vocab] tensor: the largest logits-like tensor is one tile, or one generation step [batch, vocab]."""
+    from rlrun import loop, tracking
+
+    vocab, size = 5000, 7
+    results = {}
+    heads = ["dense", "chunked"] + (["tiled"] if loss == "dapo" else [])
+    for head in heads:
+        cfg = cfg_factory("experiment=smoke", f"loss={loss}", f"head={head}", f"head.size={size}", "train.steps=2",
+                          f"model.vocab_size={vocab}", "rollout.max_new_tokens=16", "train.micro_batch=8",
+                          "rollout.temperature=1.0")
+        with MaxVocabTensor(vocab) as mode:
+            loop.train(cfg, tracking.Null())
+        results[head] = mode.max_numel
+    generation_step = 8 * vocab  # rollout batch x vocab: one decoding step's scores (GRPO only)
+    for head in heads[1:]:
+        assert results[head] <= max(size * vocab, generation_step if loss == "dapo" else 0), (head, results)
+    # dense: the whole micro-batch's response tokens x vocab (GRPO 128 tokens; DPO's short answers 32 tokens)
+    assert results["dense"] >= (16 if loss == "dapo" else 4) * size * vocab

@@ -36,10 +36,3 @@ class Rollout:
             finished=is_eos.any(1),
         )
 
-
-def get(name: str):
-    if name == "hf":
-        from . import hf
-
-        return hf.generate
-    raise ValueError(f"rollout={name!r}; supported: ['hf']")
