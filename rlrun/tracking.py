@@ -62,9 +62,6 @@ class Null:
     def summary(self, metrics):
         pass
 
-    def figure(self, fig, name):
-        pass
-
     def finish(self, status):
         pass
 
@@ -74,7 +71,6 @@ class MLflow:
         check_uri(cfg.uri)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        import mlflow
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
@@ -88,8 +84,6 @@ class MLflow:
                 f"tracking.uri={cfg.uri!r} cannot be reached or used ({type(e).__name__}: {str(e)[:300]}). "
                 "Start the server, fix the URI, or run with tracking=none."
             ) from e
-        self.mlflow = mlflow
-        self.experiment_id = exp_id
         self.first_step = 0  # steps below this were logged before a resume: recomputed, not logged twice
         if resume_run_id:  # the same run continues: RUNNING again, params as first logged
             self.run_id = resume_run_id
@@ -123,9 +117,6 @@ class MLflow:
         now = int(time.time() * 1000)
         batch = [self._Metric(f"summary/{k}", float(v), now, 0) for k, v in metrics.items()]
         self.client.log_batch(self.run_id, metrics=batch)
-
-    def figure(self, fig, name: str):
-        self.client.log_figure(self.run_id, fig, name)
 
     def finish(self, status: str):
         self.client.set_terminated(self.run_id, status=status)
