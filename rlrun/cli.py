@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from . import checkpoint, tracking
+from .engine import deepspeed as ds_engine
 from .config import ConfigError, validate
 from .models import ModelError
 from .tasks import TaskError
@@ -38,7 +40,10 @@ def run(cfg: DictConfig, run_name: str | None = None) -> dict:
                                "resumed run must train the same thing (only train.steps, the head, logging and "
                                "tracking may change)" for k in changed])
         log.info("resuming from %s at step %d", path, state["step"])
-    tracker = tracking.start(cfg.tracking, cfg, run_name, resume_run_id=state and state["run_id"])
+    # Data parallel: only rank 0 talks to MLflow (and draws progress); the others record nothing.
+    main_rank = os.environ.get("RANK", "0") == "0"
+    resume_id = state and state["run_id"]
+    tracker = tracking.start(cfg.tracking, cfg, run_name, resume_run_id=resume_id) if main_rank else tracking.Null()
     try:
         summary = loop.train(cfg, tracker, state)
     except KeyboardInterrupt:
@@ -49,6 +54,8 @@ def run(cfg: DictConfig, run_name: str | None = None) -> dict:
         tracker.tags({"error": f"{type(e).__name__}: {e}"})
         tracker.finish("FAILED")
         raise
+    finally:
+        ds_engine.shutdown()
     tracker.summary(summary)
     tracker.finish("FINISHED")
     log.info("summary: %s", {k: round(v, 4) for k, v in summary.items()})
@@ -69,7 +76,8 @@ def main(cfg: DictConfig):
         if isinstance(e, KeyboardInterrupt):
             print("rlrun: interrupted", file=sys.stderr)
             sys.exit(130)
-        print(f"rlrun: error: {e}", file=sys.stderr)
+        rank = f" rank {os.environ['RANK']}:" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"rlrun:{rank} error: {e}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 from omegaconf import OmegaConf
 
 from .registry import REGISTRY
@@ -47,10 +50,18 @@ def validate(cfg) -> None:
     if ok("group_size") and t.group_size < 2:
         p.append(f"train.group_size={t.group_size}: group-normalised advantages need at least 2 completions "
                  "per prompt. Set train.group_size>=2.")
-    for key in ("rollout_batch", "batch_size"):
-        if ok(key, "micro_batch") and t[key] % t.micro_batch:
-            p.append(f"train.{key}={t[key]} is not divisible by train.micro_batch={t.micro_batch}; "
-                     f"make {key} a multiple of micro_batch.")
+    # Data parallel: every rank gets whole prompt groups and whole micro-batches (WORLD_SIZE is set by the launcher).
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ranks = f" x {world} ranks" if world > 1 else ""
+    for key in ("rollout_batch", "batch_size") if cfg.loss.name != "dpo" else ("batch_size",):
+        if ok(key, "micro_batch") and t[key] % (t.micro_batch * world):
+            p.append(f"train.{key}={t[key]} is not divisible by train.micro_batch={t.micro_batch}{ranks}; "
+                     f"make {key} a multiple of micro_batch{ranks} (micro_batch is per rank).")
+    if world > 1 and cfg.loss.name != "dpo" and ok("rollout_batch", "group_size") \
+            and t.rollout_batch % (t.group_size * world):
+        p.append(f"train.rollout_batch={t.rollout_batch} is not divisible by train.group_size={t.group_size}{ranks}; "
+                 "each rank must hold whole prompt groups (advantages are normalised within a group).")
+    p.extend(_engine_rules(cfg, world))
 
     loss = cfg.loss
     if loss.name in ("dapo", "cispo"):
@@ -124,3 +135,32 @@ def validate(cfg) -> None:
 
 
 FUSABLE = {"dapo", "cispo"}
+
+
+def _engine_rules(cfg, world: int) -> list[str]:
+    e, p = cfg.engine, []
+    if e.name == "single" and world > 1:
+        p.append(f"engine=single runs one process, but the launcher started {world} (WORLD_SIZE={world}). Add "
+                 "engine=deepspeed to train data parallel, or launch one process.")
+    if e.name != "deepspeed":
+        return p
+    if importlib.util.find_spec("deepspeed") is None:
+        p.append("engine=deepspeed needs DeepSpeed, which is not installed: pip install -e '.[deepspeed]'.")
+    choices = {"zero_stage": (2, 3), "dtype": ("fp32", "bf16"), "optimizer": ("torch", "deepspeed"),
+               "offload_optimizer": ("none", "cpu", "nvme"), "offload_param": ("none", "cpu", "nvme"),
+               "backend": ("auto", "gloo", "nccl", "ccl")}
+    for key, allowed in choices.items():
+        if e.get(key) not in allowed:
+            p.append(f"engine.{key}={e.get(key)!r}; supported: {list(allowed)}.")
+    if e.get("offload_optimizer") != "none" and e.get("optimizer") == "torch":
+        p.append(f"engine.offload_optimizer={e.offload_optimizer} runs the optimizer step on the host with DeepSpeed's "
+                 "CPUAdam; set engine.optimizer=deepspeed (it compiles on first use), or offload_optimizer=none.")
+    if e.get("offload_param") != "none" and e.get("zero_stage") != 3:
+        p.append(f"engine.offload_param={e.offload_param} needs engine.zero_stage=3 (got {e.zero_stage}).")
+    if cfg.offload.enabled and e.get("offload_optimizer") != "none":
+        p.append(f"offload=on moves optimizer state off the device around the logprob passes, but "
+                 f"engine.offload_optimizer={e.offload_optimizer} keeps it off the device all the time; use one: "
+                 "offload=off, or engine.offload_optimizer=none.")
+    if not (isinstance(e.get("timeout_s"), int) and e.timeout_s > 0):
+        p.append(f"engine.timeout_s={e.get('timeout_s')!r} must be a positive integer (seconds).")
+    return p

@@ -21,8 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import checkpoint, heads, logprobs, losses, models, offload, registry, tasks
-from .engine import single
+from . import checkpoint, heads, logprobs, losses, models, registry, tasks
 from .losses.dpo import dpo_loss, sequence_logprobs
 from .meters import Meter
 
@@ -95,10 +94,17 @@ def logprob_pass(model, micros: list[Micro], head, head_cfg, temperature: float)
             for m in micros]
 
 
-def mismatch(micros: list[Micro]) -> dict[str, float]:
-    """Generation vs trainer old-policy logprobs: mean |diff| and NeMo-RL's token_mult_prob_error."""
+def mismatch(micros: list[Micro]) -> np.ndarray:
+    """Generation vs trainer old-policy logprobs: sums of |diff| and exp|diff| and the token count, to be summed
+    over rollouts and ranks; their means are `mismatch/gen_vs_train_abs` and NeMo-RL's token_mult_prob_error."""
     diff = torch.cat([(m.gen_logprobs - m.old_logprobs)[m.mask] for m in micros]).abs().double()
-    return {"mismatch/gen_vs_train_abs": diff.mean().item(), "mismatch/token_mult_prob_error": diff.exp().mean().item()}
+    return np.array([diff.sum().item(), diff.exp().sum().item(), diff.numel()])
+
+
+def sample_seed(seed: int, rollout: int, row: int) -> int:
+    """The sampling seed of one sequence: fixed by (run seed, rollout number, row in the global rollout), so the
+    same sequence is drawn whichever rank generates it."""
+    return int(np.random.SeedSequence([seed, rollout, row]).generate_state(1)[0])
 
 
 def rng_state() -> dict:
@@ -114,15 +120,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def restore(resume: dict | None, policy, optimizer, scheduler, reference, stream) -> int:
+def restore(resume: dict | None, engine, stream) -> int:
     """Load a checkpoint's state into the run's objects; returns the step to continue from (0 if none)."""
     if resume is None:
         return 0
-    policy.load_state_dict(resume["model"])
-    optimizer.load_state_dict(resume["optimizer"])
-    scheduler.load_state_dict(resume["scheduler"])
-    if reference is not None:
-        reference.load_state_dict(resume["reference"])
+    engine.load_state_dict(resume)
     stream.load_state_dict(resume["stream"])
     set_rng_state(resume["rng"])
     return resume["step"]
@@ -139,11 +141,9 @@ def maybe_checkpoint(cfg, step: int, stop: bool, state_fn) -> None:
         raise KeyboardInterrupt
 
 
-def snapshot(step, cfg, policy, optimizer, scheduler, reference, stream, tracker, **extra) -> dict:
-    return {"step": step, "model": policy.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "reference": None if reference is None else reference.state_dict(),
-            "stream": stream.state_dict(), "rng": rng_state(), "run_id": tracker.run_id,
-            "config": cfg_flat(cfg), **extra}
+def snapshot(step, cfg, engine, stream, tracker, **extra) -> dict:
+    return {"step": step, **engine.state_dict(), "stream": stream.state_dict(), "rng": rng_state(),
+            "run_id": tracker.run_id, "config": cfg_flat(cfg), **extra}
 
 
 def cfg_flat(cfg) -> dict[str, str]:
@@ -154,32 +154,33 @@ def cfg_flat(cfg) -> dict[str, str]:
     return flatten(OmegaConf.to_container(cfg, resolve=True))
 
 
-def setup(cfg, tracker):
-    """Seeded policy, tokenizer, optimizer and schedule on the engine's device (shared by both loops)."""
+def setup(cfg, tracker, grad_accum: int, with_reference: bool, reference_path: str | None = None):
+    """Seeded policy (and frozen reference), tokenizer, and the engine that owns them (shared by both loops)."""
     seed_everything(cfg.seed)
-    device = single.device(cfg.engine)
     policy, tokenizer = models.build(cfg.model, cfg.seed)
-    policy.to(device)
-    tracker.tags({"rlrun.device": device.type, "rlrun.torch": torch.__version__})
-    optimizer, scheduler = single.optimizer(policy, cfg.train)
-    if cfg.offload.enabled and not offload.effective(True, device):
+    reference = frozen_reference(policy, reference_path, cfg.model.dtype) if with_reference else None
+    engine = registry.get("engine", cfg.engine.name).Engine(cfg, policy, reference, grad_accum)
+    tracker.tags({"rlrun.device": engine.device.type, "rlrun.torch": torch.__version__,
+                  "rlrun.world_size": str(engine.world)})
+    if cfg.offload.enabled and not engine.offload_effective():
         log.info("offload=on on a CPU-only run: optimizer state already lives in host memory, nothing moves.")
         tracker.tags({"offload.effective": "false"})
-    return device, policy, tokenizer, optimizer, scheduler
+    return engine, tokenizer
 
 
-def frozen_reference(policy, path: str | None, dtype: str, device):
+def frozen_reference(policy, path: str | None, dtype: str):
     """The reference model: a frozen copy of the initial policy, or a local checkpoint."""
     ref = models.load_hf(path, dtype)[0] if path else copy.deepcopy(policy)
-    return ref.to(device).requires_grad_(False)
+    return ref.requires_grad_(False)
 
 
-def optimizer_step(policy, optimizer, scheduler, grad_clip: float) -> float:
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
+def meter_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Per-rank meter readings -> the slowest rank's times, the largest peak, and each rank's peaks (world > 1)."""
+    out = {k: max(p[k] for p in parts if k in p) for k in {k for p in parts for k in p}}
+    if len(parts) > 1:
+        for r, p in enumerate(parts):
+            out.update({f"{k.replace('mem/', f'mem/rank{r}/')}": v for k, v in p.items() if k.startswith("mem/")})
+    return out
 
 
 def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
@@ -187,19 +188,19 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
     if cfg.loss.name == "dpo":
         return train_dpo(cfg, tracker, resume)
     t, lcfg = cfg.train, cfg.loss
-    device, policy, tokenizer, optimizer, scheduler = setup(cfg, tracker)
+    world = registry.get("engine", cfg.engine.name).world_size()
+    grad_accum = t.batch_size // (t.micro_batch * world)  # micro-batches per rank per optimizer step
+    window = (t.rollout_batch // world // t.micro_batch) * t.num_iterations  # a rollout's micro-steps per rank
+    policy_name = cfg.logprob_policy.name
+    engine, tokenizer = setup(cfg, tracker, grad_accum, logprobs.needs_reference_model(policy_name, lcfg.kl_coef))
+    policy, reference, device = engine.model, engine.reference, engine.device
     examples, reward_fn = tasks.build(cfg.task, cfg.seed)
-    prompts = tasks.prompt_stream(examples, cfg.seed)
+    prompts = tasks.prompt_stream(examples, cfg.seed)  # the same stream on every rank; each takes its slice
+    per_rank = t.rollout_batch // t.group_size // world  # prompts per rank per rollout (groups never split)
     generate = registry.get("rollout", cfg.rollout.name)
     head = heads.HEADS[cfg.head.name]
-    policy_name = cfg.logprob_policy.name
-    reference = None
-    if logprobs.needs_reference_model(policy_name, lcfg.kl_coef):
-        reference = frozen_reference(policy, None, cfg.model.dtype, device)
     backbone, weight = models.split(policy)
 
-    grad_accum = t.batch_size // t.micro_batch
-    window = (t.rollout_batch // t.micro_batch) * t.num_iterations
     temperature = cfg.rollout.temperature
     loss_kwargs = dict(clip_low=lcfg.clip_low, clip_high=lcfg.clip_high, kl_coef=lcfg.kl_coef,
                        kl_estimator=lcfg.kl_estimator, tis_cap=lcfg.tis.cap if lcfg.tis.enabled else None)
@@ -209,31 +210,34 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
     pass_seconds: Counter = Counter()  # time spent in each kind of logprob pass, for the saved-time estimate
     history: list[dict[str, float]] = []
     meter = Meter(device)
-    start = restore(resume, policy, optimizer, scheduler, reference, prompts)
+    start = restore(resume, engine, prompts)
     if resume is not None:
         queue.extend(Micro(**m) for m in resume["queue"])
         enqueued, history = resume["enqueued"], resume["history"]
         totals, pass_seconds = Counter(resume["totals"]), Counter(resume["pass_seconds"])
 
     def state(done):
-        return snapshot(done, cfg, policy, optimizer, scheduler, reference, prompts, tracker, history=history,
+        return snapshot(done, cfg, engine, prompts, tracker, history=history,
                         queue=[dataclasses.asdict(m) for m in queue], enqueued=enqueued, totals=dict(totals),
                         pass_seconds=dict(pass_seconds))
 
-    bar = tqdm(range(start, t.steps), desc="rlrun", unit="step", dynamic_ncols=True, disable=not cfg.progress,
-               initial=start, total=t.steps)
+    bar = tqdm(range(start, t.steps), desc="rlrun", unit="step", dynamic_ncols=True,
+               disable=not (cfg.progress and engine.main), initial=start, total=t.steps)
     with checkpoint.deferred_interrupts() as signals:
         for step in bar:
             meter.new_step()
             m: dict[str, float] = {}
-            rewards, lengths, gen_tokens, finished, mism, counts = [], [], 0, [], [], Counter()
+            rewards, lengths, gen_tokens, finished, mism, counts = [], [], 0, [], np.zeros(3), Counter()
 
             # 1. Refill: generate, score, advantages, and only the logprob passes this rollout needs.
             while len(queue) < grad_accum:
                 batch = [next(prompts) for _ in range(t.rollout_batch // t.group_size)]
-                with meter.phase("generate"):
+                batch = batch[engine.rank * per_rank : (engine.rank + 1) * per_rank]
+                first_row = engine.rank * per_rank * t.group_size
+                seeds = [sample_seed(cfg.seed, enqueued // window, first_row + i) for i in range(len(batch) * t.group_size)]
+                with meter.phase("generate"), engine.generation():
                     roll = generate(policy, tokenizer, [ex["prompt"] for ex in batch for _ in range(t.group_size)],
-                                    cfg.rollout, device)
+                                    cfg.rollout, device, seeds)
                 answers = [ex["answer"] for ex in batch for _ in range(t.group_size)]
                 reward = torch.tensor([reward_fn(c, a) for c, a in zip(roll.completions, answers)], dtype=torch.float32)
                 advantages = group_advantages(reward, t.group_size, t.scale_advantages).to(device)
@@ -241,18 +245,18 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
                 need = logprobs.plan(policy_name, start=enqueued, window=window, grad_accum=grad_accum,
                                      ref_coef=lcfg.kl_coef)
                 with meter.phase("offload"):
-                    offload.to_host(optimizer, cfg.offload.enabled, device)
+                    engine.offload()
                 if need.old:
                     with meter.phase("old_logprobs"):
                         for mb, lp in zip(micros, logprob_pass(policy, micros, head, cfg.head, temperature)):
                             mb.old_logprobs = lp
-                    mism.append(mismatch(micros))
+                    mism += mismatch(micros)
                 if need.ref:
                     with meter.phase("ref_logprobs"):
                         for mb, lp in zip(micros, logprob_pass(reference, micros, head, cfg.head, temperature)):
                             mb.ref_logprobs = lp
                 with meter.phase("onload"):
-                    offload.to_device(optimizer, cfg.offload.enabled, device)
+                    engine.onload()
                 counts.update({"old_run": need.old, "old_skipped": not need.old,
                                "ref_run": need.ref, "ref_skipped": not need.ref})
                 rewards.append(reward)
@@ -265,7 +269,7 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
 
             # 2. Train: one optimizer step over grad_accum micro-batches, loss normalised by the step's token count.
             step_micros = [queue.popleft() for _ in range(grad_accum)]
-            num_tokens = max(sum(int(mb.mask.sum()) for mb in step_micros), 1)
+            num_tokens = max(sum(engine.gather(sum(int(mb.mask.sum()) for mb in step_micros))), 1)  # all ranks
             stats_parts, masks, loss_total = [], [], 0.0
             with meter.phase("train"):
                 for mb in step_micros:
@@ -277,25 +281,30 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
                     if not torch.isfinite(loss):
                         raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; lower train.lr or "
                                                  "train.grad_clip, or check the reward function.")
-                    loss.backward()
+                    engine.backward(loss)
                     loss_total += loss.item()
-                    stats_parts.append(stats)
-                    masks.append(mb.mask)
-                grad_norm = optimizer_step(policy, optimizer, scheduler, t.grad_clip)
+                    stats_parts.append({k: v.detach().cpu() for k, v in stats.items()})
+                    masks.append(mb.mask.cpu())
+                grad_norm = engine.step()
 
-            # 3. Metrics: a metric that depends on a skipped pass is absent, never a zero that looks real.
-            stats = {k: torch.cat([s[k] for s in stats_parts]) for k in stats_parts[0]}
-            m.update({"loss": loss_total, **losses.summarize(stats, torch.cat(masks)),
-                      "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0]})
+            # 3. Metrics over all ranks: a metric that depends on a skipped pass is absent, never a zero that looks real.
+            ranks = engine.gather({
+                "loss": loss_total, "stats": {k: torch.cat([s[k] for s in stats_parts]) for k in stats_parts[0]},
+                "mask": torch.cat(masks), "rewards": rewards, "lengths": lengths, "finished": finished,
+                "gen_tokens": gen_tokens, "mism": mism, "meter": meter.metrics()})
+            stats = {k: torch.cat([p["stats"][k] for p in ranks]) for k in ranks[0]["stats"]}
+            m.update({"loss": sum(p["loss"] for p in ranks), **losses.summarize(stats, torch.cat([p["mask"] for p in ranks])),
+                      "grad_norm": grad_norm, "lr": engine.lr()})
             if rewards:
-                r = torch.cat(rewards)
+                r = torch.cat([x for p in ranks for x in p["rewards"]])
                 m.update({"reward_mean": r.mean().item(), "reward_std": r.std().item(),
                           "solved_frac": (r >= 1.0).float().mean().item(),  # completions with full reward
-                          "response_len_mean": torch.cat(lengths).mean().item(),
-                          "finished_frac": torch.cat(finished).mean().item()})
-            for key in ("gen_vs_train_abs", "token_mult_prob_error"):
-                if mism:
-                    m[f"mismatch/{key}"] = float(np.mean([x[f"mismatch/{key}"] for x in mism]))
+                          "response_len_mean": torch.cat([x for p in ranks for x in p["lengths"]]).mean().item(),
+                          "finished_frac": torch.cat([x for p in ranks for x in p["finished"]]).mean().item()})
+            mism = sum(p["mism"] for p in ranks)
+            if mism[2]:
+                m["mismatch/gen_vs_train_abs"], m["mismatch/token_mult_prob_error"] = mism[:2] / mism[2]
+            gen_tokens = sum(p["gen_tokens"] for p in ranks)
             totals.update(counts)
             for key in ("old_run", "old_skipped", "ref_run", "ref_skipped"):
                 m[f"passes/{key}"] = counts[key]
@@ -307,10 +316,10 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
                     # estimate: compare it with an `always` run instead (sweeps/logprob_policies.yaml)
                     per_pass = pass_seconds[kind] / totals[f"{kind}_run"]
                     m[f"passes/{kind}_saved_s_est"] = counts[f"{kind}_skipped"] * per_pass
-            m.update(meter.metrics())
+            m.update(meter_metrics([p["meter"] for p in ranks]))
             if gen_tokens:
-                m["throughput/gen_tokens_per_s"] = gen_tokens / meter.seconds["generate"]
-            m["throughput/train_tokens_per_s"] = num_tokens / meter.seconds["train"]
+                m["throughput/gen_tokens_per_s"] = gen_tokens / m["time/generate_s"]
+            m["throughput/train_tokens_per_s"] = num_tokens / m["time/train_s"]
             m["train_tokens"] = num_tokens
             history.append(m)
             tracker.log(step, m)
@@ -376,34 +385,35 @@ def train_dpo(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
     and reuses them in later epochs (the reference never changes); `skip` is refused by the validator.
     """
     t, lcfg = cfg.train, cfg.loss
-    device, policy, tokenizer, optimizer, scheduler = setup(cfg, tracker)
+    world = registry.get("engine", cfg.engine.name).world_size()
+    engine, tokenizer = setup(cfg, tracker, t.batch_size // (t.micro_batch * world), True, lcfg.reference_path)
+    policy, reference, device = engine.model, engine.reference, engine.device
     pairs = [dict(p, id=i) for i, p in enumerate(tasks.build_pairs(cfg.task, cfg.seed))]
-    stream = tasks.prompt_stream(pairs, cfg.seed)
+    stream = tasks.prompt_stream(pairs, cfg.seed)  # the same stream on every rank; each takes its slice
+    per_rank = t.batch_size // world
     head = heads.HEADS[cfg.head.name]
-    reference = frozen_reference(policy, lcfg.reference_path, cfg.model.dtype, device)
-    cache: dict[int, tuple[float, float]] = {}  # window: reference logprobs per pair id
+    cache: dict[int, tuple[float, float]] = {}  # window: reference logprobs per pair id (this rank's pairs)
     meter, history, totals = Meter(device), [], Counter()
-    start = restore(resume, policy, optimizer, scheduler, reference, stream)
+    start = restore(resume, engine, stream)
     if resume is not None:
         cache, history, totals = resume["cache"], resume["history"], Counter(resume["totals"])
 
     def state(done):
-        return snapshot(done, cfg, policy, optimizer, scheduler, reference, stream, tracker, history=history,
-                        cache=cache, totals=dict(totals))
+        return snapshot(done, cfg, engine, stream, tracker, history=history, cache=cache, totals=dict(totals))
 
-    bar = tqdm(range(start, t.steps), desc="rlrun dpo", unit="step", dynamic_ncols=True, disable=not cfg.progress,
-               initial=start, total=t.steps)
+    bar = tqdm(range(start, t.steps), desc="rlrun dpo", unit="step", dynamic_ncols=True,
+               disable=not (cfg.progress and engine.main), initial=start, total=t.steps)
     with checkpoint.deferred_interrupts() as signals:
         for step in bar:
             meter.new_step()
-            batch = [next(stream) for _ in range(t.batch_size)]
+            batch = [next(stream) for _ in range(t.batch_size)][engine.rank * per_rank : (engine.rank + 1) * per_rank]
             micro_pairs = [batch[i : i + t.micro_batch] for i in range(0, len(batch), t.micro_batch)]
 
             # 1. Reference logprobs: every batch (always) or once per pair (window).
             known = cache if cfg.logprob_policy.name == "window" else {}
             todo = [p for p in batch if p["id"] not in known]
             with meter.phase("offload"):
-                offload.to_host(optimizer, cfg.offload.enabled, device)
+                engine.offload()
             fresh = {}
             with meter.phase("ref_logprobs"), torch.no_grad():
                 for i in range(0, len(todo), t.micro_batch):
@@ -412,7 +422,7 @@ def train_dpo(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
                     fresh.update({pid: (c, r) for pid, c, r in zip(chunk.ids, chosen.tolist(), rejected.tolist())})
             known.update(fresh)
             with meter.phase("onload"):
-                offload.to_device(optimizer, cfg.offload.enabled, device)
+                engine.onload()
             counts = Counter({"ref_run": len(todo), "ref_skipped": len(batch) - len(todo)})
 
             # 2. Train: one optimizer step over the batch; each micro-batch's loss is its share of the batch mean.
@@ -428,23 +438,26 @@ def train_dpo(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
                         nll = -summed / mb.lengths[: len(mb.ids)]
                     loss, metrics = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta=lcfg.beta,
                                              label_smoothing=lcfg.label_smoothing, chosen_nll=nll,
-                                             sft_coef=lcfg.sft_coef, num_pairs=len(batch))
+                                             sft_coef=lcfg.sft_coef, num_pairs=t.batch_size)
                     if not torch.isfinite(loss):
                         raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; lower train.lr.")
-                    loss.backward()
+                    engine.backward(loss)
                     parts.append((len(chunk_pairs), metrics))
                     tokens += int(mb.lengths.sum())
-                grad_norm = optimizer_step(policy, optimizer, scheduler, t.grad_clip)
+                grad_norm = engine.step()
 
-            m = {k: sum(n * mt[k] for n, mt in parts) / len(batch) for k in parts[0][1] if k != "loss"}
+            ranks = engine.gather({"parts": parts, "tokens": tokens, "counts": counts, "meter": meter.metrics()})
+            parts = [part for p in ranks for part in p["parts"]]
+            tokens, counts = sum(p["tokens"] for p in ranks), sum((p["counts"] for p in ranks), Counter())
+            m = {k: sum(n * mt[k] for n, mt in parts) / t.batch_size for k in parts[0][1] if k != "loss"}
             m.update({"loss": sum(mt["loss"] for _, mt in parts), "grad_norm": grad_norm,
-                      "lr": scheduler.get_last_lr()[0], "train_tokens": tokens})
+                      "lr": engine.lr(), "train_tokens": tokens})
             totals.update(counts)
             for key in ("ref_run", "ref_skipped"):
                 m[f"passes/{key}"] = counts[key]
                 m[f"passes/{key}_total"] = totals[key]
-            m.update(meter.metrics())
-            m["throughput/train_tokens_per_s"] = tokens / meter.seconds["train"]
+            m.update(meter_metrics([p["meter"] for p in ranks]))
+            m["throughput/train_tokens_per_s"] = tokens / m["time/train_s"]
             history.append(m)
             tracker.log(step, m)
             bar.set_postfix(acc=f"{m['rewards/accuracy']:.2f}", loss=f"{m['loss']:.4f}",

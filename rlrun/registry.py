@@ -1,6 +1,7 @@
 """Name -> component for every config group. Keys equal the YAML file stems in conf/<group>/."""
 
 from . import models, tasks, tracking
+from .engine import deepspeed as ds_engine
 from .engine import single
 from .heads import HEADS
 from .logprobs import POLICIES
@@ -16,7 +17,7 @@ REGISTRY: dict[str, dict] = {
     "model": {"tiny": models.tiny_model, "hf": models.load_hf},
     "task": {"arith": tasks.arith_examples, "jsonl": tasks.read_jsonl},
     "rollout": {"hf": hf.generate},
-    "engine": {"single": single},
+    "engine": {"single": single, "deepspeed": ds_engine},
     "tracking": {"mlflow": tracking.MLflow, "none": tracking.Null},
 }
 

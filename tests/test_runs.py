@@ -57,7 +57,9 @@ def test_same_seed_same_curve_bit_for_bit(tmp_path):
 
 
 def loss_curve(tmp_path, *overrides):
-    summary, client, r = run_in(tmp_path, SMOKE, "train.steps=5", "train.lr=1e-2", *overrides)
+    # 6 new tokens: completions of several lengths, so that even an on-policy loss is not ~0
+    summary, client, r = run_in(tmp_path, SMOKE, "train.steps=5", "train.lr=1e-2", "rollout.max_new_tokens=6",
+                                *overrides)
     curves = {k: history(client, r.info.run_id, k) for k in ("loss", "reward_mean", "clipfrac", "grad_norm")}
     # non-trivial: zero advantages would make every comparison below pass
     assert len(curves["grad_norm"]) == 5 and min(curves["grad_norm"]) > 1e-3 and max(map(abs, curves["loss"])) > 1e-3

@@ -1,10 +1,22 @@
-"""One process, one device: plain torch AdamW, gradient clipping, LR schedule."""
+"""One process, one device: plain torch AdamW, gradient clipping, LR schedule.
+
+Every engine offers the same few methods, which is all the training loops use: `backward`, `step`, `lr`,
+`offload`/`onload`, `generation` (weights ready for generate), `gather` (objects from every rank), and
+`state_dict`/`load_state_dict` of what it owns. `engine=deepspeed` (engine/deepspeed.py) implements them with DeepSpeed ZeRO.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+
+from .. import offload as host_offload
+
+
+def world_size() -> int:
+    return 1
 
 
 def device(cfg) -> torch.device:
@@ -34,3 +46,56 @@ def optimizer(model, train_cfg):
     schedule = lr_lambda(train_cfg.lr_schedule, train_cfg.warmup_steps, train_cfg.steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     return opt, sched
+
+
+class Engine:
+    rank, world, main = 0, 1, True
+
+    def __init__(self, cfg, policy, reference, grad_accum: int):
+        self.device = device(cfg.engine)
+        self.model = policy.to(self.device)
+        self.reference = None if reference is None else reference.to(self.device)
+        self.optimizer, self.scheduler = optimizer(policy, cfg.train)
+        self.grad_clip, self.offload_enabled = cfg.train.grad_clip, cfg.offload.enabled
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss` is this micro-batch's share of the step's loss (already divided by the step's token count)."""
+        loss.backward()
+
+    def step(self) -> float:
+        """Clip, optimizer step, LR step, zero grads; returns the gradient norm before clipping."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def offload(self) -> None:
+        host_offload.to_host(self.optimizer, self.offload_enabled, self.device)
+
+    def onload(self) -> None:
+        host_offload.to_device(self.optimizer, self.offload_enabled, self.device)
+
+    def offload_effective(self) -> bool:
+        return host_offload.effective(self.offload_enabled, self.device)
+
+    def generation(self):
+        return contextlib.nullcontext()
+
+    def gather(self, obj) -> list:
+        return [obj]
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "reference": None if self.reference is None else self.reference.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.reference is not None:
+            self.reference.load_state_dict(state["reference"])

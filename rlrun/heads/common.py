@@ -8,7 +8,63 @@ Everything happens in place in the one [tile, vocab] fp32 buffer: `softmax_stats
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+
+def partitioned(weight: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter: its data is a shard (or empty) outside a gather."""
+    return hasattr(weight, "ds_status")
+
+
+def gathered(weight: torch.Tensor):
+    """The full lm-head weight for the duration of a head call under ZeRO-3 (a collective: every rank calls it
+    the same number of times). Nothing to do otherwise. The heads gather once per call, never per tile."""
+    if not partitioned(weight):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([weight], modifier_rank=None)
+
+
+def ready_for_grad(weight: torch.Tensor) -> None:
+    """Call in a head's backward before returning the lm-head weight's gradient. Under ZeRO-3 the parameter is a
+    shard by then, and autograd accumulates a full-size gradient only into a full-size parameter: gather it now
+    and partition it again right after the accumulation, once ZeRO's own post-accumulate hook (registered first,
+    so run first) has taken the gradient for reduction. One gradient per head call reaches ZeRO: the tiles'
+    gradients are summed in the head, so no per-tile reductions happen and ds_grad_is_ready is not needed."""
+    if not partitioned(weight):
+        return
+    weight.all_gather()
+
+    def release(param):
+        handle.remove()
+        param.partition()
+
+    handle = weight.register_post_accumulate_grad_hook(release)
+
+
+class _FullCopy(torch.autograd.Function):
+    """A full copy of a ZeRO-3 weight that the dense head's autograd graph can keep for backward (the parameter's
+    own data is released after the gather); its gradient flows back to the parameter, where ZeRO reduces it."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        ctx.weight = weight
+        return weight.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ready_for_grad(ctx.weight)
+        return grad
+
+
+def full_weight(weight: torch.Tensor) -> torch.Tensor:
+    if not partitioned(weight):
+        return weight
+    with gathered(weight):
+        return _FullCopy.apply(weight) if torch.is_grad_enabled() and weight.requires_grad else weight.detach().clone()
 
 
 def tiles(n: int, size: int):

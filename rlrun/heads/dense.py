@@ -3,10 +3,11 @@
 import torch
 
 from ..losses import masked_total
+from .common import full_weight
 
 
 def logprobs(hidden, weight, targets, temperature: float = 1.0, size: int | None = None):
-    logits = (hidden @ weight.T).float() / temperature
+    logits = (hidden @ full_weight(weight).T).float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ..losses import masked_total
 from .chunked import logprobs as _chunked_logprobs
-from .common import accumulate_grads, logit_grad_, softmax_stats_, tile_logits, tiles
+from .common import accumulate_grads, gathered, ready_for_grad, logit_grad_, softmax_stats_, tile_logits, tiles
 
 
 class TiledLoss(torch.autograd.Function):
@@ -38,11 +38,14 @@ class TiledLoss(torch.autograd.Function):
             del z, dz
         stats_out.update({k: torch.cat(v) for k, v in parts.items()})
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        ctx.weight = weight
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
+        if grad_w is not None:
+            ready_for_grad(ctx.weight)
         if grad_out.item() != 1.0:  # scale in place: a copy would add a second weight-sized gradient
             for g in (grad_h, grad_w):
                 if g is not None:
@@ -58,5 +61,6 @@ def logprobs(hidden, weight, targets, temperature: float = 1.0, size: int = 1024
 
 def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float = 1.0, size: int = 1024):
     stats: dict = {}
-    total = TiledLoss.apply(hidden, weight, targets, mask, num_tokens, objective, temperature, size, stats)
+    with gathered(weight):  # backward needs no weight: every gradient is computed here, handed to ZeRO once
+        total = TiledLoss.apply(hidden, weight, targets, mask, num_tokens, objective, temperature, size, stats)
     return total, stats

@@ -1,0 +1,175 @@
+"""DeepSpeed ZeRO-2/3 data parallel: the same loops across processes and machines.
+
+Launch one process per device with `deepspeed` or `torchrun` (README, "Scaling out"); a plain `rlrun
+engine=deepspeed` runs one rank. Each rank holds a slice of every rollout / DPO batch; DeepSpeed averages
+gradients over ranks, so `backward` multiplies the rank's loss (already divided by the GLOBAL token or pair count)
+by the world size: the gradient is then exactly the 1-rank gradient of the same global batch.
+
+The optimizer is a client torch AdamW (`engine.optimizer=torch`, no compilation) or DeepSpeed's own
+(`engine.optimizer=deepspeed`: FusedAdam on GPU, CPUAdam when the optimizer is offloaded; both compile on first
+use). Under ZeRO-3 the heads gather the partitioned lm-head weight themselves (heads/common.py `gathered`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .. import offload as host_offload
+from . import single
+
+log = logging.getLogger(__name__)
+
+
+class RankFailure(RuntimeError):
+    """Another rank stopped: a collective lost its peer."""
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def shutdown() -> None:
+    """Leave the process group (at the end of a run, failed or not)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str, timeout_s: int) -> None:
+    """Join the process group the launcher described (env://); a process started without a launcher is rank 0 of 1."""
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                   verbose=False)
+
+
+def ds_config(cfg, grad_accum: int) -> dict:
+    e, t = cfg.engine, cfg.train
+    zero: dict = {"stage": e.zero_stage, "stage3_gather_16bit_weights_on_model_save": False}
+    if e.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": e.offload_optimizer, "pin_memory": torch.cuda.is_available()}
+    if e.offload_param != "none":
+        zero["offload_param"] = {"device": e.offload_param, "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": t.micro_batch * grad_accum * world_size(),
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": e.dtype == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class Engine:
+    def __init__(self, cfg, policy, reference, grad_accum: int):
+        import deepspeed
+
+        init_distributed(cfg.engine.backend, cfg.engine.timeout_s)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.main = self.rank == 0
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.config = ds_config(cfg, grad_accum)
+        self.offload_enabled = cfg.offload.enabled
+        if cfg.engine.optimizer == "torch":
+            opt, sched = single.optimizer(policy, cfg.train)
+        else:  # DeepSpeed's optimizer from the config; the schedule wraps it after initialize
+            self.config["optimizer"] = {"type": "AdamW", "params": {
+                "lr": cfg.train.lr, "betas": list(cfg.train.betas), "weight_decay": cfg.train.weight_decay}}
+            opt, sched = None, None
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=policy, optimizer=opt, lr_scheduler=sched, config=self.config,
+            model_parameters=None if opt is not None else [p for p in policy.parameters() if p.requires_grad])
+        if self.scheduler is None:
+            schedule = single.lr_lambda(cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+            self.ds.lr_scheduler = self.scheduler
+        self.model = self.ds.module
+        self.reference = None
+        if reference is not None:  # frozen: ZeRO-3 partitions it too; no optimizer, no gradients
+            ref_cfg = {k: v for k, v in self.config.items() if k != "optimizer"}
+            ref_cfg["zero_optimization"] = {"stage": cfg.engine.zero_stage if cfg.engine.zero_stage == 3 else 0}
+            self.reference = deepspeed.initialize(model=reference.requires_grad_(False), config=ref_cfg)[0].module
+            self.reference.eval()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed averages gradients over ranks; the loss is already a share of the GLOBAL mean, so undo that.
+        self.ds.backward(loss * self.world, scale_wrt_gas=False)
+        self.ds.step()  # DeepSpeed counts micro-steps here; the optimizer runs at the accumulation boundary
+        # The loops call the backbone and heads directly, not the engine's forward, which is where DeepSpeed marks a
+        # new micro-step for ZeRO-3 (else the next micro-batch's gradients overwrite this one's instead of adding).
+        if hasattr(self.optimizer, "clear_backward_seen_flag"):
+            self.optimizer.clear_backward_seen_flag()
+
+    def step(self) -> float:
+        """The optimizer already stepped inside the last `backward` (the accumulation boundary): report its norm."""
+        norm = self.ds.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def offload_effective(self) -> bool:
+        return host_offload.effective(self.offload_enabled, self.device)
+
+    def _engine_offload(self) -> bool:
+        # DeepSpeed's own state offload exists for ZeRO-3 with its FusedAdam (GPU); otherwise the ZeRO-wrapped torch
+        # optimizer's state is moved with plain copies, as in single-process runs.
+        return (self.config["zero_optimization"]["stage"] == 3 and hasattr(self.ds, "offload_states")
+                and type(self.optimizer.optimizer).__name__ == "FusedAdam")
+
+    def offload(self) -> None:
+        if not self.offload_effective():
+            return
+        if self._engine_offload():
+            self.ds.offload_states()
+        else:
+            host_offload.move_state(self.optimizer.optimizer, "cpu")
+
+    def onload(self) -> None:
+        if not self.offload_effective():
+            return
+        if self._engine_offload():
+            self.ds.reload_states()
+        else:
+            host_offload.move_state(self.optimizer.optimizer, self.device)
+
+    def generation(self):
+        """ZeRO-3: gather every parameter once for the whole generate call, not once per decoded token."""
+        if self.config["zero_optimization"]["stage"] != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+
+    def gather(self, obj) -> list:
+        out = [None] * self.world
+        try:
+            dist.all_gather_object(out, obj)
+        except RuntimeError as e:
+            raise RankFailure(f"rank {self.rank}: another rank stopped (see its error above): {e}") from e
+        return out
+

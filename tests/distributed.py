@@ -1,0 +1,30 @@
+"""Launch rlrun (or a script) on N CPU ranks with torchrun and gloo, as a user would."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, args: list[str], cwd, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N ARGS` (ARGS: `-m rlrun ...` or a script); returns the finished process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING="false", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def rlrun(nproc: int, tmp_path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun -m rlrun` with tracking into tmp_path/mlflow.db and Hydra's output under tmp_path."""
+    return torchrun(nproc, ["-m", "rlrun", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "progress=false",
+                            f"hydra.run.dir={tmp_path}/outputs", *overrides], cwd=tmp_path, timeout=timeout)
