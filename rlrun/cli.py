@@ -12,8 +12,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from . import checkpoint, tracking
-from .engine import deepspeed as ds_engine
 from .config import ConfigError, validate
+from .engine import deepspeed as ds_engine
 from .models import ModelError
 from .tasks import TaskError
 
@@ -39,6 +39,10 @@ def run(cfg: DictConfig, run_name: str | None = None) -> dict:
             raise ConfigError([f"resume from {path}: {k} was {state['config'].get(k)!r}, now {now.get(k)!r}; a "
                                "resumed run must train the same thing (only train.steps, the head, logging and "
                                "tracking may change)" for k in changed])
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if state.get("world_size", 1) != world:
+            raise ConfigError([f"resume from {path}: the checkpoint was written by {state.get('world_size', 1)} "
+                               f"rank(s), this launch has {world}; resume with the same number of processes."])
         log.info("resuming from %s at step %d", path, state["step"])
     # Data parallel: only rank 0 talks to MLflow (and draws progress); the others record nothing.
     main_rank = os.environ.get("RANK", "0") == "0"

@@ -104,7 +104,7 @@ def mismatch(micros: list[Micro]) -> np.ndarray:
 def sample_seed(seed: int, rollout: int, row: int) -> int:
     """The sampling seed of one sequence: fixed by (run seed, rollout number, row in the global rollout), so the
     same sequence is drawn whichever rank generates it."""
-    return int(np.random.SeedSequence([seed, rollout, row]).generate_state(1)[0])
+    return int(np.random.SeedSequence(seed, spawn_key=(rollout, row)).generate_state(1)[0])
 
 
 def rng_state() -> dict:
@@ -130,19 +130,22 @@ def restore(resume: dict | None, engine, stream) -> int:
     return resume["step"]
 
 
-def maybe_checkpoint(cfg, step: int, stop: bool, state_fn) -> None:
+def maybe_checkpoint(cfg, engine, step: int, stop: bool, state_fn) -> None:
     """Write a checkpoint after `step` when it is due (every N steps, the last step, or a stop signal)."""
     c = cfg.checkpoint
     done = step + 1
+    stop = any(engine.gather(stop))  # a signal that reached one rank stops all of them after the same step
     if c.dir and ((c.every and done % c.every == 0) or done == cfg.train.steps or stop):
-        path = checkpoint.save(c.dir, done, state_fn(done), c.keep)
-        log.info("checkpoint %s", path)
+        path = engine.save(c.dir, done, state_fn(done), c.keep)
+        if path:
+            log.info("checkpoint %s", path)
     if stop:
         raise KeyboardInterrupt
 
 
-def snapshot(step, cfg, engine, stream, tracker, **extra) -> dict:
-    return {"step": step, **engine.state_dict(), "stream": stream.state_dict(), "rng": rng_state(),
+def snapshot(step, cfg, stream, tracker, **extra) -> dict:
+    """The loop's own state; the engine adds the model's and optimizer's when it saves."""
+    return {"step": step, "stream": stream.state_dict(), "rng": rng_state(),
             "run_id": tracker.run_id, "config": cfg_flat(cfg), **extra}
 
 
@@ -217,7 +220,7 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
         totals, pass_seconds = Counter(resume["totals"]), Counter(resume["pass_seconds"])
 
     def state(done):
-        return snapshot(done, cfg, engine, prompts, tracker, history=history,
+        return snapshot(done, cfg, prompts, tracker, history=history,
                         queue=[dataclasses.asdict(m) for m in queue], enqueued=enqueued, totals=dict(totals),
                         pass_seconds=dict(pass_seconds))
 
@@ -234,7 +237,8 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
                 batch = [next(prompts) for _ in range(t.rollout_batch // t.group_size)]
                 batch = batch[engine.rank * per_rank : (engine.rank + 1) * per_rank]
                 first_row = engine.rank * per_rank * t.group_size
-                seeds = [sample_seed(cfg.seed, enqueued // window, first_row + i) for i in range(len(batch) * t.group_size)]
+                rollout_index = enqueued // window
+                seeds = [sample_seed(cfg.seed, rollout_index, first_row + i) for i in range(len(batch) * t.group_size)]
                 with meter.phase("generate"), engine.generation():
                     roll = generate(policy, tokenizer, [ex["prompt"] for ex in batch for _ in range(t.group_size)],
                                     cfg.rollout, device, seeds)
@@ -287,13 +291,14 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
                     masks.append(mb.mask.cpu())
                 grad_norm = engine.step()
 
-            # 3. Metrics over all ranks: a metric that depends on a skipped pass is absent, never a zero that looks real.
+            # 3. Metrics over all ranks. A metric that needs a skipped pass is absent, never a zero that looks real.
             ranks = engine.gather({
                 "loss": loss_total, "stats": {k: torch.cat([s[k] for s in stats_parts]) for k in stats_parts[0]},
                 "mask": torch.cat(masks), "rewards": rewards, "lengths": lengths, "finished": finished,
                 "gen_tokens": gen_tokens, "mism": mism, "meter": meter.metrics()})
             stats = {k: torch.cat([p["stats"][k] for p in ranks]) for k in ranks[0]["stats"]}
-            m.update({"loss": sum(p["loss"] for p in ranks), **losses.summarize(stats, torch.cat([p["mask"] for p in ranks])),
+            mask = torch.cat([p["mask"] for p in ranks])
+            m.update({"loss": sum(p["loss"] for p in ranks), **losses.summarize(stats, mask),
                       "grad_norm": grad_norm, "lr": engine.lr()})
             if rewards:
                 r = torch.cat([x for p in ranks for x in p["rewards"]])
@@ -325,7 +330,7 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
             tracker.log(step, m)
             bar.set_postfix(reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
                             tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
-            maybe_checkpoint(cfg, step, signals["stop"], state)
+            maybe_checkpoint(cfg, engine, step, signals["stop"], state)
     return summarize_run(history, "reward_mean")
 
 
@@ -399,7 +404,7 @@ def train_dpo(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
         cache, history, totals = resume["cache"], resume["history"], Counter(resume["totals"])
 
     def state(done):
-        return snapshot(done, cfg, engine, stream, tracker, history=history, cache=cache, totals=dict(totals))
+        return snapshot(done, cfg, stream, tracker, history=history, cache=cache, totals=dict(totals))
 
     bar = tqdm(range(start, t.steps), desc="rlrun dpo", unit="step", dynamic_ncols=True,
                disable=not (cfg.progress and engine.main), initial=start, total=t.steps)
@@ -462,7 +467,7 @@ def train_dpo(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
             tracker.log(step, m)
             bar.set_postfix(acc=f"{m['rewards/accuracy']:.2f}", loss=f"{m['loss']:.4f}",
                             tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
-            maybe_checkpoint(cfg, step, signals["stop"], state)
+            maybe_checkpoint(cfg, engine, step, signals["stop"], state)
     return summarize_run(history, "rewards/accuracy")
 
 

@@ -32,3 +32,13 @@ def runs(db: str):
 
 def history(client, run_id: str, key: str) -> list[float]:
     return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+def fail_on_rank1_second_rollout(completion: str, answer: str) -> float:
+    """Rank 1 raises while scoring its second rollout (engine=deepspeed tests)."""
+    import os
+
+    calls["rank1"] = calls.get("rank1", 0) + 1
+    if os.environ.get("RANK") == "1" and calls["rank1"] > 4:  # 4 completions per rank per smoke rollout
+        raise RuntimeError("reward server unreachable (test)")
+    return 0.5

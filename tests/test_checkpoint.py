@@ -84,7 +84,7 @@ def test_sigkill_at_a_random_step_then_resume_gives_the_same_curve(tmp_path, los
     (tmp_path / "run").mkdir()
     base = rlrun(tmp_path / "base", *args[:-2])
     assert base.wait(timeout=600) == 0, base.stderr.read()[-2000:]
-    at = random.Random().randint(2, 30)
+    at = random.Random().randint(4, 30)  # >= 4: the first checkpoint (after step 3) exists
     p = kill_after(tmp_path / "run", args, at, signal.SIGKILL)
     assert p.returncode == -signal.SIGKILL
     r = rlrun(tmp_path / "run", *args, "resume=true")

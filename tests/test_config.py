@@ -102,3 +102,34 @@ def test_cli_unknown_option_lists_supported(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rlrun", "head=fancy"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode != 0
     assert "fancy" in r.stderr and "chunked" in r.stderr and "tiled" in r.stderr
+
+
+def test_engine_rules_for_data_parallel_runs(cfg_factory, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as e:
+        validate(cfg_factory("experiment=smoke"))  # engine=single launched on 2 processes
+    assert "engine=single runs one process, but the launcher started 2" in str(e.value)
+    # groups must not straddle ranks; micro-batches are per rank
+    with pytest.raises(ConfigError) as e:
+        validate(cfg_factory("experiment=smoke", "engine=deepspeed", "train.rollout_batch=12",
+                             "train.batch_size=8", "train.micro_batch=4"))
+    assert len(e.value.problems) == 2
+    assert "each rank must hold whole prompt groups" in str(e.value)
+    assert "train.rollout_batch=12 is not divisible by train.micro_batch=4 x 2 ranks" in str(e.value)
+    validate(cfg_factory("experiment=smoke", "engine=deepspeed"))  # 8 = 2 ranks x 1 group x 4; micro 4
+    with pytest.raises(ConfigError) as e:
+        validate(cfg_factory("experiment=smoke", "engine=deepspeed", "engine.zero_stage=1", "engine.offload_param=cpu",
+                             "engine.offload_optimizer=cpu", "offload=on"))
+    text = str(e.value)
+    for rule in ("engine.zero_stage=1", "needs engine.zero_stage=3", "set engine.optimizer=deepspeed",
+                 "offload=on moves optimizer state"):
+        assert rule in text, rule
+
+
+def test_engine_deepspeed_without_deepspeed_names_the_install(cfg_factory, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[deepspeed\]'"):
+        validate(cfg_factory("experiment=smoke", "engine=deepspeed"))

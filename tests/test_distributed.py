@@ -54,3 +54,123 @@ def test_two_ranks_match_one(tmp_path, stage):
     assert_close(two, one)
     # per-rank peak memory is gathered: the max and each rank's
     assert {"mem/train_peak_mib", "mem/rank0/train_peak_mib", "mem/rank1/train_peak_mib"} <= set(run.data.metrics)
+
+
+def test_heads_under_zero3_match_dense_and_one_process(tmp_path):
+    import json
+
+    import torch
+    from distributed import ROOT, torchrun
+
+    from rlrun import heads, losses, models
+
+    out = torchrun(2, [str(ROOT / "tests" / "zero3_heads.py"), str(tmp_path / "heads.json")], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads((tmp_path / "heads.json").read_text())
+
+    # the same global batch in one process, no DeepSpeed, dense head
+    cfg = make_cfg("experiment=smoke")
+    policy, _ = models.build(cfg.model, 0)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 50, (8, 10), generator=gen)
+    adv = torch.randn(8, generator=gen)
+    backbone, weight = models.split(policy)
+    hidden = models.hidden_states(backbone, ids, torch.ones_like(ids))[:, :-1].reshape(-1, 64)
+    targets = ids[:, 1:].reshape(-1)
+    a = adv[:, None].expand(-1, 9).reshape(-1)
+    old = torch.full_like(a, -4.0)
+    objective = losses.objective("dapo", a, old, None, old, clip_low=0.2, clip_high=0.28, kl_coef=0.0,
+                                 kl_estimator="k3", tis_cap=None)
+    loss, _ = heads.HEADS["dense"].loss(hidden, weight, targets, torch.ones_like(targets, dtype=torch.bool),
+                                        objective, targets.numel(), 1.0, 7)
+    loss.backward()
+    ref = weight.grad.flatten()
+    assert ref.norm() > 1e-3
+    for name in ("dense", "tiled", "chunked"):
+        assert got[name]["gathered_numel"] == weight.numel()  # the weight really was partitioned by ZeRO-3
+        assert got[name]["loss"] == pytest.approx(loss.item(), rel=1e-5), name
+        assert got[name]["loss"] == pytest.approx(got["dense"]["loss"], rel=1e-6), name
+        g = torch.tensor(got[name]["grad"])
+        assert torch.allclose(g, torch.tensor(got["dense"]["grad"]), rtol=1e-5, atol=1e-7), name
+        assert torch.allclose(g, ref, rtol=1e-4, atol=1e-6), name
+
+
+def test_a_failing_rank_ends_the_run_failed(tmp_path):
+    out = rlrun(2, tmp_path, "experiment=smoke", "engine=deepspeed", "task.reward=helpers:fail_on_rank1_second_rollout",
+                "engine.timeout_s=60")
+    assert out.returncode != 0
+    assert "reward server unreachable (test)" in out.stderr  # rank 1's own error is shown
+    client, found = runs(tmp_path / "mlflow.db")
+    (run,) = found
+    assert run.info.status == "FAILED"
+    assert "another rank stopped" in run.data.tags["error"]
+    assert len(history(client, run.info.run_id, "loss")) == 1  # the step logged before the failure is kept
+
+
+@pytest.mark.parametrize("offload", ["on", "off"])
+def test_offload_round_trips_under_zero(tmp_path, offload):
+    """offload=on gives the same curve as off, with its phases timed. On CPU the optimizer state already lives in
+    host memory, so nothing moves here (the run says so in its tags); the GPU path is not run here."""
+    one = single_process(tmp_path / "one")
+    out = rlrun(2, tmp_path, *EQUIV, "engine=deepspeed", f"offload={offload}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run, two = curves(tmp_path / "mlflow.db")
+    assert_close(two, one)
+    assert {"time/offload_s", "time/onload_s"} <= set(run.data.metrics)
+    if offload == "on":
+        assert run.data.tags["offload.effective"] == "false"
+
+
+def test_dpo_two_ranks_match_one(tmp_path):
+    dpo = ["loss=dpo", "head=chunked", "train.steps=3", "train.batch_size=8", "train.micro_batch=2"]
+    cli.run(make_cfg(*dpo, tmp_path=tmp_path / "one"), "one")
+    client, (ref,) = runs(tmp_path / "one" / "mlflow.db")
+    out = rlrun(2, tmp_path, *dpo, "engine=deepspeed", "engine.zero_stage=3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    client2, (run,) = runs(tmp_path / "mlflow.db")
+    for key in ("loss", "grad_norm", "rewards/accuracy", "rewards/margin"):
+        a, b = history(client2, run.info.run_id, key), history(client, ref.info.run_id, key)
+        assert len(a) == len(b) == 3 and a == pytest.approx(b, rel=RTOL, abs=1e-7), key
+    assert max(history(client, ref.info.run_id, "grad_norm")) > 0.1
+
+
+@pytest.mark.parametrize("loss,stage", [("dapo", 3), ("dpo", 2)])
+def test_sigkill_two_ranks_then_resume_gives_the_same_curve(tmp_path, loss, stage):
+    """Checkpoints are DeepSpeed's own (save_checkpoint/load_checkpoint) plus each rank's loop state and RNG."""
+    import os
+    import random
+    import signal
+    import time
+
+    from test_checkpoint import curve, logged_steps
+
+    args = ["experiment=smoke", f"loss={loss}", "train.steps=12", "engine=deepspeed", f"engine.zero_stage={stage}",
+            "checkpoint.every=2"]
+    (tmp_path / "base").mkdir()
+    (tmp_path / "run").mkdir()
+    base = rlrun(2, tmp_path / "base", *args)
+    assert base.returncode == 0, base.stderr[-3000:]
+    at = random.Random().randint(3, 9)  # >= 3: the first checkpoint (after step 2) exists
+    p = rlrun(2, tmp_path / "run", *args, f"checkpoint.dir={tmp_path}/run/ckpt", wait=False)
+    deadline = time.time() + 300
+    while p.poll() is None and logged_steps(tmp_path / "run" / "mlflow.db") < at and time.time() < deadline:
+        time.sleep(0.02)
+    assert p.poll() is None, "the run ended before it could be killed"
+    os.killpg(p.pid, signal.SIGKILL)  # every rank and the launcher, at once
+    p.wait(timeout=60)
+    assert sorted(os.listdir(tmp_path / "run" / "ckpt"))  # at least one sealed checkpoint to resume from
+    r = rlrun(2, tmp_path / "run", *args, f"checkpoint.dir={tmp_path}/run/ckpt", "resume=true")
+    assert r.returncode == 0, r.stderr[-3000:]
+    run_, steps, values = curve(tmp_path / "run" / "mlflow.db")
+    _, base_steps, base_values = curve(tmp_path / "base" / "mlflow.db")
+    assert run_.info.status == "FINISHED"
+    assert steps == base_steps == list(range(12))  # no missing, no duplicated step
+    assert values == base_values, f"killed after step {at}"  # bit for bit
+
+
+def test_resume_refuses_another_number_of_ranks(tmp_path):
+    args = ["experiment=smoke", "train.steps=2", "engine=deepspeed", f"checkpoint.dir={tmp_path}/ckpt"]
+    assert rlrun(2, tmp_path, *args).returncode == 0
+    out = rlrun(1, tmp_path, *args, "resume=true", "train.steps=4")
+    assert out.returncode != 0  # torchrun reports any failed rank as 1; rlrun itself exits 2 (a user error)
+    assert "written by 2 rank(s), this launch has 1" in out.stderr

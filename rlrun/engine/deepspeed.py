@@ -21,6 +21,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from .. import checkpoint
 from .. import offload as host_offload
 from . import single
 
@@ -164,6 +165,23 @@ class Engine:
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+
+    def save(self, folder: str, step: int, state: dict, keep: int) -> str:
+        """DeepSpeed's own checkpoint (model, ZeRO optimizer partitions, LR schedule) plus each rank's loop state and
+        RNG, sealed by a manifest once every rank has written (checkpoint.py)."""
+        self.ds.save_checkpoint(folder, tag=checkpoint.tag(step), save_latest=False)
+        checkpoint.write(os.path.join(folder, checkpoint.tag(step), f"rlrun_rank{self.rank}.pt"),
+                         {**state, "world_size": self.world})
+        dist.barrier()
+        path = checkpoint.write_manifest(folder, step, keep) if self.main else ""
+        dist.barrier()
+        return path
+
+    def load_state_dict(self, state: dict) -> None:
+        folder, tag = state["deepspeed_checkpoint"]
+        path, _ = self.ds.load_checkpoint(folder, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise checkpoint.CheckpointError(f"DeepSpeed could not load {folder}/{tag}")
 
     def gather(self, obj) -> list:
         out = [None] * self.world

@@ -2,7 +2,7 @@
 
 Every engine offers the same few methods, which is all the training loops use: `backward`, `step`, `lr`,
 `offload`/`onload`, `generation` (weights ready for generate), `gather` (objects from every rank), and
-`state_dict`/`load_state_dict` of what it owns. `engine=deepspeed` (engine/deepspeed.py) implements them with DeepSpeed ZeRO.
+`save`/`load_state_dict` of checkpoints. `engine=deepspeed` (engine/deepspeed.py) implements them with DeepSpeed ZeRO.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from .. import checkpoint
 from .. import offload as host_offload
 
 
@@ -87,6 +88,10 @@ class Engine:
 
     def gather(self, obj) -> list:
         return [obj]
+
+    def save(self, folder: str, step: int, state: dict, keep: int) -> str:
+        """Checkpoint: the loop's `state` plus model, optimizer, schedule and reference, in one atomic file."""
+        return checkpoint.save(folder, step, {**state, **self.state_dict()}, keep)
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),

@@ -10,7 +10,16 @@ import contextlib
 import torch
 
 from ..losses import masked_total
-from .common import accumulate_grads, gathered, ready_for_grad, chunked_logprobs_nograd, logit_grad_, softmax_stats_, tile_logits, tiles
+from .common import (
+    accumulate_grads,
+    chunked_logprobs_nograd,
+    gathered,
+    logit_grad_,
+    ready_for_grad,
+    softmax_stats_,
+    tile_logits,
+    tiles,
+)
 
 
 class ChunkedLogprobs(torch.autograd.Function):

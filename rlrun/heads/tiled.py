@@ -11,7 +11,7 @@ import torch
 
 from ..losses import masked_total
 from .chunked import logprobs as _chunked_logprobs
-from .common import accumulate_grads, gathered, ready_for_grad, logit_grad_, softmax_stats_, tile_logits, tiles
+from .common import accumulate_grads, gathered, logit_grad_, ready_for_grad, softmax_stats_, tile_logits, tiles
 
 
 class TiledLoss(torch.autograd.Function):
