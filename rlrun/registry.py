@@ -8,6 +8,7 @@ from .logprobs import POLICIES
 from .losses import POLICY_LOSSES
 from .losses.dpo import dpo_loss
 from .rollout import hf
+from .rollout import vllm as vllm_rollout
 
 REGISTRY: dict[str, dict] = {
     "loss": {**POLICY_LOSSES, "dpo": dpo_loss},
@@ -16,7 +17,7 @@ REGISTRY: dict[str, dict] = {
     "offload": {"on": True, "off": False},
     "model": {"tiny": models.tiny_model, "hf": models.load_hf},
     "task": {"arith": tasks.arith_examples, "jsonl": tasks.read_jsonl},
-    "rollout": {"hf": hf.generate},
+    "rollout": {"hf": hf, "vllm": vllm_rollout},
     "engine": {"single": single, "deepspeed": ds_engine},
     "tracking": {"mlflow": tracking.MLflow, "none": tracking.Null},
 }

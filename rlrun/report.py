@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 STYLES = ["-", "--", ":", "-."]
-PHASES = ["generate", "offload", "old_logprobs", "ref_logprobs", "onload", "train"]
+PHASES = ["sync", "generate", "offload", "old_logprobs", "ref_logprobs", "onload", "train"]
 EFFICIENCY_AXES = ("head.", "logprob_policy.", "offload.")
 BASELINE = {"head.name": "dense", "logprob_policy.name": "always", "offload.name": "off"}
 IGNORED_PARAMS = ("run_name", "tracking.", "progress")

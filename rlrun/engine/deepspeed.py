@@ -36,10 +36,14 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+_OWNED = {"group": False}  # whether this module created the process group (an in-process vLLM makes its own)
+
+
 def shutdown() -> None:
-    """Leave the process group (at the end of a run, failed or not)."""
-    if dist.is_available() and dist.is_initialized():
+    """Leave the process group this module joined (at the end of a run, failed or not)."""
+    if _OWNED["group"] and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _OWNED["group"] = False
 
 
 def _free_port() -> int:
@@ -60,6 +64,7 @@ def init_distributed(backend: str, timeout_s: int) -> None:
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                                    verbose=False)
+        _OWNED["group"] = True
 
 
 def ds_config(cfg, grad_accum: int) -> dict:

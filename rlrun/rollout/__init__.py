@@ -1,4 +1,6 @@
-"""Rollout engines. Contract: `generate(model, tokenizer, prompts, cfg, device) -> Rollout`."""
+"""Rollout engines. Each module has `build(cfg, model, tokenizer, device)` returning an object with
+`generate(model, prompts, seeds) -> Rollout` (one sampling seed per prompt) and `sync(model)`, which copies the
+current weights into the engine (`needs_sync` False: the engine samples from `model` itself, nothing to copy)."""
 
 from __future__ import annotations
 

