@@ -62,7 +62,8 @@ def run(cfg: DictConfig, run_name: str | None = None) -> dict:
         ds_engine.shutdown()
     tracker.summary(summary)
     tracker.finish("FINISHED")
-    log.info("summary: %s", {k: round(v, 4) for k, v in summary.items()})
+    if main_rank:
+        log.info("summary: %s", {k: round(v, 4) for k, v in summary.items()})
     if tracker.run_id:
         log.info("mlflow run %s (%s)", tracker.run_id, cfg.tracking.uri)
     return summary

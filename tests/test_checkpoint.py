@@ -112,3 +112,25 @@ def test_ctrl_c_writes_a_checkpoint_marks_killed_and_resume_finishes(tmp_path):
     run2, steps, _ = curve(tmp_path / "mlflow.db")
     assert run2.info.run_id == run_.info.run_id and run2.info.status == "FINISHED"
     assert steps == list(range(45))
+
+
+def test_sharded_checkpoints_are_sealed_and_a_changed_file_falls_back(tmp_path, caplog, monkeypatch):
+    """engine=deepspeed layout: step_N/ (DeepSpeed's files + one rlrun_rank{R}.pt per rank) sealed by step_N.manifest."""
+    monkeypatch.setenv("RANK", "1")
+    for step in (2, 4, 6):
+        folder = tmp_path / f"step_{step:08d}"
+        folder.mkdir()
+        (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"optimizer bytes %d" % step)
+        for rank in (0, 1):
+            checkpoint.write(str(folder / f"rlrun_rank{rank}.pt"), {"step": step, "rank": rank})
+        checkpoint.write_manifest(str(tmp_path), step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000004", "step_00000004.manifest", "step_00000006", "step_00000006.manifest"]  # keep=2
+    (tmp_path / "step_00000008").mkdir()  # a checkpoint whose writing was killed: never sealed, never loaded
+    state, path = checkpoint.load_latest(str(tmp_path))
+    assert (state["step"], state["rank"]) == (6, 1) and path.endswith("step_00000006.manifest")
+    assert state["deepspeed_checkpoint"] == (str(tmp_path), "step_00000006")
+    (tmp_path / "step_00000006" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"truncat")
+    with caplog.at_level("WARNING"):
+        state, path = checkpoint.load_latest(str(tmp_path))
+    assert state["step"] == 4 and "changed since the checkpoint was sealed" in caplog.text
