@@ -23,12 +23,14 @@ def trainer_logprobs(policy, roll, temperature):
     return lp, micros[0].mask
 
 
-def test_vllm_logprobs_equal_the_trainers_after_every_sync_and_drift_without_one():
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
+def test_vllm_logprobs_equal_the_trainers_after_every_sync_and_drift_without_one(arch, tied):
     from rlrun import models
     from rlrun.loop import sample_seed
     from rlrun.rollout import vllm
 
-    cfg = make_cfg("rollout=vllm", "rollout.max_new_tokens=8", "rollout.temperature=0.8")
+    cfg = make_cfg("rollout=vllm", "rollout.max_new_tokens=8", "rollout.temperature=0.8", f"model.arch={arch}",
+                   f"model.tie_embeddings={tied}")
     policy, tok = models.build(cfg.model, 0)
     engine = vllm.build(cfg.rollout, policy, tok, "cpu")
     prompts = ["3+4=", "12+1=", "0-2=", "4*4="] * 4
