@@ -56,7 +56,8 @@ def test_two_ranks_match_one(tmp_path, stage):
     assert {"mem/train_peak_mib", "mem/rank0/train_peak_mib", "mem/rank1/train_peak_mib"} <= set(run.data.metrics)
 
 
-def test_heads_under_zero3_match_dense_and_one_process(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])  # tied: the lm-head weight is also the embedding ZeRO-3 gathers
+def test_heads_under_zero3_match_dense_and_one_process(tmp_path, tied):
     import json
 
     import torch
@@ -64,12 +65,12 @@ def test_heads_under_zero3_match_dense_and_one_process(tmp_path):
 
     from rlrun import heads, losses, models
 
-    out = torchrun(2, [str(ROOT / "tests" / "zero3_heads.py"), str(tmp_path / "heads.json")], cwd=tmp_path)
+    out = torchrun(2, [str(ROOT / "tests" / "zero3_heads.py"), str(tmp_path / "heads.json"), str(tied)], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads((tmp_path / "heads.json").read_text())
 
     # the same global batch in one process, no DeepSpeed, dense head
-    cfg = make_cfg("experiment=smoke")
+    cfg = make_cfg("experiment=smoke", f"model.tie_embeddings={tied}")
     policy, _ = models.build(cfg.model, 0)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 50, (8, 10), generator=gen)

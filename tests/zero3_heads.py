@@ -1,5 +1,5 @@
 """Run under torchrun (test_distributed.py): each head's loss and lm-head gradient under ZeRO-3 on this rank's
-share of one global batch; rank 0 writes them to the JSON file given as argv[1]."""
+share of one global batch; rank 0 writes them to the JSON file given as argv[1]; argv[2]: tie embeddings."""
 
 import json
 import sys
@@ -12,8 +12,9 @@ from rlrun import heads, losses, models
 from rlrun.engine import deepspeed as ds_engine
 
 
-def main(out: str):
-    cfg = make_cfg("experiment=smoke", "engine=deepspeed", "engine.zero_stage=3", "train.micro_batch=4")
+def main(out: str, tied: str):
+    cfg = make_cfg("experiment=smoke", "engine=deepspeed", "engine.zero_stage=3", "train.micro_batch=4",
+                   f"model.tie_embeddings={tied}")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 50, (8, 10), generator=gen)  # the global batch; each rank takes 4 rows
     adv = torch.randn(8, generator=gen)
@@ -42,4 +43,4 @@ def main(out: str):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

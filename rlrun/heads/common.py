@@ -40,7 +40,8 @@ def ready_for_grad(weight: torch.Tensor) -> None:
 
     def release(param):
         handle.remove()
-        param.partition()
+        if not param.ds_active_sub_modules:  # tied embeddings: the embedding still uses it; ZeRO releases it then
+            param.partition()
 
     handle = weight.register_post_accumulate_grad_hook(release)
 
