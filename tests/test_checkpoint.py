@@ -115,7 +115,7 @@ def test_ctrl_c_writes_a_checkpoint_marks_killed_and_resume_finishes(tmp_path):
 
 
 def test_sharded_checkpoints_are_sealed_and_a_changed_file_falls_back(tmp_path, caplog, monkeypatch):
-    """engine=deepspeed layout: step_N/ (DeepSpeed's files + one rlrun_rank{R}.pt per rank) sealed by step_N.manifest."""
+    """engine=deepspeed layout: step_N/ (DeepSpeed's files + rlrun_rank{R}.pt per rank) sealed by step_N.manifest."""
     monkeypatch.setenv("RANK", "1")
     for step in (2, 4, 6):
         folder = tmp_path / f"step_{step:08d}"
