@@ -105,6 +105,11 @@ def test_cli_unknown_option_lists_supported(tmp_path):
 
 
 def test_engine_rules_for_data_parallel_runs(cfg_factory, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec  # these rules hold whether or not DeepSpeed is installed in this venv
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "deepspeed" else real(name, *a))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError) as e:
         validate(cfg_factory("experiment=smoke"))  # engine=single launched on 2 processes
