@@ -5,6 +5,10 @@ micro-batches from a queue; when the queue runs short, a rollout of `rollout_bat
 the current weights, scored, given group-normalised advantages, given whatever old-policy / reference logprobs
 the logprob policy says it needs, and enqueued `num_iterations` times. So an optimizer step may span rollouts and
 a rollout may span optimizer steps, exactly as in TRL's step schedule, and the window policy's decision is exact.
+
+Everything that touches weights goes through the engine (engine/single.py, engine/deepspeed.py). Data parallel:
+batch sizes are global and `micro_batch` is per rank; every rank reads the same prompt stream and takes its slice
+of each rollout (whole prompt groups) or DPO batch; the step's token count and the metrics are gathered over ranks.
 """
 
 from __future__ import annotations
