@@ -25,11 +25,9 @@ import signal
 
 import torch
 
+from .errors import CheckpointError
+
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def tag(step: int) -> str:

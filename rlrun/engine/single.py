@@ -27,6 +27,9 @@ def device(cfg) -> torch.device:
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
+    if schedule not in ("constant", "cosine", "linear"):  # the validator refuses it first; never train on a typo
+        raise ValueError(f"train.lr_schedule={schedule!r}; supported: ['constant', 'cosine', 'linear']")
+
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup

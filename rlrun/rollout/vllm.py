@@ -21,11 +21,8 @@ import tempfile
 import torch
 
 from .. import models
+from ..errors import RolloutError
 from . import Rollout
-
-
-class RolloutError(RuntimeError):
-    """rollout=vllm cannot start (vLLM missing, or a setting it refuses)."""
 
 
 class VLLMRollout:

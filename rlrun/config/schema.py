@@ -1,0 +1,347 @@
+"""The schema of conf/: one dataclass per option of each config group, plus train, checkpoint and the top level.
+
+Fields carry types, choices (`Literal`) and bounds (`Check` in `Annotated`), never default values: those live in
+the YAML files only, with their comments. A group field of `RunConfig` is the union of its options; `validate`
+picks the option by `name`. `OPTIONS` (group -> option name -> dataclass) is derived from `RunConfig`, so adding
+an option is adding its dataclass to the union (and its YAML file; a test checks the two agree).
+"""
+
+import math
+import re
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+UNIONS = (Union, types.UnionType)  # typing.Optional[X] / Union[X, Y], and X | Y of plain classes
+
+
+@dataclass(frozen=True)
+class Check:
+    """A bound on one value: `test(value)` must hold; `text` completes "KEY=VALUE must be ..." (on an optional key
+    the message adds "or null" itself)."""
+
+    test: Callable[[Any], bool]
+    text: str
+
+
+def needs(hint: str):
+    """A required field whose unset value (???, null or '') is reported as "<group>=<option> needs KEY=<hint>"."""
+    return field(metadata={"needs": hint})
+
+
+PosInt = Annotated[int, Check(lambda v: v >= 1, "a positive integer")]
+NonNegInt = Annotated[int, Check(lambda v: v >= 0, "an integer >= 0")]
+NonNeg = Annotated[float, Check(lambda v: v >= 0, ">= 0")]
+Positive = Annotated[float, Check(lambda v: v > 0, "> 0")]
+Beta = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1)")]
+PathStr = Annotated[str, Check(lambda v: v != "", "a non-empty path")]
+Dtype = Literal["float32", "bfloat16", "float16"]  # the torch dtypes rlrun.models builds
+ImportPath = Annotated[str, Check(lambda v: re.fullmatch(r"[^:\s]+:[\w.]+", v) is not None,
+                                  "module:function or path/to/file.py:function")]
+
+
+# -- head ---------------------------------------------------------------------------------------------------------
+TileSize = Annotated[int, Check(lambda v: v >= 1, "a positive integer (tokens per tile/chunk)")]
+
+
+@dataclass
+class DenseHead:
+    name: Literal["dense"]
+    size: PosInt | None  # ignored: dense builds the full logits
+
+
+@dataclass
+class TiledHead:
+    name: Literal["tiled"]
+    size: TileSize
+
+
+@dataclass
+class ChunkedHead:
+    name: Literal["chunked"]
+    size: TileSize
+
+
+# -- loss ---------------------------------------------------------------------------------------------------------
+KlEstimator = Literal["k1", "k2", "k3"]
+
+
+@dataclass
+class TisConfig:
+    enabled: bool
+    cap: float  # > 0 when enabled (rules.py)
+
+
+@dataclass
+class DapoLoss:
+    name: Literal["dapo"]
+    clip_low: NonNeg
+    clip_high: NonNeg
+    kl_coef: NonNeg
+    kl_estimator: KlEstimator
+    tis: TisConfig
+
+
+@dataclass
+class CispoLoss:
+    name: Literal["cispo"]
+    clip_low: NonNeg | None  # null: no lower bound on the weight
+    clip_high: NonNeg
+    kl_coef: NonNeg
+    kl_estimator: KlEstimator
+    tis: TisConfig
+
+
+@dataclass
+class DpoLoss:
+    name: Literal["dpo"]
+    beta: Positive
+    label_smoothing: Annotated[float, Check(lambda v: 0 <= v < 0.5, "in [0, 0.5)")]
+    sft_coef: NonNeg
+    average_logprobs: bool
+    reference_path: PathStr | None
+    kl_coef: float  # unused by DPO; kept so `loss.kl_coef=...` overrides compose across the loss axis
+
+
+# -- logprob_policy, offload --------------------------------------------------------------------------------------
+@dataclass
+class AlwaysPolicy:
+    name: Literal["always"]
+
+
+@dataclass
+class WindowPolicy:
+    name: Literal["window"]
+
+
+@dataclass
+class SkipPolicy:
+    name: Literal["skip"]
+
+
+@dataclass
+class OffOffload:
+    name: Literal["off"]
+    enabled: bool
+
+
+@dataclass
+class OnOffload:
+    name: Literal["on"]
+    enabled: bool
+
+
+# -- model --------------------------------------------------------------------------------------------------------
+@dataclass
+class TinyModel:
+    name: Literal["tiny"]
+    arch: Literal["llama", "qwen2"]
+    hidden_size: PosInt  # divisible by heads (rules.py)
+    intermediate_size: PosInt
+    layers: PosInt
+    heads: PosInt  # divisible by kv_heads (rules.py)
+    kv_heads: PosInt
+    max_positions: PosInt
+    vocab_size: PosInt | None  # null: the tokenizer's size
+    tie_embeddings: bool
+    dtype: Dtype
+
+
+@dataclass
+class HFModel:
+    name: Literal["hf"]
+    path: PathStr = needs("DIR (a local transformers checkpoint folder)")
+    dtype: Dtype
+
+
+# -- task ---------------------------------------------------------------------------------------------------------
+@dataclass
+class RewardEntry:
+    """One item of `task.rewards` (a list the user writes, so `name` and `kwargs` may be left out)."""
+
+    fn: ImportPath
+    weight: Annotated[float, Check(math.isfinite, "a finite number")]
+    name: str | None = None  # logged as rewards/<name>/mean; default: the function's name
+    kwargs: dict | None = None  # extra keyword arguments for a parameterised reward (e.g. a regex pattern)
+
+
+EvalSize = NonNegInt | Annotated[float, Check(lambda v: 0 <= v < 1, "a fraction in [0, 1)")]
+ChatTemplate = Literal["auto", True, False]
+
+
+@dataclass
+class ArithTask:
+    name: Literal["arith"]
+    size: PosInt
+    max_operand: NonNegInt
+    ops: Annotated[list[Literal["+", "-", "*"]], Check(lambda v: len(v) >= 1, "a non-empty list")]
+    reward: ImportPath | None  # one reward (legacy form); or `rewards`
+    rewards: list[RewardEntry] | None
+    eval_size: EvalSize  # prompts held out of training for evaluation: a count or a fraction
+    chat_template: ChatTemplate
+    add_generation_prompt: bool
+    system_prompt: str | None
+
+
+@dataclass
+class JsonlTask:
+    name: Literal["jsonl"]
+    path: PathStr = needs("FILE (JSONL with 'prompt' and 'answer' fields)")
+    reward: ImportPath | None
+    rewards: list[RewardEntry] | None
+    eval_size: EvalSize
+    chat_template: ChatTemplate
+    add_generation_prompt: bool
+    system_prompt: str | None
+
+
+@dataclass
+class DatasetTask:
+    name: Literal["dataset"]
+    path: PathStr = needs("FILE_OR_FOLDER (local jsonl/json/parquet/csv/arrow, or a save_to_disk folder)")
+    split: Annotated[str, Check(lambda v: v != "", "a split name")]
+    eval_split: str | None
+    eval_size: EvalSize
+    max_rows: PosInt | None
+    prompt_key: Annotated[str, Check(lambda v: v != "", "a column name")]
+    answer_key: Annotated[str, Check(lambda v: v != "", "a column name")]
+    chosen_key: Annotated[str, Check(lambda v: v != "", "a column name")]
+    rejected_key: Annotated[str, Check(lambda v: v != "", "a column name")]
+    chat_template: ChatTemplate
+    add_generation_prompt: bool
+    system_prompt: str | None
+    reward: ImportPath | None
+    rewards: list[RewardEntry] | None
+
+
+# -- rollout ------------------------------------------------------------------------------------------------------
+Temperature = Annotated[float, Check(lambda v: v > 0, "> 0: the trainer's logprobs are taken at the sampling "
+                                                        "temperature")]
+TopP = Annotated[float, Check(lambda v: 0 < v <= 1, "in (0, 1]")]
+
+
+@dataclass
+class HFRollout:
+    name: Literal["hf"]
+    temperature: Temperature
+    top_p: TopP
+    max_new_tokens: PosInt
+    sync_weights: bool  # read by the GRPO recipe for every rollout; hf samples from the trainer's model itself
+
+
+@dataclass
+class VLLMRollout:
+    name: Literal["vllm"]
+    temperature: Temperature
+    top_p: TopP
+    max_new_tokens: PosInt
+    mode: Literal["inprocess", "process"]
+    sync_weights: bool
+    dtype: Dtype
+    enforce_eager: bool
+    max_model_len: PosInt
+    kv_cache_gib: Positive
+    gpu_memory_utilization: Annotated[float, Check(lambda v: 0 < v <= 1, "in (0, 1]")]
+    tensor_parallel_size: PosInt
+    sleep: bool
+
+
+# -- engine -------------------------------------------------------------------------------------------------------
+Offload = Literal["none", "cpu", "nvme"]
+
+
+@dataclass
+class SingleEngine:
+    name: Literal["single"]
+    device: Annotated[str, Check(lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None,
+                                 "auto, cpu, cuda or cuda:N")]
+
+
+@dataclass
+class DeepSpeedEngine:
+    name: Literal["deepspeed"]
+    zero_stage: Literal[2, 3]
+    dtype: Literal["fp32", "bf16"]
+    optimizer: Literal["torch", "deepspeed"]
+    offload_optimizer: Offload
+    offload_param: Offload
+    backend: Literal["auto", "gloo", "nccl", "ccl"]
+    timeout_s: Annotated[int, Check(lambda v: v >= 1, "a positive integer (seconds)")]
+
+
+# -- tracking -----------------------------------------------------------------------------------------------------
+@dataclass
+class MLflowTracking:
+    name: Literal["mlflow"]
+    uri: Annotated[str, Check(lambda v: v != "", "a non-empty URI")] = needs(
+        "URI (sqlite:///mlflow.db or http(s)://HOST:PORT), or use tracking=none")
+    experiment: Annotated[str, Check(lambda v: v != "", "a non-empty experiment name")]
+    parent_run_id: str | None  # set by the sweep callback through RLRUN_PARENT_RUN_ID
+
+
+@dataclass
+class NoTracking:
+    name: Literal["none"]
+
+
+# -- train, checkpoint, top level ---------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    steps: PosInt
+    rollout_batch: PosInt
+    group_size: PosInt
+    batch_size: PosInt
+    micro_batch: PosInt
+    num_iterations: PosInt
+    scale_advantages: bool
+    lr: Annotated[float, Check(lambda v: v > 0 and math.isfinite(v), "> 0 and finite")]
+    betas: tuple[Beta, Beta]
+    weight_decay: NonNeg
+    grad_clip: Positive
+    warmup_steps: NonNegInt
+    lr_schedule: Literal["constant", "cosine", "linear"]
+
+
+@dataclass
+class CheckpointConfig:
+    dir: PathStr | None
+    every: NonNegInt
+    keep: PosInt
+
+
+@dataclass
+class RunConfig:
+    seed: NonNegInt  # numpy refuses negative seeds
+    run_name: str | None
+    progress: bool
+    resume: bool | PathStr
+    checkpoint: CheckpointConfig
+    train: TrainConfig
+    model: TinyModel | HFModel
+    task: ArithTask | JsonlTask | DatasetTask
+    loss: DapoLoss | CispoLoss | DpoLoss
+    head: DenseHead | TiledHead | ChunkedHead
+    logprob_policy: AlwaysPolicy | WindowPolicy | SkipPolicy
+    offload: OffOffload | OnOffload
+    rollout: HFRollout | VLLMRollout
+    engine: SingleEngine | DeepSpeedEngine
+    tracking: MLflowTracking | NoTracking
+
+
+def option_name(cls) -> str | None:
+    """The option a dataclass stands for (its `name: Literal[...]`), or None for train/checkpoint/nested nodes."""
+    name = getattr(cls, "__dataclass_fields__", {}).get("name")
+    return get_args(name.type)[0] if name is not None and get_args(name.type) else None
+
+
+def group_options(tp) -> dict[str, type] | None:
+    """{name: dataclass} when `tp` is a union of group options, else None."""
+    arms = get_args(tp) if get_origin(tp) in UNIONS else ()
+    if arms and all(option_name(a) for a in arms):
+        return {option_name(a): a for a in arms}
+    return None
+
+
+OPTIONS: dict[str, dict[str, type]] = {f.name: group_options(f.type) for f in fields(RunConfig)
+                                       if group_options(f.type)}

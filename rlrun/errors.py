@@ -1,0 +1,26 @@
+"""Errors that are the user's input, not a bug: the CLI prints them as one message and exits 2, no traceback.
+
+They live here, free of heavy imports, so the CLI can catch them without importing torch through the modules that
+raise them (each of those modules re-exports its error, so `except tasks.TaskError` keeps working).
+`ConfigError` lives with the validator in `rlrun.config`.
+"""
+
+
+class ModelError(ValueError):
+    """A model path or model option that cannot be used."""
+
+
+class TaskError(ValueError):
+    """A data file or task option that cannot be used."""
+
+
+class TrackingError(RuntimeError):
+    """The tracking URI or experiment cannot be used."""
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was asked for."""
+
+
+class RolloutError(RuntimeError):
+    """rollout=vllm cannot start (vLLM missing, or a setting it refuses)."""

@@ -1,0 +1,95 @@
+"""The CLI answers before any heavy import: `--help`, `--cfg job` and every refused config exit without importing
+torch, transformers, deepspeed, vllm or mlflow (checked with `python -X importtime`), with exit code 2 for a
+config problem. Each test runs `python -m rlrun` in a fresh process from an empty folder."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlrun import registry
+from rlrun.config import OPTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = {"torch", "transformers", "deepspeed", "vllm", "mlflow"}
+
+
+def rlrun(tmp_path, *args, importtime=False, env=None):
+    """`python [-X importtime] -m rlrun ARGS` -> (completed process, top-level packages it imported)."""
+    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "rlrun", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in r.stderr.splitlines()
+                if line.startswith("import time:")}
+    return r, imported
+
+
+def test_refused_config_exits_2_with_the_rule_and_imports_nothing_heavy(tmp_path):
+    r, imported = rlrun(tmp_path, "logprob_policy=skip", "loss.kl_coef=0.1", importtime=True)
+    assert "rlrun" in imported and "hydra" in imported  # the measurement saw the imports
+    assert not imported & HEAVY, sorted(imported & HEAVY)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "rlrun: error: 1 problem(s) in the configuration:" in r.stderr
+    assert "logprob_policy=skip skips the reference pass, which needs loss.kl_coef=0 (got loss.kl_coef=0.1)" in r.stderr
+    assert not list(tmp_path.glob("*.db"))  # no MLflow store touched
+
+
+def test_help_lists_groups_options_sweeps_and_imports_nothing_heavy(tmp_path):
+    r, imported = rlrun(tmp_path, "--help", importtime=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not imported & HEAVY, sorted(imported & HEAVY)
+    out = r.stdout
+    for group, options in OPTIONS.items():
+        assert f"{group}: {', '.join(sorted(options))}" in out, group
+    assert "experiment: smoke" in out
+    for sweep in (ROOT / "sweeps").glob("*.yaml"):  # the help names every shipped sweep
+        assert sweep.stem in out, sweep.stem
+    for needle in ("rlrun -cd sweeps -cn NAME", "rlrun-report", "sqlite:///mlflow.db", "mlflow ui"):
+        assert needle in out, needle
+
+
+def test_cfg_job_prints_the_config_and_imports_nothing_heavy(tmp_path):
+    r, imported = rlrun(tmp_path, "--cfg", "job", "head=tiled", importtime=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not imported & HEAVY, sorted(imported & HEAVY)
+    assert "head:\n  name: tiled\n  size: 128" in r.stdout
+
+
+def test_misspelled_value_exits_2_naming_the_allowed_values(tmp_path):
+    r, _ = rlrun(tmp_path, "train.lr_schedule=cosin", "+head.sizee=3")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert ("train.lr_schedule='cosin' is not supported (did you mean 'cosine'?); supported: ['constant', 'cosine', "
+            "'linear']") in r.stderr
+    assert "head.sizee=3 is not a key of head=dense; did you mean head.size?" in r.stderr
+    assert "2 problem(s)" in r.stderr
+
+
+def test_error_names_the_rank_under_a_launcher(tmp_path):
+    import os
+
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1"}
+    r, _ = rlrun(tmp_path, "experiment=smoke", env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "rlrun: rank 1: error:" in r.stderr and "engine=single runs one process" in r.stderr
+
+
+def test_registry_names_are_the_options():
+    assert {g: set(n) for g, n in registry.REGISTRY.items()} == {g: set(o) for g, o in OPTIONS.items()}
+    with pytest.raises(KeyError, match=r"head='fancy' is not supported; supported: \['chunked', 'dense', 'tiled'\]"):
+        registry.get("head", "fancy")
+
+
+@pytest.mark.slow  # imports torch, transformers and DeepSpeed's torch.distributed: ~10 s
+def test_registry_resolves_every_option():
+    # in a fresh process: importing the components loads torch, which this file otherwise never does
+    code = ("from rlrun import registry, losses, logprobs, heads, tracking, models, tasks\n"
+            "got = {(g, n): registry.get(g, n) for g in registry.REGISTRY for n in registry.REGISTRY[g]}\n"
+            "assert got['loss', 'dapo'] is losses.POLICY_LOSSES['dapo'], 'dapo'\n"
+            "assert got['loss', 'cispo'] is losses.POLICY_LOSSES['cispo'], 'cispo'\n"
+            "assert all(got['head', n] is heads.HEADS[n] for n in heads.HEADS), 'heads'\n"
+            "assert set(registry.REGISTRY['logprob_policy']) == set(logprobs.POLICIES), 'policies'\n"
+            "assert got['tracking', 'none'] is tracking.Null and got['model', 'tiny'] is models.tiny_model\n"
+            "assert all(got['task', n] is tasks.load for n in registry.REGISTRY['task']) and callable(got['loss', 'dpo'])\n"
+            "assert hasattr(got['engine', 'single'], 'Engine') and hasattr(got['rollout', 'hf'], 'build')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
