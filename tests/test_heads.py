@@ -200,7 +200,7 @@ class MaxVocabTensor(TorchDispatchMode):
 def test_no_step_of_a_training_run_builds_full_logits(cfg_factory, loss):
     """Whole training steps (generation, old / reference passes, training) with tiled or chunked never create
     a [tokens, vocab] tensor: the largest logits-like tensor is one tile, or one generation step [batch, vocab]."""
-    from rlrun import loop, tracking
+    from rlrun.cli import run
 
     vocab, size = 5000, 7
     results = {}
@@ -210,7 +210,7 @@ def test_no_step_of_a_training_run_builds_full_logits(cfg_factory, loss):
                           f"model.vocab_size={vocab}", "rollout.max_new_tokens=16", "train.micro_batch=8",
                           "rollout.temperature=1.0")
         with MaxVocabTensor(vocab) as mode:
-            loop.train(cfg, tracking.Null())
+            run(cfg)
         results[head] = mode.max_numel
     generation_step = 8 * vocab  # rollout batch x vocab: one decoding step's scores (GRPO only)
     for head in heads[1:]:

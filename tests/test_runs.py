@@ -10,7 +10,7 @@ import torch
 from helpers import history, runs
 
 from rlrun.cli import run
-from rlrun.loop import NonFiniteLossError
+from rlrun.runner import NonFiniteLossError
 
 SMOKE = "experiment=smoke"
 

@@ -16,17 +16,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(
 
 def trainer_logprobs(policy, roll, temperature):
     from rlrun import heads
-    from rlrun.loop import group_advantages, logprob_pass, split_rollout
+    from rlrun.recipes.grpo import group_advantages, logprob_pass, split_rollout
 
     micros = split_rollout(roll, group_advantages(torch.zeros(len(roll.completions)), 4), 64)
-    (lp,) = logprob_pass(policy, micros, heads.HEADS["dense"], make_cfg().head, temperature)
+    (lp,) = logprob_pass(policy, micros, heads.HEADS["dense"], None, temperature)
     return lp, micros[0].mask
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
 def test_vllm_logprobs_equal_the_trainers_after_every_sync_and_drift_without_one(arch, tied):
     from rlrun import models
-    from rlrun.loop import sample_seed
+    from rlrun.recipes.grpo import sample_seed
     from rlrun.rollout import vllm
 
     cfg = make_cfg("rollout=vllm", "rollout.max_new_tokens=8", "rollout.temperature=0.8", f"model.arch={arch}",

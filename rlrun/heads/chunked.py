@@ -47,13 +47,13 @@ class ChunkedLogprobs(torch.autograd.Function):
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
 
 
-def logprobs(hidden, weight, targets, temperature: float = 1.0, size: int = 1024):
+def logprobs(hidden, weight, targets, temperature: float, size: int):
     with gathered(weight):
         if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
             return chunked_logprobs_nograd(hidden, weight, targets, temperature, size)
         return ChunkedLogprobs.apply(hidden, weight, targets, temperature, size)
 
 
-def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float = 1.0, size: int = 1024):
+def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float, size: int):
     loss_tokens, stats = objective(logprobs(hidden, weight, targets, temperature, size), slice(None))
     return masked_total(loss_tokens, mask, num_tokens), stats

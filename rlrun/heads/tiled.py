@@ -53,13 +53,13 @@ class TiledLoss(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None
 
 
-def logprobs(hidden, weight, targets, temperature: float = 1.0, size: int = 1024):
+def logprobs(hidden, weight, targets, temperature: float, size: int):
     # Logprob-only passes (old policy, reference) need no fused loss: the chunked function computes them tile by
     # tile too, so no path of a tiled run builds the full logits.
     return _chunked_logprobs(hidden, weight, targets, temperature, size)
 
 
-def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float = 1.0, size: int = 1024):
+def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float, size: int):
     stats: dict = {}
     with gathered(weight):  # backward needs no weight: every gradient is computed here, handed to ZeRO once
         total = TiledLoss.apply(hidden, weight, targets, mask, num_tokens, objective, temperature, size, stats)

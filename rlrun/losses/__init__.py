@@ -60,20 +60,34 @@ MEAN = {"pg_loss": "pg_loss", "clipped": "clipfrac", "kl": "kl", "ratio": "ratio
 RANGE = {"ratio": "ratio", "is_weight": "is_weight"}
 
 
-def summarize(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, float]:
-    """Token-weighted metrics of per-token `stats` over the tokens where `mask` is true."""
+def partials(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, tuple[float, int, float, float]]:
+    """Per stat, (sum, count, min, max) over the tokens where `mask` is true, in float64: what micro-batches and
+    ranks combine instead of exchanging per-token tensors."""
     valid = mask.bool()
     out = {}
     for key, values in stats.items():
         v = values[valid].double()
-        if v.numel() == 0:
-            continue
-        if key in MEAN:
-            out[MEAN[key]] = v.mean().item()
-        if key in RANGE:
-            out[RANGE[key] + "_min"] = v.min().item()
-            out[RANGE[key] + "_max"] = v.max().item()
+        if v.numel():
+            out[key] = (v.sum().item(), v.numel(), v.min().item(), v.max().item())
     return out
+
+
+def combine(parts: list[dict[str, tuple[float, int, float, float]]]) -> dict[str, float]:
+    """Token-weighted means (and for some stats min / max) from the `partials` of several ranks."""
+    out = {}
+    for key in dict.fromkeys(k for p in parts for k in p):
+        rows = [p[key] for p in parts if key in p]
+        if key in MEAN:
+            out[MEAN[key]] = sum(r[0] for r in rows) / sum(r[1] for r in rows)
+        if key in RANGE:
+            out[RANGE[key] + "_min"] = min(r[2] for r in rows)
+            out[RANGE[key] + "_max"] = max(r[3] for r in rows)
+    return out
+
+
+def summarize(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, float]:
+    """Token-weighted metrics of per-token `stats` over the tokens where `mask` is true."""
+    return combine([partials(stats, mask)])
 
 
 def masked_total(loss_tokens: torch.Tensor, mask: torch.Tensor, num_tokens: int | float) -> torch.Tensor:
@@ -105,4 +119,5 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, num_tokens=None, **kwar
     return _loss("cispo", logprobs, old_logprobs, advantages, mask, num_tokens, **kwargs)
 
 
-__all__ = ["ESTIMATORS", "POLICY_LOSSES", "objective", "summarize", "masked_total", "dapo_loss", "cispo_loss", "kl"]
+__all__ = ["ESTIMATORS", "POLICY_LOSSES", "objective", "partials", "combine", "summarize", "masked_total",
+           "dapo_loss", "cispo_loss", "kl"]

@@ -1,0 +1,291 @@
+"""GRPO (loss=dapo | cispo): generate -> reward -> group advantages -> the logprob passes needed -> update.
+
+Schedule: `train.steps` optimizer steps. Each optimizer step consumes `grad_accum = batch_size / micro_batch`
+micro-batches from the rollout buffer; when the buffer runs short, a rollout of `rollout_batch` sequences is
+generated with the current weights, scored, given group-normalised advantages, given whatever old-policy /
+reference logprobs the logprob policy says it needs, and enqueued `num_iterations` times. So an optimizer step may
+span rollouts and a rollout may span optimizer steps, exactly as in TRL's step schedule, and the window policy's
+decision is exact.
+
+Data parallel: batch sizes are global and `micro_batch` is per rank; every rank reads the same prompt stream and
+takes its slice of each rollout (whole prompt groups); token counts and metrics are reduced over ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import logprobs, losses, models, registry, tasks
+from ..runner import Frame, check_finite, meter_metrics
+
+
+@dataclass
+class Micro:
+    """One micro-batch of a rollout, flattened to response tokens where the heads need it."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_len: int
+    targets: torch.Tensor  # [N] response tokens
+    mask: torch.Tensor  # [N] valid response tokens
+    advantages: torch.Tensor  # [N]
+    gen_logprobs: torch.Tensor  # [N]
+    old_logprobs: torch.Tensor | None = None  # [N], None: old pass skipped
+    ref_logprobs: torch.Tensor | None = None  # [N], None: reference pass skipped
+
+
+class RolloutBuffer:
+    """Micro-batches waiting to be trained on, and the micro-step where the next rollout's window starts."""
+
+    def __init__(self, window: int):
+        self.window = window  # micro-steps per rank that one rollout provides (num_iterations passes)
+        self.queue: deque[Micro] = deque()
+        self.enqueued = 0  # micro-steps enqueued so far = start of the next rollout's window
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    @property
+    def rollouts(self) -> int:
+        return self.enqueued // self.window
+
+    def add(self, micros: list[Micro], iterations: int) -> None:
+        for _ in range(iterations):
+            self.queue.extend(micros)
+        self.enqueued += self.window
+
+    def take(self, n: int) -> list[Micro]:
+        return [self.queue.popleft() for _ in range(n)]
+
+    def state_dict(self) -> dict:
+        return {"queue": [dataclasses.asdict(m) for m in self.queue], "enqueued": self.enqueued}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.queue = deque(Micro(**m) for m in state["queue"])
+        self.enqueued = state["enqueued"]
+
+
+class PassCounter:
+    """Logprob passes run and skipped per kind, and the seconds spent in those that ran (saved-time estimate)."""
+
+    def __init__(self):
+        self.totals: Counter = Counter()
+        self.seconds: Counter = Counter()
+
+    def metrics(self, counts: Counter, phase_seconds: dict[str, float]) -> dict[str, float]:
+        self.totals.update(counts)
+        m = {}
+        for key in ("old_run", "old_skipped", "ref_run", "ref_skipped"):
+            m[f"passes/{key}"] = counts[key]
+            m[f"passes/{key}_total"] = self.totals[key]
+        for kind in ("old", "ref"):
+            self.seconds[kind] += phase_seconds.get(f"{kind}_logprobs", 0.0)
+            if counts[f"{kind}_skipped"] and self.totals[f"{kind}_run"]:
+                # estimated from this run's own passes of that kind; a run that never ran one (skip) has no
+                # estimate: compare it with an `always` run instead (sweeps/logprob_policies.yaml)
+                per_pass = self.seconds[kind] / self.totals[f"{kind}_run"]
+                m[f"passes/{kind}_saved_s_est"] = counts[f"{kind}_skipped"] * per_pass
+        return m
+
+    def state_dict(self) -> dict:
+        return {"totals": dict(self.totals), "seconds": dict(self.seconds)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.totals, self.seconds = Counter(state["totals"]), Counter(state["seconds"])
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
+    """(reward - group mean) / (group std + 1e-4), per prompt group of consecutive completions (GRPO)."""
+    grouped = rewards.view(-1, group_size)
+    adv = grouped - grouped.mean(1, keepdim=True)
+    if scale:
+        adv = adv / (grouped.std(1, keepdim=True) + 1e-4)
+    return adv.reshape(-1)
+
+
+def response_hidden(backbone, micro: Micro):
+    """Hidden states that predict the response tokens, flattened to [N, H]."""
+    h = models.hidden_states(backbone, micro.input_ids, micro.attention_mask)
+    p = micro.prompt_len
+    return h[:, p - 1 : -1].reshape(-1, h.shape[-1])
+
+
+def split_rollout(roll, advantages: torch.Tensor, micro_batch: int) -> list[Micro]:
+    out = []
+    R = roll.response_mask.shape[1]
+    for i in range(0, roll.input_ids.shape[0], micro_batch):
+        rows = slice(i, i + micro_batch)
+        out.append(Micro(
+            input_ids=roll.input_ids[rows],
+            attention_mask=roll.attention_mask[rows],
+            prompt_len=roll.prompt_len,
+            targets=roll.input_ids[rows, roll.prompt_len:].reshape(-1),
+            mask=roll.response_mask[rows].reshape(-1),
+            advantages=advantages[rows, None].expand(-1, R).reshape(-1),
+            gen_logprobs=roll.gen_logprobs[rows].reshape(-1),
+        ))
+    return out
+
+
+@torch.no_grad()
+def logprob_pass(model, micros: list[Micro], head, size, temperature: float) -> list[torch.Tensor]:
+    """Per-token logprobs of each micro-batch's response under `model` (no grad, through the head)."""
+    backbone, weight = models.split(model)
+    return [head.logprobs(response_hidden(backbone, m), weight, m.targets, temperature, size) for m in micros]
+
+
+def mismatch(micros: list[Micro]) -> np.ndarray:
+    """Generation vs trainer old-policy logprobs: sums of |diff| and exp|diff| and the token count, to be summed
+    over rollouts and ranks; their means are `mismatch/gen_vs_train_abs` and NeMo-RL's token_mult_prob_error."""
+    diff = torch.cat([(m.gen_logprobs - m.old_logprobs)[m.mask] for m in micros]).abs().double()
+    return np.array([diff.sum().item(), diff.exp().sum().item(), diff.numel()])
+
+
+def sample_seed(seed: int, rollout: int, row: int) -> int:
+    """The sampling seed of one sequence: fixed by (run seed, rollout number, row in the global rollout), so the
+    same sequence is drawn whichever rank generates it."""
+    return int(np.random.SeedSequence(seed, spawn_key=(rollout, row)).generate_state(1)[0])
+
+
+def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
+    """GRPO. `resume`: a checkpoint's state, to continue that run exactly where it stopped."""
+    t, lcfg = cfg.train, cfg.loss
+    world = registry.get("engine", cfg.engine.name).world_size()
+    grad_accum = t.batch_size // (t.micro_batch * world)  # micro-batches per rank per optimizer step
+    window = (t.rollout_batch // world // t.micro_batch) * t.num_iterations  # a rollout's micro-steps per rank
+    frame = Frame(cfg, raw, tracker, grad_accum=grad_accum, curve="reward_mean",
+                  with_reference=logprobs.needs_reference_model(cfg.logprob_policy.name, lcfg.kl_coef))
+    engine = frame.engine
+    task = tasks.load(cfg.task, cfg.seed, frame.tokenizer)
+    frame.warn(tasks.check_lengths(task, frame.tokenizer, cfg.rollout.max_new_tokens,
+                                   models.context_size(engine.model)))
+    prompts = tasks.prompt_stream(task.train, cfg.seed)  # the same stream on every rank; each takes its slice
+    buffer, passes = RolloutBuffer(window), PassCounter()
+    head = registry.get("head", cfg.head.name)
+    stateful = {"prompts": prompts, "buffer": buffer, "passes": passes}
+    start = frame.restore(resume, stateful)
+    with engine.generation():  # ZeRO-3: the engine copies full weights
+        rollout = registry.get("rollout", cfg.rollout.name).build(cfg.rollout, engine.model, frame.tokenizer,
+                                                                  engine.device)
+    synced_at = start  # the rollout engine holds the weights after this many optimizer steps
+
+    with contextlib.closing(frame.steps(start, stateful, "rlrun")) as steps:
+        for step in steps:
+            # 1. Refill: generate, score, advantages, and only the logprob passes each rollout needs.
+            got = {"counts": Counter(), "rewards": [], "by_reward": [], "lengths": [], "finished": [],
+                   "gen_tokens": 0, "mismatch": np.zeros(3)}
+            while len(buffer) < grad_accum:
+                if rollout.needs_sync and synced_at != step and cfg.rollout.sync_weights:
+                    with frame.meter.phase("sync"), engine.generation():  # only when a step changed the weights
+                        rollout.sync(engine.model)
+                    synced_at = step
+                refill(cfg, frame, rollout, head, prompts, task, buffer, grad_accum, got)
+
+            # 2. Train: one optimizer step over grad_accum micro-batches, loss normalised by the step's token count.
+            loss_total, num_tokens, parts = train_step(cfg, frame, head, buffer.take(grad_accum), step)
+            grad_norm = engine.step()
+
+            # 3. Metrics over all ranks. A metric that needs a skipped pass is absent, never a zero that looks real.
+            m = step_metrics(frame, passes, got, loss_total, num_tokens, parts, grad_norm)
+            frame.log(step, m, reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
+                      tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
+    return frame.summary.result()
+
+
+def refill(cfg, frame, rollout, head, prompts, task, buffer: RolloutBuffer, grad_accum: int, got: dict):
+    """One rollout: this rank's prompt groups, generated, scored, given advantages and the logprob passes the
+    policy needs, enqueued. Adds what it contributes to the step's metrics to `got`."""
+    t, engine, meter = cfg.train, frame.engine, frame.meter
+    per_rank = t.rollout_batch // t.group_size // engine.world  # prompts per rank per rollout (groups never split)
+    batch = [next(prompts) for _ in range(t.rollout_batch // t.group_size)]
+    batch = batch[engine.rank * per_rank : (engine.rank + 1) * per_rank]
+    first_row = engine.rank * per_rank * t.group_size
+    seeds = [sample_seed(cfg.seed, buffer.rollouts, first_row + i) for i in range(len(batch) * t.group_size)]
+    with meter.phase("generate"), engine.generation():
+        roll = rollout.generate(engine.model, [ex["prompt"] for ex in batch for _ in range(t.group_size)], seeds)
+    totals, by_reward = task.score(roll.completions, [ex for ex in batch for _ in range(t.group_size)])
+    reward = torch.tensor(totals, dtype=torch.float32)
+    advantages = group_advantages(reward, t.group_size, t.scale_advantages).to(engine.device)
+    micros = split_rollout(roll, advantages, t.micro_batch)
+    need = logprobs.plan(cfg.logprob_policy.name, start=buffer.enqueued, window=buffer.window,
+                         grad_accum=grad_accum, ref_coef=cfg.loss.kl_coef)
+    temperature, size = cfg.rollout.temperature, cfg.head.size
+    got["counts"].update({"old_run": int(need.old), "old_skipped": int(not need.old), "ref_run": int(need.ref),
+                          "ref_skipped": int(not need.ref)})
+    got["gen_tokens"] += int(roll.response_mask.sum())
+    with meter.phase("offload"):
+        engine.offload()
+    if need.old:
+        with meter.phase("old_logprobs"):
+            for mb, lp in zip(micros, logprob_pass(engine.model, micros, head, size, temperature)):
+                mb.old_logprobs = lp
+        got["mismatch"] += mismatch(micros)
+    if need.ref:
+        with meter.phase("ref_logprobs"):
+            for mb, lp in zip(micros, logprob_pass(engine.reference, micros, head, size, temperature)):
+                mb.ref_logprobs = lp
+    with meter.phase("onload"):
+        engine.onload()
+    got["rewards"].append(reward)
+    got["by_reward"].append({name: (sum(v), len(v)) for name, v in by_reward.items()})
+    got["lengths"].append(roll.response_mask.sum(1).float())
+    got["finished"].append(roll.finished.float())
+    buffer.add(micros, t.num_iterations)
+
+
+def train_step(cfg, frame, head, micros: list[Micro], step: int):
+    """Forward and backward of this rank's micro-batches of one optimizer step (the engine steps after)."""
+    lcfg, engine = cfg.loss, frame.engine
+    backbone, weight = models.split(engine.model)
+    loss_kwargs = dict(clip_low=lcfg.clip_low, clip_high=lcfg.clip_high, kl_coef=lcfg.kl_coef,
+                       kl_estimator=lcfg.kl_estimator, tis_cap=lcfg.tis.cap if lcfg.tis.enabled else None)
+    num_tokens = max(sum(engine.gather(sum(int(mb.mask.sum()) for mb in micros))), 1)  # over all ranks
+    stats_parts, masks, loss_total = [], [], 0.0
+    with frame.meter.phase("train"):
+        for mb in micros:
+            objective = losses.objective(lcfg.name, mb.advantages, mb.old_logprobs, mb.ref_logprobs,
+                                         mb.gen_logprobs, **loss_kwargs)
+            loss, stats = head.loss(response_hidden(backbone, mb), weight, mb.targets, mb.mask, objective, num_tokens,
+                                    cfg.rollout.temperature, cfg.head.size)
+            check_finite(loss, step, "lower train.lr or train.grad_clip, or check the reward function.")
+            engine.backward(loss)
+            loss_total += loss.item()
+            stats_parts.append({k: v.detach().cpu() for k, v in stats.items()})
+            masks.append(mb.mask.cpu())
+    stats = {k: torch.cat([s[k] for s in stats_parts]) for k in stats_parts[0]}
+    return loss_total, num_tokens, losses.partials(stats, torch.cat(masks))
+
+
+def step_metrics(frame, passes: PassCounter, got: dict, loss_total: float, num_tokens: int, parts,
+                 grad_norm: float) -> dict[str, float]:
+    """The step's metrics from every rank's sums, counts, min/max and per-sequence rewards."""
+    ranks = frame.reduce({"loss": loss_total, "stats": parts, **{k: got[k] for k in
+                          ("rewards", "by_reward", "lengths", "finished", "gen_tokens", "mismatch")}})
+    m = {"loss": sum(p["loss"] for p in ranks), **losses.combine([p["stats"] for p in ranks]),
+         "grad_norm": grad_norm, "lr": frame.engine.lr()}
+    if got["rewards"]:
+        r = torch.cat([x for p in ranks for x in p["rewards"]])
+        m.update({"reward_mean": r.mean().item(), "reward_std": r.std().item(),
+                  "solved_frac": (r >= 1.0).float().mean().item(),  # completions with full reward
+                  "response_len_mean": torch.cat([x for p in ranks for x in p["lengths"]]).mean().item(),
+                  "finished_frac": torch.cat([x for p in ranks for x in p["finished"]]).mean().item()})
+    for name in dict.fromkeys(k for p in ranks for part in p["by_reward"] for k in part):  # each reward's mean
+        parts = [part[name] for p in ranks for part in p["by_reward"]]
+        m[f"rewards/{name}/mean"] = sum(s for s, _ in parts) / sum(n for _, n in parts)
+    mism = sum(p["mismatch"] for p in ranks)
+    if mism[2]:
+        m["mismatch/gen_vs_train_abs"], m["mismatch/token_mult_prob_error"] = mism[:2] / mism[2]
+    m.update(passes.metrics(got["counts"], frame.meter.seconds))
+    m.update(meter_metrics([p["meter"] for p in ranks]))
+    gen_tokens = sum(p["gen_tokens"] for p in ranks)
+    if gen_tokens:
+        m["throughput/gen_tokens_per_s"] = gen_tokens / m["time/generate_s"]
+    m["throughput/train_tokens_per_s"] = num_tokens / m["time/train_s"]
+    m["train_tokens"] = num_tokens
+    return m

@@ -1,0 +1,265 @@
+"""The run frame both recipes share: everything a training run needs once, so a recipe is only its step body.
+
+`run` is what the CLI calls after validation: restore a checkpoint (if resuming), open the tracker, hand over to
+the recipe for `loss.name`, and end the MLflow run FINISHED, FAILED or KILLED (never RUNNING).
+
+`Frame` owns setup (seed, models, engine, meter), the loop over steps (progress bar, deferred Ctrl-C/SIGTERM,
+checkpoints, restore), metric reduction across ranks, logging and the run summary. State that is checkpointed is
+declared once: the `stateful` objects a recipe hands to `Frame.steps` (each with `state_dict`/`load_state_dict`)
+are saved into every checkpoint and restored from it by name, together with the engine's state and the RNGs.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import random
+from collections import deque
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from . import checkpoint, models, registry, tracking
+from .config import ConfigError
+from .meters import Meter
+
+log = logging.getLogger("rlrun")
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+def run(cfg, raw, run_name: str | None, train) -> dict:
+    """Train one validated config with `train` (a recipe's `train(cfg, raw, tracker, resume)`); `cfg` is typed,
+    `raw` the composed DictConfig that is logged and checkpointed."""
+    state = load_resume(cfg, raw) if cfg.resume else None
+    # Data parallel: only rank 0 talks to MLflow (and draws progress); the others record nothing.
+    main_rank = os.environ.get("RANK", "0") == "0"
+    resume_id = state and state["run_id"]
+    tracker = tracking.start(cfg.tracking, raw, run_name, resume_run_id=resume_id) if main_rank else tracking.Null()
+    try:
+        summary = train(cfg, raw, tracker, state)
+    except KeyboardInterrupt:
+        tracker.tags({"error": "interrupted (KeyboardInterrupt)"})
+        tracker.finish("KILLED")
+        raise
+    except BaseException as e:
+        tracker.tags({"error": f"{type(e).__name__}: {e}"})
+        tracker.finish("FAILED")
+        raise
+    finally:
+        if cfg.engine.name == "deepspeed":
+            registry.get("engine", "deepspeed").shutdown()
+    tracker.summary(summary)
+    tracker.finish("FINISHED")
+    if main_rank:
+        log.info("summary: %s", {k: round(v, 4) for k, v in summary.items()})
+    if tracker.run_id:
+        log.info("mlflow run %s (%s)", tracker.run_id, cfg.tracking.uri)
+    return summary
+
+
+def load_resume(cfg, raw) -> dict:
+    """The checkpoint to continue from, refused when it trained something else or on another number of ranks."""
+    where = cfg.checkpoint.dir if cfg.resume is True else str(cfg.resume)
+    state, path = checkpoint.load_latest(where)
+    now = cfg_flat(raw)
+    changed = checkpoint.changed_keys(state["config"], now)
+    if changed:
+        raise ConfigError([f"resume from {path}: {k} was {state['config'].get(k)!r}, now {now.get(k)!r}; a "
+                           "resumed run must train the same thing (only train.steps, the head, logging and "
+                           "tracking may change)" for k in changed])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if state.get("world_size", 1) != world:
+        raise ConfigError([f"resume from {path}: the checkpoint was written by {state.get('world_size', 1)} "
+                           f"rank(s), this launch has {world}; resume with the same number of processes."])
+    log.info("resuming from %s at step %d", path, state["step"])
+    return state
+
+
+def cfg_flat(raw) -> dict[str, str]:
+    from omegaconf import OmegaConf
+
+    return tracking.flatten(OmegaConf.to_container(raw, resolve=True))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def check_finite(loss: torch.Tensor, step: int, fix: str) -> None:
+    if not torch.isfinite(loss):
+        raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; {fix}")
+
+
+# Keys of a checkpoint that the frame (step, rng, run_id, config) and the engines (model, optimizer, scheduler,
+# reference, world_size, deepspeed_checkpoint) write; a recipe's stateful objects take other names.
+RESERVED = {"step", "rng", "run_id", "config", "model", "optimizer", "scheduler", "reference", "world_size",
+            "deepspeed_checkpoint"}
+
+
+class Frame:
+    """Setup and the per-step frame of one run; the recipe reads `engine`, `tokenizer`, `meter` and calls `steps`,
+    `reduce` and `log`."""
+
+    def __init__(self, cfg, raw, tracker, *, grad_accum: int, with_reference: bool, curve: str,
+                 reference_path: str | None = None):
+        self.cfg, self.raw, self.tracker = cfg, raw, tracker
+        seed_everything(cfg.seed)
+        policy, self.tokenizer = models.build(cfg.model, cfg.seed)
+        reference = frozen_reference(policy, reference_path, cfg.model.dtype) if with_reference else None
+        self.engine = registry.get("engine", cfg.engine.name).Engine(cfg, policy, reference, grad_accum)
+        tracker.tags({"rlrun.device": self.engine.device.type, "rlrun.torch": torch.__version__,
+                      "rlrun.world_size": str(self.engine.world)})
+        if cfg.offload.enabled and not self.engine.offload_effective():
+            log.info("offload=on on a CPU-only run: optimizer state already lives in host memory, nothing moves.")
+            tracker.tags({"offload.effective": "false"})
+        self.meter = Meter(self.engine.device)
+        self.summary = Summary(curve)
+        self.bar = None
+
+    def steps(self, start: int, stateful: dict, desc: str):
+        """Yield the steps from `start` on. After each step: checkpoint `stateful` when due; on Ctrl-C / SIGTERM,
+        checkpoint and stop (KeyboardInterrupt) after that step. Use as `with contextlib.closing(frame.steps(...))
+        as steps:` so the signal handlers are restored as soon as the loop ends, however it ends."""
+        stateful = {**stateful, "summary": self.summary}
+        taken = RESERVED & set(stateful)  # the frame's and the engines' own keys of a checkpoint
+        assert not taken, f"stateful names {sorted(taken)} collide with checkpoint keys"
+        total = self.cfg.train.steps
+        self.bar = tqdm(range(start, total), desc=desc, unit="step", dynamic_ncols=True, initial=start, total=total,
+                        disable=not (self.cfg.progress and self.engine.main))
+        with checkpoint.deferred_interrupts() as signals:
+            for step in self.bar:
+                self.meter.new_step()
+                yield step
+                self.maybe_checkpoint(step, signals["stop"], stateful)
+
+    def restore(self, resume: dict | None, stateful: dict) -> int:
+        """Load a checkpoint's state into the engine, the RNGs and `stateful`; returns the step to continue from."""
+        if resume is None:
+            return 0
+        self.engine.load_state_dict(resume)
+        for name, obj in {**stateful, "summary": self.summary}.items():
+            obj.load_state_dict(resume[name])
+        set_rng_state(resume["rng"])
+        return resume["step"]
+
+    def maybe_checkpoint(self, step: int, stop: bool, stateful: dict) -> None:
+        """Write a checkpoint after `step` when due (every N steps, the last step, or a stop signal)."""
+        c, done = self.cfg.checkpoint, step + 1
+        stop = any(self.engine.gather(stop))  # a signal that reached one rank stops all of them after the same step
+        if c.dir and ((c.every and done % c.every == 0) or done == self.cfg.train.steps or stop):
+            state = {"step": done, "rng": rng_state(), "run_id": self.tracker.run_id, "config": cfg_flat(self.raw),
+                     **{name: obj.state_dict() for name, obj in stateful.items()}}
+            path = self.engine.save(c.dir, done, state, c.keep)
+            if path:
+                log.info("checkpoint %s", path)
+        if stop:
+            raise KeyboardInterrupt
+
+    def warn(self, warnings: list[str]) -> None:
+        """Warnings about the data that may cost the run (answers longer than max_new_tokens, ...): shown once, on
+        the console and as a run tag."""
+        for w in warnings:
+            log.warning("%s", w)
+        if warnings:
+            self.tracker.tags({"rlrun.warnings": "\n".join(warnings)})
+
+    def reduce(self, part: dict) -> list[dict]:
+        """This rank's small per-step numbers -> every rank's (sums, counts, min/max and per-sequence values only)."""
+        return self.engine.gather({**part, "meter": self.meter.metrics()})
+
+    def log(self, step: int, m: dict[str, float], **postfix) -> None:
+        self.summary.add(m)
+        self.tracker.log(step, m)
+        self.bar.set_postfix(**postfix)
+
+
+def frozen_reference(policy, path: str | None, dtype: str):
+    """The reference model: a frozen copy of the initial policy, or a local checkpoint."""
+    ref = models.load_hf(path, dtype)[0] if path else copy.deepcopy(policy)
+    return ref.requires_grad_(False)
+
+
+def meter_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Per-rank meter readings -> the slowest rank's times, the largest peak, and each rank's peaks (world > 1)."""
+    out = {k: max(p[k] for p in parts if k in p) for k in {k for p in parts for k in p}}
+    if len(parts) > 1:
+        for r, p in enumerate(parts):
+            out.update({f"{k.replace('mem/', f'mem/rank{r}/')}": v for k, v in p.items() if k.startswith("mem/")})
+    return out
+
+
+class Summary:
+    """Run-level numbers accumulated step by step, so a checkpoint carries a few numbers, not every step's metrics:
+    mean throughput and step time, max peak memory per phase, pass totals, the first and last 3 values of `curve`
+    (their means are `<curve>_first` / `<curve>_last`), and the last loss."""
+
+    MEANS = {"gen_tokens_per_s": "throughput/gen_tokens_per_s",
+             "train_tokens_per_s": "throughput/train_tokens_per_s", "step_s": "time/step_s"}
+
+    def __init__(self, curve: str):
+        self.curve = curve
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.peaks: dict[str, float] = {}
+        self.first: list[float] = []
+        self.last: deque[float] = deque(maxlen=3)
+        self.latest: dict[str, float] = {}  # pass totals and the loss of the last step
+
+    def add(self, m: dict[str, float]) -> None:
+        for name, key in self.MEANS.items():
+            if key in m and math.isfinite(m[key]):
+                self.sums[name] = self.sums.get(name, 0.0) + m[key]
+                self.counts[name] = self.counts.get(name, 0) + 1
+        for key, v in m.items():
+            if key.startswith("mem/"):
+                self.peaks[key] = max(self.peaks.get(key, v), v)
+        if self.curve in m:
+            if len(self.first) < 3:
+                self.first.append(m[self.curve])
+            self.last.append(m[self.curve])
+        self.latest = {k: v for k, v in m.items() if k == "loss" or (k.startswith("passes/") and k.endswith("_total"))}
+
+    def result(self) -> dict[str, float]:
+        out = {name: self.sums[name] / self.counts[name] for name in self.sums}
+        out.update({k.replace("mem/", "max_"): v for k, v in self.peaks.items()})
+        for key, v in self.latest.items():
+            if key.startswith("passes/"):
+                out["passes_" + key.removeprefix("passes/").removesuffix("_total")] = v
+        if self.first:
+            name = self.curve.split("/")[-1].replace("_mean", "")
+            out[f"{name}_first"] = float(np.mean(self.first))
+            out[f"{name}_last"] = float(np.mean(self.last))
+        if "loss" in self.latest:
+            out["loss_last"] = self.latest["loss"]
+        return out
+
+    def state_dict(self) -> dict:
+        return {"sums": dict(self.sums), "counts": dict(self.counts), "peaks": dict(self.peaks),
+                "first": list(self.first), "last": list(self.last), "latest": dict(self.latest)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sums, self.counts, self.peaks = dict(state["sums"]), dict(state["counts"]), dict(state["peaks"])
+        self.first, self.latest = list(state["first"]), dict(state["latest"])
+        self.last = deque(state["last"], maxlen=3)
+

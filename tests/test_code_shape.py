@@ -1,0 +1,100 @@
+"""The package's shape as the README promises it: short functions, layered modules, an acyclic import graph."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "rlrun"
+MAX_FUNCTION_LINES = 80
+
+# Layers, lowest first: a module may import modules of its own layer or lower, never higher ("no upward imports").
+# The config package, errors and the registry must stay importable without torch (the CLI validates in a second).
+LAYERS = [
+    {"errors", "config", "registry"},
+    {"losses", "heads", "logprobs", "offload", "meters", "models", "tasks", "checkpoint", "tracking", "rollout",
+     "engine"},
+    {"runner", "export", "evaluate", "warmstart"},
+    {"recipes"},
+    {"cli", "sweep", "report", "bench", "__main__", "__init__"},
+]
+
+
+def modules() -> dict[str, ast.Module]:
+    return {str(p.relative_to(PKG)): ast.parse(p.read_text(), str(p)) for p in sorted(PKG.rglob("*.py"))}
+
+
+def top(rel: str) -> str:
+    """rlrun/<top>/... or rlrun/<top>.py -> <top>."""
+    return rel.split("/")[0].removesuffix(".py")
+
+
+def layer(name: str) -> int:
+    found = [i for i, names in enumerate(LAYERS) if name in names]
+    assert found, f"rlrun.{name} has no layer in LAYERS (or does not exist): place it there"
+    return found[0]
+
+
+def imports(rel: str, tree: ast.Module) -> set[str]:
+    """The top-level rlrun modules that `rel` imports (anywhere in the file, lazy imports included)."""
+    depth = rel.count("/")  # a relative import with depth + 1 dots starts at the package root
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("rlrun."))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and (node.module or "").split(".")[0] == "rlrun":
+                module = node.module.split(".")[1:]
+            elif node.level == depth + 1:
+                module = node.module.split(".") if node.module else []
+            else:
+                continue  # inside its own subpackage, or not rlrun
+            out.update(module[:1] or [a.name for a in node.names])
+    return out - {top(rel)}
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = [f"{rel}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for rel, tree in modules().items() for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, long
+
+
+def test_every_module_has_a_layer_and_imports_only_its_layer_or_lower():
+    upward = []
+    for rel, tree in modules().items():
+        own = layer(top(rel))
+        for dep in imports(rel, tree):
+            if layer(dep) > own:
+                upward.append(f"{rel} imports {dep} (layer {layer(dep)} > {own})")
+    assert not upward, upward
+
+
+def test_import_graph_is_acyclic():
+    graph: dict[str, set[str]] = {}
+    for rel, tree in modules().items():
+        graph.setdefault(top(rel), set()).update(imports(rel, tree))
+    done, stack = set(), []
+
+    def visit(node):
+        if node in stack:
+            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(node):] + [node]))
+        if node in done:
+            return
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            visit(dep)
+        stack.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+
+
+def test_the_checks_see_imports():
+    """The import parser finds relative, absolute and lazy imports (else the two tests above could not fail)."""
+    tree = ast.parse("from . import models, tasks\nfrom .runner import Frame\ndef f():\n    from ..losses import kl\n"
+                     "import rlrun.heads\n")
+    assert imports("recipes/grpo.py", tree) == {"losses", "heads"}
+    assert imports("runner.py", tree) >= {"models", "tasks", "heads"}
