@@ -22,7 +22,6 @@ import math
 import multiprocessing as mp
 import os
 import tempfile
-import time
 
 import torch
 
@@ -30,10 +29,26 @@ from .heads import HEADS
 from .heads.common import chunked_logprobs_nograd
 from .losses import objective
 from .losses.dapo import token_loss as dapo_token_loss
-from .meters import MIB, _reset_rss_peak, _rss_bytes, _rss_peak_bytes, proc_bytes
+from .meters import MIB, Meter, proc_bytes
+from .tracking import MLflow, TrackingError, check_uri
 
 PEERS = ("deepspeed", "liger")
 CLIP = dict(clip_low=0.2, clip_high=0.28)
+BENCH_EXPERIMENT = "rlrun-bench"
+CALL = "call"  # the one phase a benchmark meters: the whole measured call, not the loop's PHASES
+
+
+def metered(meter, prepare, call, runs: int):
+    """`call()` `runs` times, each metered by `meter` as the loop meters a phase (`prepare()` before each, not
+    metered); its last result and, per run, (seconds, peak growth in bytes)."""
+    readings = []
+    for _ in range(runs):
+        prepare()
+        meter.new_step()
+        with meter.phase(CALL):
+            out = call()
+        readings.append((meter.seconds[CALL], meter.growth[CALL]))
+    return out, readings
 
 
 def make_inputs(a, device):
@@ -87,28 +102,20 @@ def child(name, a, out_path):
     hidden, weight, targets, mask, adv, seq_adv, old = make_inputs(a, device)
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
-    times, peaks = [], []
-    for _ in range(a.repeat + 1):  # the first call warms up (allocator, lazy imports) and is not counted
+
+    def zero_grads():
         hidden.grad = weight.grad = None
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        else:
-            _reset_rss_peak()
-            base = _rss_bytes()
-        t0 = time.perf_counter()
+
+    def step():
         loss = run_impl(name, a, hidden, weight, targets, mask, adv, seq_adv, old)
         loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - base
-        else:
-            peak = _rss_peak_bytes() - base
-        times.append(time.perf_counter() - t0)
-        peaks.append(peak)
+        return loss
+
+    # the first call warms up (allocator, lazy imports) and is not counted
+    loss, readings = metered(Meter(device, phases=(CALL,)), zero_grads, step, a.repeat + 1)
+    times, peaks = zip(*readings[1:])
     torch.save({"loss": loss.detach().double().cpu(), "grad_h": hidden.grad.double().cpu(),
-                "grad_w": weight.grad.double().cpu(), "time": min(times[1:]), "peak": max(peaks[1:])}, out_path)
+                "grad_w": weight.grad.double().cpu(), "time": min(times), "peak": max(peaks)}, out_path)
 
 
 def rel_err(a, b):
@@ -125,24 +132,18 @@ def available(name):
         return False
 
 
-def heads_bench(a):
-    from tqdm import tqdm
-
-    names = [n for n in a.impls.split(",") if n]
-    missing = [n for n in names if not available(n)]
-    names = [n for n in names if n not in missing]
-    ctx = mp.get_context("spawn")
-    results = {}
+def in_child(target, *args) -> dict:
+    """`target(*args, out_path)` in a fresh process (so that peaks do not mix), and what it saved there."""
     with tempfile.TemporaryDirectory() as tmp:
-        for name in tqdm(names, desc="heads", unit="impl"):
-            path = os.path.join(tmp, f"{name}.pt")
-            p = ctx.Process(target=child, args=(name, a, path))
-            p.start()
-            p.join()
-            if p.exitcode != 0:
-                results[name] = {"error": f"exit code {p.exitcode}"}
-                continue
-            results[name] = torch.load(path)
+        path = os.path.join(tmp, "result.pt")
+        p = mp.get_context("spawn").Process(target=target, args=(*args, path))
+        p.start()
+        p.join()
+        return torch.load(path) if p.exitcode == 0 else {"error": f"exit code {p.exitcode}"}
+
+
+def heads_rows(names, results) -> list[dict]:
+    """One table row per implementation; errors relative to dense where dense ran."""
     ref = results.get("dense")
     rows = []
     for name in names:
@@ -155,6 +156,17 @@ def heads_bench(a):
             row.update(err_loss=rel_err(r["loss"], ref["loss"]), err_grad_h=rel_err(r["grad_h"], ref["grad_h"]),
                        err_grad_w=rel_err(r["grad_w"], ref["grad_w"]))
         rows.append(row)
+    return rows
+
+
+def heads_bench(a):
+    from tqdm import tqdm
+
+    names = [n for n in a.impls.split(",") if n]
+    missing = [n for n in names if not available(n)]
+    names = [n for n in names if n not in missing]
+    results = {name: in_child(child, name, a) for name in tqdm(names, desc="heads", unit="impl")}
+    rows = heads_rows(names, results)
     table = format_table(rows, a)
     print(table)
     for name in missing:
@@ -178,28 +190,16 @@ def format_table(rows, a):
 
 
 def log_mlflow(a, rows, table, kind):
+    """One run in experiment rlrun-bench, through the loop's tracker: arguments as params, each float of each row
+    as `{column}/{impl}`, the table as `{kind}.txt`."""
     if a.tracking_uri == "none":
         return
-    from mlflow.tracking import MlflowClient
-
-    from .tracking import check_uri
-
-    check_uri(a.tracking_uri)
-    client = MlflowClient(a.tracking_uri)
-    exp = client.get_experiment_by_name("rlrun-bench")
-    exp_id = exp.experiment_id if exp else client.create_experiment("rlrun-bench")
-    run = client.create_run(exp_id, run_name=f"bench-{kind}")
-    rid = run.info.run_id
-    for k, v in vars(a).items():
-        if k != "func":
-            client.log_param(rid, k, v)
-    for r in rows:
-        for k, v in r.items():
-            if isinstance(v, float):
-                client.log_metric(rid, f"{k}/{r['impl']}", v)
-    client.log_text(rid, table, f"{kind}.txt")
-    client.set_terminated(rid, "FINISHED")
-    print(f"logged to MLflow run {rid} ({a.tracking_uri}, experiment rlrun-bench)")
+    cfg = argparse.Namespace(uri=a.tracking_uri, experiment=BENCH_EXPERIMENT, parent_run_id=None)
+    tracker = MLflow(cfg, {k: v for k, v in vars(a).items() if k != "func"}, f"bench-{kind}")
+    tracker.log(0, {f"{k}/{r['impl']}": v for r in rows for k, v in r.items() if isinstance(v, float)})
+    tracker.text(table, f"{kind}.txt")
+    tracker.finish("FINISHED")
+    print(f"logged to MLflow run {tracker.run_id} ({a.tracking_uri}, experiment {BENCH_EXPERIMENT})")
 
 
 def dpo_child(head_name, length, a, out_path):
@@ -208,8 +208,8 @@ def dpo_child(head_name, length, a, out_path):
     from omegaconf import OmegaConf
 
     from . import models
-    from .loop import encode_pairs, pair_logprobs
     from .losses.dpo import dpo_loss
+    from .recipes.dpo import encode_pairs, pair_logprobs
 
     torch.set_num_threads(a.threads or torch.get_num_threads())
     device = torch.device(a.device)
@@ -223,25 +223,19 @@ def dpo_child(head_name, length, a, out_path):
     text = lambda: "".join(rng.choice(models.CHARS[:36]) for _ in range(length - 1))  # noqa: E731
     pairs = [{"id": i, "prompt": "1+2=", "chosen": text(), "rejected": text()} for i in range(a.pairs)]
     batch = encode_pairs(tok, pairs, device)
-    head, hcfg = HEADS[head_name], OmegaConf.create({"size": a.tile_size})
-    times, peaks = [], []
-    for _ in range(2):  # warm-up, then measured
-        policy.zero_grad(set_to_none=True)
-        _reset_rss_peak()
-        base = _rss_bytes() if device.type == "cpu" else torch.cuda.memory_allocated()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
+    head = HEADS[head_name]
+
+    def step():
         with torch.no_grad():
-            rc, rr = pair_logprobs(reference, batch, head, hcfg, False)
-        pc, pr = pair_logprobs(policy, batch, head, hcfg, False)
+            rc, rr = pair_logprobs(reference, batch, head, a.tile_size, False)
+        pc, pr = pair_logprobs(policy, batch, head, a.tile_size, False)
         loss, _ = dpo_loss(pc, pr, rc, rr, beta=0.1)
         loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        peaks.append((torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_peak_bytes()) - base)
-    torch.save({"time": times[-1], "peak": peaks[-1], "loss": loss.item()}, out_path)
+        return loss
+
+    # two calls: a warm-up, then the one measured
+    loss, readings = metered(Meter(device, phases=(CALL,)), lambda: policy.zero_grad(set_to_none=True), step, 2)
+    torch.save({"time": readings[-1][0], "peak": readings[-1][1], "loss": loss.item()}, out_path)
 
 
 def available_bytes() -> int:
@@ -256,27 +250,26 @@ def dpo_bench(a):
     bad = [h for h in heads if h not in ("dense", "chunked")]
     if bad:
         raise SystemExit(f"--impls {bad}: DPO runs on dense and chunked (tiled is refused for DPO)")
-    ctx = mp.get_context("spawn")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for head in heads:
-            for length in tqdm(lengths, desc=f"dpo {head}", unit="len"):
-                tokens = 2 * a.pairs * length
-                # dense holds ~4 [tokens, vocab] fp32 tensors at its peak (logits, log-softmax, their gradients)
-                need = 4 * tokens * a.vocab * 4 if head == "dense" else 0
-                if a.device == "cpu" and need > 0.8 * available_bytes():
-                    rows.append({"impl": head, "length": length, "error": f"skipped: needs ~{need / 2**30:.0f} GiB"})
-                    continue
-                path = os.path.join(tmp, f"{head}-{length}.pt")
-                p = ctx.Process(target=dpo_child, args=(head, length, a, path))
-                p.start()
-                p.join()
-                if p.exitcode != 0:
-                    rows.append({"impl": head, "length": length, "error": f"exit code {p.exitcode}"})
-                    continue
-                r = torch.load(path)
-                rows.append({"impl": head, "length": length, "time_s": r["time"], "peak_extra_mib": r["peak"] / MIB,
-                             "loss": r["loss"]})
+    for head in heads:
+        for length in tqdm(lengths, desc=f"dpo {head}", unit="len"):
+            tokens = 2 * a.pairs * length
+            # dense holds ~4 [tokens, vocab] fp32 tensors at its peak (logits, log-softmax, their gradients)
+            need = 4 * tokens * a.vocab * 4 if head == "dense" else 0
+            if a.device == "cpu" and need > 0.8 * available_bytes():
+                rows.append({"impl": head, "length": length, "error": f"skipped: needs ~{need / 2**30:.0f} GiB"})
+                continue
+            r = in_child(dpo_child, head, length, a)
+            rows.append({"impl": head, "length": length, **r} if "error" in r else
+                        {"impl": head, "length": length, "time_s": r["time"], "peak_extra_mib": r["peak"] / MIB,
+                         "loss": r["loss"]})
+    table = dpo_table(rows, heads, a)
+    print(table)
+    log_mlflow(a, [dict(r, impl=f"{r['impl']}-{r['length']}") for r in rows], table, "dpo")
+    return rows
+
+
+def dpo_table(rows, heads, a) -> str:
     lines = [f"DPO step (reference pass + policy fwd/bwd), {a.pairs} pair(s), tiny model hidden {a.hidden}, "
              f"vocab {a.vocab}, chunk {a.tile_size}, device {a.device}",
              f"{'impl':<8} {'length':>7} {'tokens':>7} {'time s':>8} {'peak extra MiB':>15}"]
@@ -291,13 +284,10 @@ def dpo_bench(a):
         fits = [r["length"] for r in rows if r["impl"] == head and "error" not in r
                 and r["peak_extra_mib"] <= a.budget_mib]
         lines.append(f"longest response length within {a.budget_mib} MiB, {head}: {max(fits) if fits else 'none'}")
-    table = "\n".join(lines)
-    print(table)
-    log_mlflow(a, [dict(r, impl=f"{r['impl']}-{r['length']}") for r in rows], table, "dpo")
-    return rows
+    return "\n".join(lines)
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlrun.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(required=True)
@@ -328,9 +318,19 @@ def main(argv=None):
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
     d.set_defaults(func=dpo_bench, tokens=None, seqs=None)
+    return p
+
+
+def main(argv=None):
+    p = parser()
     a = p.parse_args(argv)
     if a.func is heads_bench and a.tokens % a.seqs:
         p.error(f"--tokens {a.tokens} must be divisible by --seqs {a.seqs}")
+    if a.tracking_uri != "none":  # a store that cannot be used fails now, not after the benchmark
+        try:
+            check_uri(a.tracking_uri, "--tracking-uri", "--tracking-uri none")
+        except TrackingError as e:
+            p.error(str(e))
     return a.func(a)
 
 

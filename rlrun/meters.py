@@ -5,6 +5,10 @@ by writing 5 to /proc/self/clear_refs (Linux). `growth` is the peak minus what w
 on CPU the process baseline (libraries, model) dominates the peak, so growth is what tells phases apart.
 Where the reset is refused, the CPU peak is the process peak so far, and `peak_resets` is False so the numbers
 are not mistaken for per-phase ones.
+
+PHASES names the phases of a step, in the order the report draws them; a Meter refuses any other name, so a
+misspelled phase fails at once instead of logging a metric no figure shows. torch is imported only on CUDA
+paths, so that reading PHASES and the metric keys (the report does) costs no torch import.
 """
 
 from __future__ import annotations
@@ -14,10 +18,25 @@ import ctypes.util
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MIB = 2**20
+PHASES = ("sync", "generate", "offload", "old_logprobs", "ref_logprobs", "onload", "train", "eval")
+
+
+def time_key(phase: str) -> str:
+    return f"time/{phase}_s"
+
+
+def peak_key(phase: str) -> str:
+    return f"mem/{phase}_peak_mib"
+
+
+def growth_key(phase: str) -> str:
+    return f"mem/{phase}_growth_mib"
 
 
 def proc_bytes(path: str, key: str) -> int:
@@ -65,10 +84,17 @@ def _reset_rss_peak() -> bool:
         return False
 
 
+def _cuda():
+    import torch  # here, not at the top: see the module docstring
+
+    return torch.cuda
+
+
 class Meter:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, phases: tuple[str, ...] = PHASES):
         self.cuda = device.type == "cuda"
         self.device = device
+        self.phases = phases
         self.peak_resets = True if self.cuda else _reset_rss_peak()
         self.new_step()
 
@@ -79,22 +105,24 @@ class Meter:
 
     def reset_peak(self):
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            _cuda().synchronize(self.device)
+            _cuda().reset_peak_memory_stats(self.device)
         else:
             self.peak_resets = _reset_rss_peak() and self.peak_resets
 
     def current(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.cuda else _rss_bytes()
+        return _cuda().memory_allocated(self.device) if self.cuda else _rss_bytes()
 
     def read_peak(self) -> int:
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device)
+            _cuda().synchronize(self.device)
+            return _cuda().max_memory_allocated(self.device)
         return _rss_peak_bytes()
 
     @contextmanager
     def phase(self, name: str):
+        if name not in self.phases:
+            raise ValueError(f"unknown phase {name!r}; phases: {', '.join(self.phases)} (rlrun.meters.PHASES)")
         self.reset_peak()
         base = self.current()
         start = time.perf_counter()
@@ -107,8 +135,8 @@ class Meter:
             self.growth[name] = max(self.growth.get(name, 0), peak - base)
 
     def metrics(self) -> dict[str, float]:
-        out = {f"time/{k}_s": v for k, v in self.seconds.items()}
-        out.update({f"mem/{k}_peak_mib": v / MIB for k, v in self.peak.items()})
-        out.update({f"mem/{k}_growth_mib": v / MIB for k, v in self.growth.items()})
+        out = {time_key(k): v for k, v in self.seconds.items()}
+        out.update({peak_key(k): v / MIB for k, v in self.peak.items()})
+        out.update({growth_key(k): v / MIB for k, v in self.growth.items()})
         out["time/step_s"] = sum(self.seconds.values())
         return out

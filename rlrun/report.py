@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import matplotlib
 
@@ -20,8 +21,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from .meters import PHASES, growth_key, peak_key, time_key  # noqa: E402
+from .tracking import log_figures, open_client  # noqa: E402
+
 STYLES = ["-", "--", ":", "-."]
-PHASES = ["sync", "generate", "offload", "old_logprobs", "ref_logprobs", "onload", "train"]
 EFFICIENCY_AXES = ("head.", "logprob_policy.", "offload.")
 BASELINE = {"head.name": "dense", "logprob_policy.name": "always", "offload.name": "off"}
 IGNORED_PARAMS = ("run_name", "tracking.", "progress")
@@ -52,8 +55,7 @@ def histories(client, run, keys):
 
 def collect(client, runs):
     keys = ["loss", "reward_mean", "throughput/gen_tokens_per_s", "throughput/train_tokens_per_s"]
-    keys += [f"mem/{p}_peak_mib" for p in PHASES] + [f"mem/{p}_growth_mib" for p in PHASES]
-    keys += [f"time/{p}_s" for p in PHASES]
+    keys += [k(p) for k in (peak_key, growth_key, time_key) for p in PHASES]
     return [histories(client, r, keys) for r in runs]
 
 
@@ -105,13 +107,13 @@ def _stat(h, key, fn):
 
 
 def memory_figure(names, data, device):
-    present = [p for p in PHASES if any(f"mem/{p}_peak_mib" in h for h in data)]
+    present = [p for p in PHASES if any(peak_key(p) in h for h in data)]
     fig, axes = plt.subplots(1, 2, figsize=(16, _height(len(names))))
     what = "CUDA peak allocated" if device == "cuda" else "process peak RSS"
-    _heatmap(fig, axes[0], names, present, [[_stat(h, f"mem/{p}_peak_mib", np.max) for p in present] for h in data],
+    _heatmap(fig, axes[0], names, present, [[_stat(h, peak_key(p), np.max) for p in present] for h in data],
              "MiB", f"Peak memory per phase, MiB ({what}, {device})")
     _heatmap(fig, axes[1], [""] * len(names), present,
-             [[_stat(h, f"mem/{p}_growth_mib", np.max) for p in present] for h in data],
+             [[_stat(h, growth_key(p), np.max) for p in present] for h in data],
              "MiB", "Peak growth over the phase's starting memory, MiB")
     fig.tight_layout()
     return fig
@@ -122,8 +124,8 @@ def throughput_figure(names, data):
     _hbars(axes[0], names, {"generated": [_stat(h, "throughput/gen_tokens_per_s", np.mean) for h in data],
                             "trained": [_stat(h, "throughput/train_tokens_per_s", np.mean) for h in data]},
            "tokens / s (mean over steps)", "Throughput")
-    present = [p for p in PHASES if any(f"time/{p}_s" in h for h in data)]
-    _hbars(axes[1], names, {p: [_stat(h, f"time/{p}_s", np.mean) for h in data] for p in present},
+    present = [p for p in PHASES if any(time_key(p) in h for h in data)]
+    _hbars(axes[1], names, {p: [_stat(h, time_key(p), np.mean) for h in data] for p in present},
            "seconds (mean per step)", "Step time by phase", stacked=True)
     fig.tight_layout()
     return fig
@@ -190,10 +192,9 @@ def table(names, data) -> str:
     head = f"{'run':<44} {'step s':>8} {'gen tok/s':>10} {'train tok/s':>12} {'peak MiB':>9} {'growth MiB':>11}"
     lines = [head]
     for name, h in zip(names, data):
-        step = sum(_stat(h, f"time/{p}_s", np.mean) for p in PHASES if f"time/{p}_s" in h)
-        peak = max((_stat(h, f"mem/{p}_peak_mib", np.max) for p in PHASES if f"mem/{p}_peak_mib" in h), default=0)
-        growth = max((_stat(h, f"mem/{p}_growth_mib", np.max) for p in PHASES if f"mem/{p}_growth_mib" in h),
-                     default=0)
+        step = sum(_stat(h, time_key(p), np.mean) for p in PHASES if time_key(p) in h)
+        peak = max((_stat(h, peak_key(p), np.max) for p in PHASES if peak_key(p) in h), default=0)
+        growth = max((_stat(h, growth_key(p), np.max) for p in PHASES if growth_key(p) in h), default=0)
         lines.append(f"{name[:44]:<44} {step:>8.4f} {_stat(h, 'throughput/gen_tokens_per_s', np.mean):>10.0f} "
                      f"{_stat(h, 'throughput/train_tokens_per_s', np.mean):>12.0f} {peak:>9.0f} {growth:>11.0f}")
     return "\n".join(lines)
@@ -224,9 +225,46 @@ def write(figs, rows, out_dir):
         print(text)
 
 
-def main(argv=None):
-    from mlflow.tracking import MlflowClient
+class ReportError(Exception):
+    """What to compare cannot be found: one line for the user, exit 2."""
 
+
+def find_runs(client, a) -> list:
+    """The runs that `a` names: a sweep's children, or an experiment's runs matching the filter."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        if a.parent_run_id:
+            _, runs = child_runs(client, a.parent_run_id)
+        else:
+            exp = client.get_experiment_by_name(a.experiment)
+            if exp is None:
+                raise ReportError(f"no experiment {a.experiment!r} in {a.uri}")
+            runs = client.search_runs([exp.experiment_id], a.filter, order_by=["attributes.start_time ASC"],
+                                      max_results=5000)
+            runs = [r for r in runs if r.data.tags.get("rlrun.kind") != "sweep"]
+    except MlflowException as e:
+        if a.parent_run_id and e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            raise ReportError(f"no run {a.parent_run_id!r} in {a.uri}") from e
+        raise ReportError(f"{a.uri}: {e.message.splitlines()[0][:300]}") from e
+    if not runs and a.parent_run_id:
+        raise ReportError(f"run {a.parent_run_id!r} has no child runs: give a sweep's parent run id "
+                          "(the run tagged rlrun.kind=sweep) or --experiment NAME")
+    if not runs:
+        which = f"matched the filter {a.filter!r}" if a.filter else "exist"
+        raise ReportError(f"no runs of experiment {a.experiment!r} {which}")
+    return runs
+
+
+def open_store(uri: str):
+    """A client for `uri`; a sqlite file that does not exist is an error here (reading it would create it)."""
+    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///") :]):
+        raise ReportError(f"no MLflow database at {uri[len('sqlite:///'):]!r} (--uri {uri}); run from the folder "
+                          "that holds mlflow.db or pass --uri")
+    return open_client(uri)
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(prog="rlrun-report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("parent_run_id", nargs="?", help="a sweep's parent run: compare its child runs")
@@ -238,24 +276,17 @@ def main(argv=None):
     a = p.parse_args(argv)
     if not a.parent_run_id and not a.experiment:
         p.error("give a PARENT_RUN_ID or --experiment NAME")
-    client = MlflowClient(a.uri)
-    if a.parent_run_id:
-        _, runs = child_runs(client, a.parent_run_id)
-    else:
-        exp = client.get_experiment_by_name(a.experiment)
-        if exp is None:
-            p.error(f"no experiment {a.experiment!r} in {a.uri}")
-        runs = client.search_runs([exp.experiment_id], a.filter, order_by=["attributes.start_time ASC"],
-                                  max_results=5000)
-        runs = [r for r in runs if r.data.tags.get("rlrun.kind") != "sweep"]
-    if not runs:
-        p.error("no runs matched")
+    try:
+        client = open_store(a.uri)
+        runs = find_runs(client, a)
+    except ReportError as e:
+        print(f"rlrun-report: {e}", file=sys.stderr)
+        sys.exit(2)
     figs, rows = figures(client, runs, runs[0].data.tags.get("rlrun.device", "cpu"))
     out = a.out or f"report-{a.parent_run_id or a.experiment}"
     write(figs, rows, out)
     if a.log and a.parent_run_id:
-        for name, fig in figs.items():
-            client.log_figure(a.parent_run_id, fig, name)
+        log_figures(client, a.parent_run_id, figs)
     print(f"{len(runs)} runs -> {', '.join(os.path.join(out, n) for n in figs)}")
 
 

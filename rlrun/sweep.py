@@ -16,6 +16,8 @@ import sys
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
+from . import tracking
+
 ENV = "RLRUN_PARENT_RUN_ID"
 log = logging.getLogger("rlrun.sweep")
 
@@ -28,14 +30,7 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config, config_name=None, **kwargs):
         if config.tracking.name != "mlflow":
             return
-        from mlflow.tracking import MlflowClient
-
-        from .tracking import check_uri
-
-        check_uri(config.tracking.uri)
-        self.client = MlflowClient(config.tracking.uri)
-        exp = self.client.get_experiment_by_name(config.tracking.experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(config.tracking.experiment)
+        self.client, exp_id = tracking.connect(config.tracking.uri, config.tracking.experiment)
         overrides = list(config.hydra.overrides.task)
         name = config_name if config_name and config_name != "config" else "sweep"
         params = config.hydra.sweeper.get("params")
@@ -43,10 +38,8 @@ class SweepCallback(Callback):
         run = self.client.create_run(exp_id, run_name=f"{name}: {','.join(overrides)}"[:250],
                                      tags={"rlrun.kind": "sweep", "rlrun.sweep": name})
         self.parent_id = run.info.run_id
-        self.client.log_param(self.parent_id, "sweep.name", name)
-        self.client.log_param(self.parent_id, "sweep.overrides", ",".join(overrides)[:6000])
-        for k, v in sweep_params.items():
-            self.client.log_param(self.parent_id, f"sweep.params.{k}", str(v)[:6000])
+        tracking.log_params(self.client, self.parent_id, tracking.flatten(
+            {"sweep": {"name": name, "overrides": ",".join(overrides), "params": sweep_params}}))
         cfg = OmegaConf.to_container(config, resolve=False)
         self.client.log_dict(self.parent_id, cfg, "sweep_config.yaml")
         os.environ[ENV] = self.parent_id
@@ -80,12 +73,10 @@ class SweepCallback(Callback):
     def draw(self, report, runs, out):
         figs, rows = report.figures(self.client, runs, runs[0].data.tags.get("rlrun.device", "cpu"))
         report.write(figs, rows, out)
-        for name, fig in figs.items():
-            self.client.log_figure(self.parent_id, fig, name)
+        tracking.log_figures(self.client, self.parent_id, figs)
         if rows:
             self.client.log_artifact(self.parent_id, os.path.join(out, "equivalence.txt"))
-            for k in ("loss", "reward_mean"):
-                diffs = [r[k] for r in rows if k in r]
-                if diffs:
-                    self.client.log_metric(self.parent_id, f"equivalence/max_abs_diff_{k}", max(diffs))
+            diffs = {k: [r[k] for r in rows if k in r] for k in ("loss", "reward_mean")}
+            tracking.log_metrics(self.client, self.parent_id,
+                                 {f"equivalence/max_abs_diff_{k}": max(v) for k, v in diffs.items() if v})
         log.info("figures: %s", out)

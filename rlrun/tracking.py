@@ -3,6 +3,10 @@ step, summary metrics, and a final status (FINISHED / FAILED / KILLED) that neve
 
 `tracking=none` gives a tracker that records nothing. `tracking.parent_run_id` nests the run under a sweep's
 parent run (passed explicitly, never through MLFLOW_RUN_ID, which would make start_run resume that run).
+
+The functions below the trackers are the one place that opens a client, gets or creates an experiment and logs
+params, metrics and figures: the loop's tracker, the sweep callback, `rlrun.bench` and `rlrun-report` share them.
+mlflow is imported inside them, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -13,9 +17,7 @@ from urllib.parse import urlparse
 
 from omegaconf import OmegaConf
 
-
-class TrackingError(RuntimeError):
-    """The tracking URI or experiment cannot be used."""
+from .errors import TrackingError
 
 
 def flatten(d, prefix: str = "") -> dict[str, str]:
@@ -29,13 +31,14 @@ def flatten(d, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def check_uri(uri: str) -> None:
-    """Fail before training if the store cannot be used, naming the fix."""
+def check_uri(uri: str, key: str = "tracking.uri", off: str = "tracking=none") -> None:
+    """Fail before training if the store cannot be used, naming the fix (`key`, `off`: the option as the
+    command that checks spells it, and how to turn tracking off there)."""
     scheme = urlparse(uri).scheme
     if scheme in ("", "file"):
         raise TrackingError(
-            f"tracking.uri={uri!r} is a file store, which MLflow 3.13+ rejects; use sqlite:///mlflow.db "
-            "(a local database file), http(s)://HOST:PORT for a tracking server, or tracking=none."
+            f"{key}={uri!r} is a file store, which MLflow 3.13+ rejects; use sqlite:///mlflow.db "
+            f"(a local database file), http(s)://HOST:PORT for a tracking server, or {off}."
         )
     if scheme == "sqlite":
         path = uri[len("sqlite:///") :]
@@ -43,9 +46,9 @@ def check_uri(uri: str) -> None:
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
-            raise TrackingError(f"tracking.uri={uri!r}: cannot create folder {folder!r} ({e.strerror}).") from e
+            raise TrackingError(f"{key}={uri!r}: cannot create folder {folder!r} ({e.strerror}).") from e
         if not os.access(folder, os.W_OK):
-            raise TrackingError(f"tracking.uri={uri!r}: folder {folder!r} is not writable; choose another path.")
+            raise TrackingError(f"{key}={uri!r}: folder {folder!r} is not writable; choose another path.")
 
 
 class Null:
@@ -62,28 +65,80 @@ class Null:
     def summary(self, metrics):
         pass
 
+    def text(self, text, name):
+        pass
+
     def finish(self, status):
         pass
 
 
+def open_client(uri: str):
+    """An MlflowClient that fails fast on an unreachable server instead of retrying for minutes."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client, name: str) -> str:
+    """The id of experiment `name`, created if missing. Jobs of a sweep may start together: if another process
+    creates it between our read and our create, the create fails and we read theirs."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def connect(uri: str, experiment: str):
+    """(client, experiment id) for writing runs; TrackingError naming the fix if the store cannot be used."""
+    check_uri(uri)
+    client = open_client(uri)
+    try:
+        return client, experiment_id(client, experiment)
+    except Exception as e:  # noqa: BLE001 - any failure here means the store is unusable
+        raise TrackingError(
+            f"tracking.uri={uri!r} cannot be reached or used ({type(e).__name__}: {str(e)[:300]}). "
+            "Start the server, fix the URI, or run with tracking=none."
+        ) from e
+
+
+def log_params(client, run_id: str, params: dict) -> None:
+    """Params as strings cut to MLflow's 6000-character limit, in batches of MLflow's 100."""
+    from mlflow.entities import Param
+
+    batch = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    for i in range(0, len(batch), 100):
+        client.log_batch(run_id, params=batch[i : i + 100])
+
+
+def log_metrics(client, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    """Metrics at one step, in batches of 500 (under MLflow's 1000 per request)."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+    for i in range(0, len(batch), 500):
+        client.log_batch(run_id, metrics=batch[i : i + 500])
+
+
+def log_figures(client, run_id: str, figs: dict) -> None:
+    """{artifact file name: matplotlib figure} as artifacts of the run."""
+    for name, fig in figs.items():
+        client.log_figure(run_id, fig, name)
+
+
 class MLflow:
     def __init__(self, cfg, config: dict, run_name: str | None, resume_run_id: str | None = None):
-        check_uri(cfg.uri)
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        from mlflow.entities import Metric, Param
-        from mlflow.tracking import MlflowClient
-
-        self._Metric = Metric
-        self.client = MlflowClient(tracking_uri=cfg.uri)
-        try:
-            exp = self.client.get_experiment_by_name(cfg.experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(cfg.experiment)
-        except Exception as e:  # noqa: BLE001 - any failure here means the store is unusable
-            raise TrackingError(
-                f"tracking.uri={cfg.uri!r} cannot be reached or used ({type(e).__name__}: {str(e)[:300]}). "
-                "Start the server, fix the URI, or run with tracking=none."
-            ) from e
+        self.client, exp_id = connect(cfg.uri, cfg.experiment)
         self.first_step = 0  # steps below this were logged before a resume: recomputed, not logged twice
         if resume_run_id:  # the same run continues: RUNNING again, params as first logged
             self.run_id = resume_run_id
@@ -96,36 +151,29 @@ class MLflow:
             tags["mlflow.parentRunId"] = cfg.parent_run_id
         self.run = self.client.create_run(exp_id, tags=tags, run_name=run_name)
         self.run_id = self.run.info.run_id
-        params = [Param(k, v[:6000]) for k, v in flatten(config).items()]
-        for i in range(0, len(params), 100):
-            self.client.log_batch(self.run_id, params=params[i : i + 100])
+        log_params(self.client, self.run_id, flatten(config))
         self.client.log_dict(self.run_id, config, "config.yaml")
 
     def log(self, step: int, metrics: dict[str, float]):
-        if step < self.first_step:
-            return
-        now = int(time.time() * 1000)
-        batch = [self._Metric(k, float(v), now, step) for k, v in metrics.items()]
-        for i in range(0, len(batch), 500):
-            self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
+        if step >= self.first_step:
+            log_metrics(self.client, self.run_id, metrics, step)
 
     def tags(self, tags: dict[str, str]):
         for k, v in tags.items():
             self.client.set_tag(self.run_id, k, str(v)[:5000])
 
     def summary(self, metrics: dict[str, float]):
-        now = int(time.time() * 1000)
-        batch = [self._Metric(f"summary/{k}", float(v), now, 0) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=batch)
+        log_metrics(self.client, self.run_id, {f"summary/{k}": v for k, v in metrics.items()})
+
+    def text(self, text: str, name: str):
+        self.client.log_text(self.run_id, text, name)
 
     def finish(self, status: str):
         self.client.set_terminated(self.run_id, status=status)
 
 
 def mark(uri: str, run_id: str, status: str) -> None:
-    from mlflow.tracking import MlflowClient
-
-    MlflowClient(uri).set_terminated(run_id, status)
+    open_client(uri).set_terminated(run_id, status)
 
 
 def record_failure(config_obj, run_name: str, error: Exception) -> None:

@@ -1,0 +1,71 @@
+"""rlrun.bench at the smallest sizes: its measurements, tables and MLflow run (never timings)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlrun import bench
+
+TINY = ["--hidden", "8", "--vocab", "64", "--tile-size", "8"]
+
+
+def test_help_lists_both_benchmarks():
+    r = subprocess.run([sys.executable, "-m", "rlrun.bench", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "heads" in r.stdout and "dpo" in r.stdout
+
+
+def test_heads_table_and_mlflow_run(tmp_path):
+    """The heads path in this process (children are what `heads` spawns): metered results -> rows -> table ->
+    one MLflow run holding the table, the arguments and each number of each row."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    a = bench.parser().parse_args(["heads", "--tokens", "16", "--seqs", "2", "--impls", "dense,chunked",
+                                   "--device", "cpu", "--tracking-uri", uri, *TINY])
+    results = {}
+    for name in ("dense", "chunked"):
+        bench.child(name, a, tmp_path / f"{name}.pt")
+        results[name] = torch.load(tmp_path / f"{name}.pt")
+    rows = bench.heads_rows(["dense", "chunked"], results)
+    assert all(r["time_s"] > 0 and r["peak_extra_mib"] >= 0 for r in rows)
+    assert rows[1]["err_loss"] < 1e-5 and rows[1]["err_grad_w"] < 1e-4  # chunked agrees with dense
+    table = bench.format_table(rows, a)
+    assert table.splitlines()[2].startswith("dense") and table.splitlines()[3].startswith("chunked")
+    bench.log_mlflow(a, rows, table, "heads")
+
+    from rlrun.tracking import open_client
+
+    client = open_client(uri)
+    [run] = client.search_runs([client.get_experiment_by_name(bench.BENCH_EXPERIMENT).experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["mlflow.runName"] == "bench-heads"
+    assert run.data.params["tokens"] == "16" and run.data.metrics["time_s/chunked"] == rows[1]["time_s"]
+    assert {"heads.txt", "config.yaml"} <= {f.path for f in client.list_artifacts(run.info.run_id)}
+
+
+def test_dpo_table_names_the_longest_length_within_budget():
+    a = bench.parser().parse_args(["dpo", "--pairs", "1", "--budget-mib", "10", *TINY])
+    rows = [{"impl": "dense", "length": 8, "time_s": 0.1, "peak_extra_mib": 4.0},
+            {"impl": "dense", "length": 16, "time_s": 0.2, "peak_extra_mib": 20.0},
+            {"impl": "chunked", "length": 8, "error": "exit code -9"}]
+    lines = bench.dpo_table(rows, ["dense", "chunked"], a).splitlines()
+    assert lines[-2:] == ["longest response length within 10.0 MiB, dense: 8",
+                          "longest response length within 10.0 MiB, chunked: none"]
+    assert lines[4].split()[-1] == "-9"
+
+
+@pytest.mark.slow
+def test_dpo_child_meters_one_step(tmp_path):
+    pytest.importorskip("rlrun.recipes.dpo")
+    a = bench.parser().parse_args(["dpo", "--device", "cpu", *TINY])
+    bench.dpo_child("chunked", 8, a, tmp_path / "r.pt")
+    r = torch.load(tmp_path / "r.pt")
+    assert r["time"] > 0 and r["peak"] >= 0 and r["loss"] == pytest.approx(0.6931, abs=0.05)  # -log sigmoid(~0)
+
+
+@pytest.mark.slow
+def test_heads_end_to_end_in_child_processes(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "rlrun.bench", "heads", "--tokens", "16", "--seqs", "2",
+                        "--impls", "dense,tiled", "--device", "cpu", "--tracking-uri", "none", *TINY],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [line.split()[0] for line in r.stdout.splitlines()[2:4]] == ["dense", "tiled"]

@@ -1,0 +1,55 @@
+"""The tracking helpers that the loop's tracker, the sweep callback, bench and report share."""
+
+import pytest
+
+from rlrun import tracking
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    uri = f"sqlite:///{tmp_path_factory.mktemp('store')}/mlflow.db"
+    return uri, tracking.open_client(uri)
+
+
+def test_experiment_id_creates_once_then_returns_the_same_id(store):
+    uri, client = store
+    first = tracking.experiment_id(client, "idem")
+    assert tracking.experiment_id(client, "idem") == first
+    assert tracking.experiment_id(tracking.open_client(uri), "idem") == first  # another client, same store
+    assert [e.experiment_id for e in client.search_experiments() if e.name == "idem"] == [first]
+
+
+def test_experiment_id_reads_the_experiment_another_process_created_first(store):
+    _, client = store
+
+    class LateReader:
+        """A client that does not see the experiment on its first read, as when another process creates it
+        between our read and our create."""
+
+        def __init__(self):
+            self.reads = 0
+
+        def get_experiment_by_name(self, name):
+            self.reads += 1
+            return None if self.reads == 1 else client.get_experiment_by_name(name)
+
+        def create_experiment(self, name):
+            return client.create_experiment(name)
+
+    theirs = client.create_experiment("race")
+    assert tracking.experiment_id(LateReader(), "race") == theirs
+
+
+def test_connect_names_the_fix_for_an_unusable_store(tmp_path):
+    with pytest.raises(tracking.TrackingError, match="file store"):
+        tracking.connect(f"file://{tmp_path}/mlruns", "x")
+
+
+def test_params_and_metrics_are_batched_and_cut_to_mlflow_limits(store):
+    _, client = store
+    run_id = client.create_run(tracking.experiment_id(client, "batch")).info.run_id
+    tracking.log_params(client, run_id, {f"p{i}": i for i in range(250)} | {"long": "x" * 7000})
+    tracking.log_metrics(client, run_id, {f"m{i}": i for i in range(1200)}, step=3)
+    data = client.get_run(run_id).data
+    assert len(data.params) == 251 and data.params["p7"] == "7" and len(data.params["long"]) == 6000
+    assert len(data.metrics) == 1200 and client.get_metric_history(run_id, "m5")[0].step == 3
