@@ -12,14 +12,12 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from .errors import ModelError
+
 # Characters of the built-in tokenizer: enough for arithmetic prompts and plain lower-case text.
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz +-*/=?:;,.!()'\"")
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelError(ValueError):
-    """A model path or model option that cannot be used."""
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -114,6 +112,11 @@ def split(model):
         if getattr(lm.config, key, None) not in (None, 1.0):
             raise ModelError(f"{type(lm).__name__} uses {key}; rlrun's heads compute plain logits = h @ W.T.")
     return getattr(lm, lm.base_model_prefix), head.weight
+
+
+def context_size(model) -> int | None:
+    """The positions the model can attend over (prompt + response), where its config says."""
+    return getattr(unwrap(model).config, "max_position_embeddings", None)
 
 
 def hidden_states(backbone, input_ids, attention_mask):

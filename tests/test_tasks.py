@@ -1,6 +1,10 @@
+import hashlib
 import json
+import subprocess
+import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from rlrun import tasks
 
@@ -57,3 +61,212 @@ def test_prompt_stream_covers_each_epoch():
     stream = tasks.prompt_stream(ex, 0)
     first = [next(stream)["prompt"] for _ in range(5)]
     assert sorted(first) == ["0", "1", "2", "3", "4"]
+
+
+# --- the new API on the historic tasks: identical rows, rewards and pairs ---------------------------------------
+
+
+def test_arith_through_load_is_build_bit_for_bit(cfg_factory):
+    cfg = cfg_factory("task.ops=[+,-,*]", "task.max_operand=9")
+    old, reward = tasks.build(cfg.task, 3)
+    task = tasks.load(cfg.task, 3, None)
+    assert task.train == old and task.eval == [] and task.reward_names == ["partial_credit"]
+    completions = ["7", "12", "", "x", " 9 ", "a1b2", "100", "-3"] * 4
+    rows = task.train[: len(completions)]
+    totals, per = task.score(completions, rows)
+    expected = [reward(c, r["answer"]) for c, r in zip(completions, rows)]
+    assert totals == expected and per == {"partial_credit": expected}
+    assert all(type(v) is float for v in totals)
+    assert tasks.load_pairs(cfg.task, 3, None) == (tasks.build_pairs(cfg.task, 3), [])
+
+
+def test_jsonl_through_load_is_build(tmp_path, cfg_factory):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"prompt": "hi", "answer": "yo"}) + "\n\n" + json.dumps({"prompt": "a", "answer": "b"}))
+    cfg = cfg_factory("task=jsonl", f"task.path={path}", "task.reward=rlrun.tasks:exact_match")
+    task = tasks.load(cfg.task, 0, None)
+    assert task.train == tasks.build(cfg.task, 0)[0] and task.eval == []
+    assert task.score(["yo", "a"], task.train) == ([1.0, 0.0], {"exact_match": [1.0, 0.0]})
+    path.write_text('{"prompt": "a", "answer": "b"}\n{oops\n')
+    with pytest.raises(tasks.TaskError, match=r"t.jsonl:2: not valid JSON"):  # the historic reader's errors
+        tasks.load(cfg.task, 0, None)
+
+
+def test_prompt_stream_order_and_state_are_unchanged():
+    stream = tasks.prompt_stream([{"prompt": str(i)} for i in range(5)], 7)
+    first = [next(stream)["prompt"] for _ in range(7)]
+    assert first == ["4", "0", "3", "1", "2", "2", "3"]  # the values of the single-module rlrun/tasks.py
+    state = stream.state_dict()
+    assert state["pos"] == 2 and state["order"] == [2, 3, 1, 4, 0]
+    again = tasks.prompt_stream([{"prompt": str(i)} for i in range(5)], 0)
+    again.load_state_dict(state)
+    assert [next(again)["prompt"] for _ in range(3)] == [next(stream)["prompt"] for _ in range(3)]
+
+
+def test_arith_data_is_unchanged():
+    """Digests of the rows and pairs of the single-module rlrun/tasks.py (a golden run depends on them)."""
+    ex = tasks.arith_examples(1000, 9, ["+", "-", "*"], 3)
+    digest = hashlib.sha1(json.dumps(ex).encode()).hexdigest()
+    assert digest == "5f22b44c6d3e0f1f86cfc540aefc61845785dcec"
+    digest = hashlib.sha1(json.dumps(tasks.arith_pairs(ex, 3)).encode()).hexdigest()
+    assert digest == "ab21815861ed6a2cad2fb423b302235aca265c52"
+
+
+def test_arith_eval_size_holds_out_distinct_prompts(cfg_factory):
+    cfg = cfg_factory("task.eval_size=5")
+    task = tasks.load(cfg.task, 0, None)
+    held = {r["prompt"] for r in task.eval}
+    assert len(task.eval) == len(held) == 5  # one row per held-out prompt
+    assert not held & {r["prompt"] for r in task.train}
+    assert len(task.train) + sum(r["prompt"] in held for r in tasks.build(cfg.task, 0)[0]) == 1000
+    assert tasks.load(cfg.task, 0, None).eval == task.eval != tasks.load(cfg.task, 1, None).eval
+
+
+def test_check_config_is_cheap_and_says_what_is_wrong(cfg_factory):
+    assert tasks.check_config(cfg_factory().task) == []
+    bad = OmegaConf.create({"name": "arith", "size": 0, "max_operand": 4, "ops": ["/"], "reward": "m:f",
+                            "rewards": ["m:g"], "eval_size": 1.5, "chat_template": "maybe"})
+    problems = " ".join(tasks.check_config(bad))
+    for needle in ("task.chat_template='maybe'", "set task.reward (one function) or task.rewards",
+                   "task.eval_size=1.5", "task.ops=['/']", "task.size=0"):
+        assert needle in problems
+    assert tasks.check_config(OmegaConf.create({"name": "csv"})) == [
+        "task='csv' is not supported; supported: ['arith', 'jsonl', 'dataset']."]
+
+
+def test_package_import_stays_light():
+    code = "import sys, rlrun.tasks; print(sorted(m for m in ('torch', 'datasets') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# --- rewards: the calling rule, weights, names, and what a reward may return ------------------------------------
+
+
+def _task(rewards, rows=None, **extra):
+    """A Task over `rows` with `rewards` (the list form), through the public loader on a JSONL file."""
+    return tasks.Task("t", rows or [{"prompt": "p", "answer": "7", "level": 2}], [],
+                      tasks.scoring.load_rewards(None, rewards, {"prompt", "answer", "level", *extra}))
+
+
+def kw_reward(completion, **kwargs):
+    return float(sorted(kwargs) == ["answer", "level", "prompt", "scale"]) * kwargs["scale"]
+
+
+def named_reward(completion, prompt, level=0):
+    return float(level) + len(prompt)
+
+
+def target_reward(completion, target):  # historic: the second positional parameter is the answer
+    return float(completion == target)
+
+
+def positional_only(completion, gold, /):
+    return float(completion == gold)
+
+
+def needs_pattern(completion, pattern):
+    return 1.0
+
+
+def test_calling_rule():
+    t = _task([{"fn": "test_tasks:kw_reward", "kwargs": {"scale": 3}}, "test_tasks:named_reward",
+               {"fn": "test_tasks:positional_only", "weight": 0.5}])
+    totals, per = t.score(["7"], t.train)
+    assert per == {"kw_reward": [3.0], "named_reward": [3.0], "positional_only": [1.0]}
+    assert totals == [3.0 + 3.0 + 0.5]
+    with pytest.raises(tasks.TaskError, match=r"needs argument\(s\) \['pattern'\].*kwargs: \{NAME: value\}"):
+        _task(["test_tasks:needs_pattern"])
+    with pytest.raises(tasks.TaskError, match=r"needs argument\(s\) \['target'\]"):
+        _task(["test_tasks:target_reward"])  # under task.rewards parameters are bound by name
+    legacy = tasks.scoring.load_rewards("test_tasks:target_reward", None, {"prompt", "answer"})
+    assert tasks.Task("t", [], [], legacy).score(["7", "8"], [{"prompt": "p", "answer": "7"}] * 2)[0] == [1.0, 0.0]
+    with pytest.raises(tasks.TaskError, match=r"task.rewards\[0\].kwargs \['nope'\] are not parameters"):
+        _task([{"fn": "test_tasks:named_reward", "kwargs": {"nope": 1}}])
+    with pytest.raises(tasks.TaskError, match="are both named 'exact_match'"):
+        _task(["rlrun.tasks:exact_match", "rlrun.tasks.rewards:exact_match"])
+    t = _task(["rlrun.tasks:exact_match", {"fn": "rlrun.tasks.rewards:exact_match", "name": "em2", "weight": 0}])
+    assert t.score(["7"], t.train) == ([1.0], {"exact_match": [1.0], "em2": [1.0]})  # weight 0: logged only
+
+
+def bad_reward(completion, answer, **row):
+    return row["level"]
+
+
+@pytest.mark.parametrize("value,needle", [
+    (None, "returned None (NoneType); a reward must return a finite number (float, int or bool)."),
+    (float("nan"), "returned nan; a reward must be finite."),
+    (float("inf"), "returned inf; a reward must be finite."),
+    ("0.5", "returned '0.5' (str); a reward must return a finite number"),
+    ([1.0, 0.0], "rlrun calls a reward once per completion (not with a batch, as TRL does)"),
+])
+def test_a_bad_reward_value_names_the_reward_the_row_and_the_value(value, needle):
+    t = _task(["test_tasks:bad_reward"], rows=[{"prompt": "ok", "answer": "1", "level": 0.0},
+                                               {"prompt": "3+4=", "answer": "7", "level": value}])
+    with pytest.raises(tasks.TaskError) as e:
+        t.score(["a", "b"], t.train)
+    msg = str(e.value)
+    assert msg.startswith("reward 'bad_reward' (test_tasks:bad_reward) on completion 1 of 2 (prompt '3+4=', "
+                          "answer '7', completion 'b')") and needle in msg, msg
+
+
+def raising_reward(completion, answer):
+    raise RuntimeError("reward server unreachable")
+
+
+def test_a_raising_reward_is_one_message_with_its_line():
+    t = _task(["test_tasks:raising_reward"])
+    with pytest.raises(tasks.TaskError, match=r"raised RuntimeError: reward server unreachable at .*test_tasks.py:\d+"):
+        t.score(["x"], t.train)
+
+
+def test_bools_and_numpy_scalars_count_as_numbers():
+    import numpy as np
+
+    t = _task(["test_tasks:bad_reward"], rows=[{"prompt": "p", "answer": "a", "level": v}
+                                               for v in (True, False, np.float32(0.25), np.bool_(True), 2)])
+    assert t.score(list("abcde"), t.train)[0] == [1.0, 0.0, 0.25, 1.0, 2.0]
+
+
+def test_reward_library():
+    from rlrun.tasks import rewards as R
+
+    assert R.numeric_match("so 1,234 apples", answer="3 boxes\n#### 1234") == 1.0
+    assert R.numeric_match("it is 12.50", answer="#### 12.5") == 1.0
+    assert R.numeric_match("-3", answer="minus three: -3") == 1.0  # no '####': the answer's last number
+    assert R.numeric_match("42 then 41", answer="#### 42") == 0.0  # the completion's last number counts
+    assert R.numeric_match("no number", answer="#### 4") == 0.0
+    with pytest.raises(ValueError, match="has no number"):
+        R.numeric_match("4", answer="four")
+    assert R.format("<think>a\nb</think> 4", pattern=r"<think>.*</think>") == 1.0
+    assert R.format("x 4", pattern=r"\d+", fullmatch=True) == 0.0
+    assert R.length_penalty("", max_chars=10) == 0.0 and R.length_penalty("x" * 5, max_chars=10) == -0.5
+    assert R.length_penalty("x" * 50, max_chars=10) == -1.0
+    assert R.exact_match is tasks.exact_match and R.partial_credit is tasks.partial_credit
+
+
+def test_a_typed_config_node_reads_like_a_composed_one(tmp_path):
+    """The `task` node may reach load() as a dataclass (the validated config): same rows, same rewards."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Entry:
+        fn: str
+        weight: float
+        name: str | None
+        kwargs: dict
+
+    @dataclass
+    class Node:
+        name: str
+        size: int
+        max_operand: int
+        ops: list
+        reward: str | None
+        rewards: list | None
+        eval_size: int
+
+    typed = Node("arith", 50, 4, ["+"], None, [Entry("rlrun.tasks:exact_match", 2.0, "em", {})], 0)
+    task = tasks.load(typed, 0, None)
+    assert task.train == tasks.arith_examples(50, 4, ["+"], 0) and task.reward_names == ["em"]
+    assert task.score([task.train[0]["answer"]], task.train[:1]) == ([2.0], {"em": [1.0]})

@@ -1,0 +1,69 @@
+"""Tasks: prompts with verifiable answers (or preference pairs) and the rewards that score completions.
+
+The recipes call:
+
+    task = tasks.load(cfg, seed, tokenizer)   # cfg: the `task` config node; tokenizer may be None (no template)
+    task.train        # list[dict]: "prompt" (the exact text fed to the tokenizer, chat template applied),
+                      #   "answer" (str), plus the row's other columns (task=dataset)
+    task.eval         # list[dict]: held-out rows (may be empty), whose prompts never occur in task.train
+    task.score(completions, rows) -> (totals, {reward name: values})   # lists of floats, one per completion
+    train_pairs, eval_pairs = tasks.load_pairs(cfg, seed, tokenizer)   # rows {prompt, chosen, rejected}
+    warnings = tasks.check_lengths(task_or_rows, tokenizer, max_new_tokens, max_positions)
+    problems = tasks.check_config(cfg)        # cheap: reads no data, imports no reward (for the CLI)
+
+Task kinds (`task.name`): `arith` (synthetic, from the seed), `jsonl` (the historic reader: string fields
+`prompt` and `answer`, or `prompt` / `chosen` / `rejected`), `dataset` (local files or folders through the
+`datasets` library: jsonl, json, parquet, csv, arrow, a folder of such files whose names give the splits, or a
+`save_to_disk` folder; nothing is ever downloaded: a hub name is refused, saying how to download it first). Column
+mapping: task.prompt_key / answer_key / chosen_key / rejected_key. Held out: task.eval_split (another split) or
+task.eval_size (an int count or a float fraction of the distinct training prompts, drawn with the seed; all rows of
+a drawn prompt leave train). task.max_rows keeps the first rows of each split. A mapped column keeps its own
+name in the row too; a column literally named `prompt` / `answer` is replaced by the mapped values.
+
+check_lengths counts tokens as the rollout encodes them (no special tokens): it warns about prompts that with
+rollout.max_new_tokens overflow max_positions, answers longer than max_new_tokens, DPO pairs longer than the
+context (the loader's own warnings come first), and raises TaskError when there are no rows or every one is too long.
+
+Prompts are text or chat messages ([{role, content}]). task.chat_template: auto (apply the tokenizer's template
+when it has one; the default of task=dataset), true (a tokenizer without one is an error), false (prompts are fed
+as they are, and a messages prompt is an error; the default of arith and jsonl). Text becomes one user message;
+task.system_prompt (needs a template) goes first unless the row starts with a system message;
+task.add_generation_prompt (default true).
+
+Rewards: `task.reward: module:function` (one, weight 1) or `task.rewards: [{fn, weight: 1.0, name, kwargs}]`
+(entries may also be plain 'module:function' strings), not both. `fn` is `module:function` (imported with the
+working directory on sys.path for that import, so rewards.py beside you works) or `path/to/file.py:function`.
+A reward's name (default: the function's name) is logged as rewards/<name>/mean; weight 0 logs it without using it.
+The total is the weighted sum; one reward of weight 1.0 gives its values bit for bit. Library:
+rlrun.tasks.rewards (exact_match, numeric_match, format, length_penalty, partial_credit).
+
+How a reward is called, per completion (not with a batch, as TRL's are): `fn(completion, ...)`, where
+- a function with **kwargs gets every row field by keyword: answer, prompt (the formatted text), the row's other
+  columns, then the entry's kwargs (which win over a column of the same name);
+- otherwise it gets, by keyword, the fields and kwargs its parameters name;
+- the historic form: under `task.reward`, a required second positional parameter that no field names receives
+  the answer positionally, so `f(completion, answer)` and `f(completion, target)` work as always (under
+  `task.rewards`, `f(completion, answer)` works by name, and `f(completion, target)` is refused: a forgotten
+  kwarg must not silently get the answer); a positional-only second parameter always gets the answer;
+- a required parameter nothing provides, or a kwarg the function does not take, is refused when the task loads.
+A reward must return a finite number: int, float, bool (True is 1.0) or a numpy scalar. Raising, or returning
+None, NaN, inf, a string, a list or a tensor stops with one TaskError naming the reward, the completion's place,
+its prompt and answer, and the value.
+"""
+
+from __future__ import annotations
+
+from .arith import arith_examples, arith_pairs
+from .base import TaskError
+from .core import NAMES, Task, build, build_pairs, check_config, load, load_pairs
+from .lengths import check_lengths
+from .loading import read_jsonl
+from .rewards import exact_match, partial_credit
+from .scoring import load_reward
+from .stream import PromptStream, prompt_stream
+
+__all__ = [
+    "NAMES", "PromptStream", "Task", "TaskError", "arith_examples", "arith_pairs", "build", "build_pairs",
+    "check_config", "check_lengths", "exact_match", "load", "load_pairs", "load_reward", "partial_credit",
+    "prompt_stream", "read_jsonl",
+]

@@ -1,0 +1,192 @@
+"""Reading data: the historic JSONL reader (task=jsonl) and local files / folders through the `datasets` library
+(task=dataset). Nothing here downloads: a path that does not exist is refused before `datasets` is imported."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .base import MISSING, TaskError
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+
+
+def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
+    """Records of a JSONL file, each checked for `fields`; errors name the file and line."""
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise TaskError(f"task.path={path!r} cannot be read ({e.strerror}); point it at a JSONL file.") from e
+    out = []
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskError(f"{path}:{lineno}: not valid JSON ({e.msg}); one JSON object per line.") from e
+            if not isinstance(rec, dict):
+                raise TaskError(f"{path}:{lineno}: expected a JSON object with keys {list(fields)}.")
+            missing = [k for k in fields if not isinstance(rec.get(k), str)]
+            if missing:
+                raise TaskError(f"{path}:{lineno}: missing or non-string field(s) {missing}; need {list(fields)}.")
+            out.append({k: rec[k] for k in fields})
+    if not out:
+        raise TaskError(f"task.path={path!r} has no records.")
+    return out
+
+
+@dataclass
+class Split:
+    """The rows of one split, with where each came from (for error messages)."""
+
+    path: str
+    name: str
+    rows: list[dict]
+    columns: list[str]
+    lines: list[int] | None = None  # JSONL: the file line of each row
+
+    def where(self, i: int) -> str:
+        return f"{self.path}:{self.lines[i]}" if self.lines else f"{self.path} ({self.name} row {i})"
+
+
+def resolve(path) -> Path:
+    """The local file or folder `path` names; anything else is refused, saying rlrun never downloads."""
+    if path in (None, "", MISSING):
+        raise TaskError("task=dataset needs task.path=FILE_OR_FOLDER (a local jsonl, json, parquet, csv or arrow "
+                        "file, a folder of such files, or a folder written by datasets' save_to_disk).")
+    p = Path(str(path)).expanduser()
+    if p.exists():
+        return p.resolve()
+    where = f"(relative paths start at the working directory {os.getcwd()})"
+    name = str(path)
+    hub_like = re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) and p.suffix not in FORMATS \
+        and p.suffix not in COMPRESSED and ("/" in name or not p.suffix)  # 'owner/name' or 'name'
+    if not hub_like:
+        raise TaskError(f"task.path={path!r}: no such file or folder {where}; rlrun reads local data only.")
+    raise TaskError(
+        f"task.path={name!r} is not a local file or folder {where}, and rlrun never downloads data. If it is a "
+        "Hugging Face Hub dataset, download it first on a machine with internet, e.g. python -c \"import datasets; "
+        f"datasets.load_dataset({name!r}).save_to_disk('{Path(name).name}')\" (add the config name, e.g. 'main', "
+        "if it has several), copy that folder here and pass task.path=FOLDER; or write a split to a file with "
+        ".to_json('train.jsonl') and pass that file.")
+
+
+def _format(p: Path) -> str:
+    suffixes = [s for s in p.suffixes if s not in COMPRESSED]
+    fmt = FORMATS.get(suffixes[-1] if suffixes else "")
+    if fmt is None:
+        raise TaskError(f"task.path={str(p)!r}: unknown file type {''.join(p.suffixes) or '(none)'}; supported: "
+                        f"{sorted(FORMATS)} (optionally compressed: {list(COMPRESSED)}), or a folder.")
+    return fmt
+
+
+def _bad_jsonl_line(p: Path) -> str | None:
+    """'file:line: reason' of the first line of a JSONL file that is not a JSON object, or whose field changes
+    JSON type from an earlier line (what pyarrow refuses, naming neither file nor line); None if none is."""
+    kinds: dict[str, tuple[str, int]] = {}  # field -> (its JSON type, the line it was first seen on)
+    with open(p, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"{p}:{lineno}: not valid JSON ({e.msg}); one JSON object per line."
+            if not isinstance(rec, dict):
+                return f"{p}:{lineno}: expected a JSON object, got {type(rec).__name__}."
+            for k, v in rec.items():
+                if v is None:
+                    continue
+                kind = _JSON_KINDS.get(type(v), "number")
+                first = kinds.setdefault(k, (kind, lineno))
+                if first[0] != kind:
+                    return (f"{p}:{lineno}: field {k!r} is a {kind} here but a {first[0]} on line {first[1]}; a "
+                            "column needs one type in every row (quote numbers meant as text).")
+    return None
+
+
+_JSON_KINDS = {str: "string", bool: "boolean", list: "list", dict: "object"}
+
+
+def _jsonl_lines(p: Path) -> list[int]:
+    with open(p, encoding="utf-8", errors="replace") as f:
+        return [n for n, line in enumerate(f, 1) if line.strip()]
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No progress bars while loading, and a throwaway cache (rows are kept in memory: nothing piles up in
+    ~/.cache, and an edited file is always read afresh)."""
+    try:
+        import datasets  # here, not at the top: `import rlrun.tasks` stays fast for the CLI
+    except ImportError as e:
+        raise TaskError(f"task=dataset reads files with the datasets library, which cannot be imported ({e}); "
+                        "pip install datasets (a dependency of rlrun: pip install -e .).") from e
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        with tempfile.TemporaryDirectory(prefix="rlrun-datasets-") as cache:
+            yield datasets, cache
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
+
+
+def _open(p: Path, datasets, cache: str) -> dict:
+    """{split name: datasets.Dataset} of a file or folder."""
+    if p.is_dir() and ((p / "dataset_dict.json").exists() or (p / "state.json").exists()):
+        d = datasets.load_from_disk(str(p), keep_in_memory=True)
+    elif p.is_dir():
+        d = datasets.load_dataset(str(p), cache_dir=cache, keep_in_memory=True)
+    else:
+        d = datasets.load_dataset(_format(p), data_files=str(p), cache_dir=cache, keep_in_memory=True)
+    return dict(d) if isinstance(d, datasets.DatasetDict) else {"train": d}  # a single saved Dataset: 'train'
+
+
+def load_splits(path, names: list[tuple[str, str]], max_rows: int | None) -> list[Split]:
+    """The splits `names` ([(config key, split name)]) of the local data at `path`, each cut to `max_rows`."""
+    p = resolve(path)
+    with _quiet_datasets() as (datasets, cache):
+        try:
+            splits = _open(p, datasets, cache)
+        except TaskError:
+            raise
+        except Exception as e:
+            raise TaskError(_unreadable(p, e)) from e
+        out = []
+        for key, name in names:
+            if name not in splits:
+                single = "; a single file is split 'train': hold out rows with task.eval_size" if p.is_file() else ""
+                raise TaskError(f"{key}={name!r} is not a split of {p}; its splits: {sorted(splits)}{single}.")
+            ds = splits[name]
+            lines = _jsonl_lines(p) if p.is_file() and p.suffix == ".jsonl" else None
+            lines = lines if lines is not None and len(lines) == len(ds) else None  # one row per non-blank line
+            if max_rows is not None:
+                ds = ds.select(range(min(max_rows, len(ds))))
+            out.append(Split(str(p), name, ds.to_list(), list(ds.column_names), lines))
+    return out
+
+
+def _unreadable(p: Path, e: BaseException) -> str:
+    """Why `datasets` failed on `p`, said the rlrun way where we can tell (pyarrow names neither file nor line)."""
+    bad = _bad_jsonl_line(p) if p.is_file() and p.suffix == ".jsonl" else None
+    if bad:
+        return bad
+    if (p.is_file() and p.stat().st_size == 0) or "corresponds to no data" in str(e):  # datasets' "no rows"
+        return f"task.path={str(p)!r} has no rows."
+    return f"task.path={str(p)!r}: the datasets library cannot read it ({type(e).__name__}: {_cause(e)})."
+
+
+def _cause(e: BaseException) -> str:
+    """The innermost message of a chained exception (datasets wraps pyarrow's), on one line."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    return re.sub(r"\s+", " ", str(e)).strip()[:300]

@@ -1,0 +1,264 @@
+"""Rewards: import them (`module:function` or `path/to/file.py:function`), bind their arguments, call them, check
+what they return. The calling rule is documented in rlrun.tasks."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import re
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .base import TaskError, short
+
+REWARD_KEYS = ("fn", "weight", "name", "kwargs")
+_NAME = re.compile(r"[\w\-. /]+")  # what MLflow accepts in a metric name (logged as rewards/<name>/mean)
+
+
+@dataclass
+class Reward:
+    fn: object  # the callable
+    spec: str  # "module:function" or "path.py:function", as configured
+    weight: float = 1.0
+    name: str = ""
+    kwargs: dict = field(default_factory=dict)
+    call: object = None  # (completion, row) -> value, from `bind`
+
+
+def _where(e: BaseException) -> str:
+    """' at file:line' of the deepest frame of the traceback outside Python's import machinery and this file."""
+    here = os.path.abspath(__file__)
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith("<") and os.path.abspath(f.filename) != here]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def _import_error(key: str, spec: str, what: str, e: BaseException) -> TaskError:
+    if isinstance(e, SyntaxError):
+        return TaskError(f"{key}={spec!r}: {e.filename}:{e.lineno}: syntax error ({e.msg}); fix the file.")
+    return TaskError(f"{key}={spec!r}: importing {what} raised {type(e).__name__}: {e}{_where(e)}; fix it "
+                     "or install what it needs.")
+
+
+def _import_file(key: str, spec: str, file: str):
+    path = Path(file).expanduser()
+    if not path.is_file():
+        raise TaskError(f"{key}={spec!r}: no file {str(path.resolve())!r}; give a path to a .py file (relative to "
+                        f"the working directory {os.getcwd()}) or an importable 'module:function'.")
+    path = path.resolve()
+    # A stable, unique module name: the same file imported twice is one module; registered so pickling works.
+    stem = re.sub(r"\W", "_", path.stem)
+    name = f"rlrun_reward_{stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name], str(path)
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise _import_error(key, spec, str(path), e) from e
+    return module, str(path)
+
+
+def _import_module(key: str, spec: str, module_name: str):
+    # The working directory is on sys.path for this import only (as with `python -m`): rewards.py beside the
+    # config works without PYTHONPATH=.; installed modules still resolve as usual.
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise TaskError(
+                f"{key}={spec!r}: no module named {e.name!r} (looked in the working directory {cwd} and the "
+                f"installed packages). Put {e.name.split('.')[0]}.py in the working directory, give a file path "
+                "('path/to/file.py:function'), or install the module.") from e
+        raise _import_error(key, spec, f"module {module_name!r}", e) from e
+    except Exception as e:
+        raise _import_error(key, spec, f"module {module_name!r}", e) from e
+    finally:
+        if added:
+            sys.path.remove(cwd)
+    return module, getattr(module, "__file__", None) or module_name
+
+
+def import_reward(spec: str, key: str = "task.reward"):
+    """`module:function` or `path/to/file.py:function` -> the function; errors say what failed and the fix."""
+    if not isinstance(spec, str) or spec.count(":") < 1 or not spec.rpartition(":")[2].strip():
+        raise TaskError(f"{key}={spec!r} must be 'module:function' or 'path/to/file.py:function'.")
+    where, _, name = spec.rpartition(":")
+    is_file = where.endswith(".py") or "/" in where or os.sep in where
+    module, origin = _import_file(key, spec, where) if is_file else _import_module(key, spec, where)
+    fn = getattr(module, name, None)
+    if fn is None:
+        found = sorted(n for n, v in vars(module).items()
+                       if callable(v) and not inspect.isclass(v) and not n.startswith("_"))[:30]
+        raise TaskError(f"{key}={spec!r}: {origin} has no function {name!r}; it defines {found}. Use "
+                        "'module:function' with one of these.")
+    if not callable(fn):
+        raise TaskError(f"{key}={spec!r} is not callable (it is a {type(fn).__name__}).")
+    return fn
+
+
+def load_reward(path: str):
+    """`module:function` -> the function (the historic `task.reward` key); see `import_reward`."""
+    return import_reward(path, "task.reward")
+
+
+def parse_rewards(reward, rewards) -> list[dict]:
+    """The configured rewards as [{fn, weight, name, kwargs}]: the legacy `reward: module:function` key or the
+    `rewards` list (entries are dicts or 'module:function' strings). Checks shapes only, imports nothing."""
+    if reward not in (None, "") and rewards not in (None, []):
+        raise TaskError(f"set task.reward (one function) or task.rewards (a list), not both (task.reward={reward!r}, "
+                        f"task.rewards={rewards!r}): add task.rewards=null to keep task.reward, or task.reward=null "
+                        "to keep the list, e.g. task.rewards='[{fn: module:function, weight: 1.0}]'.")
+    if reward not in (None, ""):
+        return [{"fn": reward, "weight": 1.0, "name": None, "kwargs": {}, "key": "task.reward"}]
+    if rewards is None:
+        return []  # fine for DPO; `load_rewards` refuses it for GRPO
+    if not isinstance(rewards, list):
+        raise TaskError(f"task.rewards={rewards!r} must be a list of {{fn: module:function, weight: w}}.")
+    out = []
+    for i, r in enumerate(rewards):
+        key = f"task.rewards[{i}]"
+        r = {"fn": r} if isinstance(r, str) else r
+        if not isinstance(r, dict) or "fn" not in r:
+            raise TaskError(f"{key}={r!r} must be {{fn: module:function, weight: 1.0, name: ..., kwargs: {{...}}}} "
+                            "or a 'module:function' string.")
+        unknown = sorted(set(r) - set(REWARD_KEYS))
+        if unknown:
+            raise TaskError(f"{key} has unknown key(s) {unknown}; allowed: {list(REWARD_KEYS)}.")
+        weight, name, kwargs = r.get("weight", 1.0), r.get("name"), r.get("kwargs") or {}
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+            raise TaskError(f"{key}.weight={weight!r} must be a finite number (0 logs the reward without using it).")
+        if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name)):
+            raise TaskError(f"{key}.name={name!r} must be letters, digits, '_', '-', '.', ' ' or '/'.")
+        if not isinstance(kwargs, dict):
+            raise TaskError(f"{key}.kwargs={kwargs!r} must be a mapping of argument name -> value.")
+        out.append({"fn": r["fn"], "weight": float(weight), "name": name, "kwargs": kwargs, "key": key})
+    return out
+
+
+def load_rewards(reward, rewards, fields: set[str]) -> list[Reward]:
+    """Import and bind every configured reward. `fields`: the keys of the task's rows (prompt, answer, columns)."""
+    specs = parse_rewards(reward, rewards)
+    if not specs:
+        raise TaskError("no reward is set (task.reward and task.rewards are empty); give at least one, e.g. "
+                        "task.rewards='[{fn: rlrun.tasks.rewards:exact_match, weight: 1.0}]'.")
+    out, seen = [], {}
+    for s in specs:
+        fn = import_reward(s["fn"], s["key"] + (".fn" if s["key"] != "task.reward" else ""))
+        name = s["name"] or getattr(fn, "__name__", None)
+        if not (isinstance(name, str) and _NAME.fullmatch(name)):
+            raise TaskError(f"{s['key']}: {s['fn']!r} has no usable name ({name!r}); set name: in the entry.")
+        if name in seen:
+            raise TaskError(f"{s['key']} and {seen[name]} are both named {name!r} (logged as rewards/{name}/mean); "
+                            "give one a different name:.")
+        seen[name] = s["key"]
+        bad = sorted(set(s["kwargs"]) & {"completion", "prompt", "answer"})
+        if bad:
+            raise TaskError(f"{s['key']}.kwargs sets {bad}: those come from each row, not from kwargs.")
+        r = Reward(fn, s["fn"], s["weight"], name, dict(s["kwargs"]))
+        r.call = bind(r, fields, s["key"], historic=s["key"] == "task.reward")
+        out.append(r)
+    return out
+
+
+def bind(r: Reward, fields: set[str], key: str, historic: bool = False):
+    """(completion, row) -> r.fn(...), following the calling rule (rlrun.tasks docstring). Refuses, before
+    training, a function that needs an argument nothing provides or kwargs it does not take. `historic`: the
+    function comes from the `task.reward` key, whose functions were always called f(completion, answer)."""
+    P = inspect.Parameter
+    fn, kwargs = r.fn, r.kwargs
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature (some builtins): the historic call
+        return lambda c, row: fn(c, row["answer"])
+    if not params or params[0].kind not in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD, P.VAR_POSITIONAL):
+        raise TaskError(f"{key}: {r.spec} must take the completion as its first positional argument.")
+    if params[0].kind is P.VAR_POSITIONAL:
+        return lambda c, row: fn(c, row["answer"])
+    first, rest = params[0].name, params[1:]
+    available = (set(fields) | {"prompt", "answer"} | set(kwargs)) - {first}
+    # The historic f(completion, answer) under any parameter name (task.reward only: under task.rewards a typo'd
+    # or forgotten kwarg must not silently receive the answer); a positional-only one can only be the answer.
+    second = rest[0] if rest else None
+    legacy = second is not None and second.default is P.empty and (second.kind is P.POSITIONAL_ONLY or (
+        historic and second.kind is P.POSITIONAL_OR_KEYWORD and second.name not in available))
+    rest = rest[1:] if legacy else rest
+    var_kw = any(p.kind is P.VAR_KEYWORD for p in rest)
+    named = {p.name for p in rest if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and p.name in available}
+    missing = [p.name for p in rest if p.kind is not P.VAR_KEYWORD and p.kind is not P.VAR_POSITIONAL
+               and p.default is P.empty and p.name not in named]
+    if missing:
+        raise TaskError(f"{key}: {r.spec} needs argument(s) {missing}, which neither the rows (fields "
+                        f"{sorted(available - set(kwargs))}) nor kwargs ({sorted(kwargs)}) provide; add the column "
+                        "or set kwargs: {NAME: value} in the reward entry.")
+    stray = [] if var_kw else sorted(set(kwargs) - named)
+    if stray:
+        raise TaskError(f"{key}.kwargs {stray} are not parameters of {r.spec}; it takes {[p.name for p in params]}.")
+
+    def call(completion, row):
+        values = {k: v for k, v in row.items() if k != first}
+        values.update(kwargs)  # configured kwargs win over a column of the same name
+        if not var_kw:
+            values = {k: v for k, v in values.items() if k in named}
+        return fn(completion, row["answer"], **values) if legacy else fn(completion, **values)
+
+    return call
+
+
+def _context(r: Reward, i: int, n: int, completion: str, row: dict) -> str:
+    return (f"reward {r.name!r} ({r.spec}) on completion {i} of {n} (prompt {short(row.get('prompt'))}, answer "
+            f"{short(row.get('answer'))}, completion {short(completion)})")
+
+
+def _number(r: Reward, value, i: int, n: int, completion: str, row: dict) -> float:
+    """`value` as a float, or a TaskError naming the reward, the row and the value. bool counts (True -> 1.0)."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        value = value.item()  # numpy scalars, numpy.bool_ included
+    if isinstance(value, numbers.Real):
+        out = float(value)
+        if math.isfinite(out):
+            return out
+        raise TaskError(f"{_context(r, i, n, completion, row)} returned {value!r}; a reward must be finite.")
+    hint = ""
+    if isinstance(value, (list, tuple)):
+        hint = " rlrun calls a reward once per completion (not with a batch, as TRL does): return one number."
+    elif hasattr(value, "item"):
+        hint = " Return a Python float (e.g. tensor.item())."
+    raise TaskError(f"{_context(r, i, n, completion, row)} returned {short(value)} ({type(value).__name__}); a "
+                    f"reward must return a finite number (float, int or bool).{hint}")
+
+
+def score(rewards: list[Reward], completions: list[str], rows: list[dict]):
+    """(weighted totals, {name: values}); the first weighted term is the start of the sum, so a single reward
+    of weight 1.0 gives its values bit for bit."""
+    if len(completions) != len(rows):
+        raise ValueError(f"score: {len(completions)} completions for {len(rows)} rows")
+    n, per = len(rows), {}
+    for r in rewards:
+        values = []
+        for i, (c, row) in enumerate(zip(completions, rows)):
+            try:
+                v = r.call(c, row)
+            except Exception as e:
+                raise TaskError(f"{_context(r, i, n, c, row)} raised {type(e).__name__}: {e}{_where(e)}") from e
+            values.append(_number(r, v, i, n, c, row))
+        per[r.name] = values
+    totals = None
+    for r in rewards:
+        terms = [r.weight * v for v in per[r.name]]
+        totals = terms if totals is None else [t + x for t, x in zip(totals, terms)]
+    return totals, per
