@@ -66,6 +66,8 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
 def load_resume(cfg, raw) -> dict:
     """The checkpoint to continue from, refused when it trained something else or on another number of ranks."""
     where = cfg.checkpoint.dir if cfg.resume is True else str(cfg.resume)
+    if cfg.resume is not True and not os.path.exists(where) and tracking.is_run_id(where):
+        where = tracking.checkpoint_dir_of(cfg.tracking, where)  # resume=<MLflow run id>
     state, path = checkpoint.load_latest(where)
     now = cfg_flat(raw)
     changed = checkpoint.changed_keys(state["config"], now)
@@ -136,22 +138,35 @@ class Frame:
         self.meter = Meter(self.engine.device)
         self.summary = Summary(curve)
         self.bar = None
+        self.last_samples: list[dict] = []  # the last samples table, printed at the end of the run
+        self.exported: str | None = None
 
-    def steps(self, start: int, stateful: dict, desc: str):
-        """Yield the steps from `start` on. After each step: checkpoint `stateful` when due; on Ctrl-C / SIGTERM,
-        checkpoint and stop (KeyboardInterrupt) after that step. Use as `with contextlib.closing(frame.steps(...))
-        as steps:` so the signal handlers are restored as soon as the loop ends, however it ends."""
+    def steps(self, start: int, stateful: dict, desc: str, evaluate=None):
+        """Yield the steps from `start` on. Before a step that is a multiple of `eval.every`, and after the last
+        step, `evaluate()` (-> rlrun.evaluate.Evaluation) runs on the held-out rows and is logged at that step.
+        After each step: checkpoint `stateful` when due; on Ctrl-C / SIGTERM, checkpoint and stop
+        (KeyboardInterrupt) after that step. At the end: export the policy. Use as `with
+        contextlib.closing(frame.steps(...)) as steps:` so the signal handlers are restored as soon as the loop
+        ends, however it ends."""
         stateful = {**stateful, "summary": self.summary}
         taken = RESERVED & set(stateful)  # the frame's and the engines' own keys of a checkpoint
         assert not taken, f"stateful names {sorted(taken)} collide with checkpoint keys"
         total = self.cfg.train.steps
         self.bar = tqdm(range(start, total), desc=desc, unit="step", dynamic_ncols=True, initial=start, total=total,
                         disable=not (self.cfg.progress and self.engine.main))
+        every = self.cfg.eval.every if evaluate is not None else 0
         with checkpoint.deferred_interrupts() as signals:
             for step in self.bar:
+                if every and step % every == 0:
+                    self.evaluate(step, evaluate)
                 self.meter.new_step()
                 yield step
                 self.maybe_checkpoint(step, signals["stop"], stateful)
+            if every and total > start:
+                self.evaluate(total, evaluate)
+            self.export()
+            if self.last_samples and self.engine.main:
+                log.info("last samples:\n%s", format_rows(self.last_samples))
 
     def restore(self, resume: dict | None, stateful: dict) -> int:
         """Load a checkpoint's state into the engine, the RNGs and `stateful`; returns the step to continue from."""
@@ -173,8 +188,41 @@ class Frame:
             path = self.engine.save(c.dir, done, state, c.keep)
             if path:
                 log.info("checkpoint %s", path)
+            if c.export:
+                self.export(os.path.join(c.dir, f"{checkpoint.tag(done)}_model"), log_artifact=False)
         if stop:
             raise KeyboardInterrupt
+
+    def evaluate(self, step: int, evaluate) -> None:
+        """Held-out evaluation, timed and metered as its own phase (outside the step's `time/step_s`)."""
+        meter = Meter(self.engine.device)
+        with meter.phase("eval"), self.engine.generation():
+            result = evaluate()
+        m = {**result.metrics, **meter.metrics()}
+        m.pop("time/step_s")
+        self.summary.add(m)
+        self.tracker.log(step, m)
+        if result.samples:
+            self.samples(step, result.samples, "eval")
+
+    def samples(self, step: int, rows: list[dict], kind: str) -> None:
+        """A table of a few prompts, completions, answers and rewards; the last one is printed at the end."""
+        self.last_samples = rows
+        self.tracker.table(rows, f"samples/{kind}_step_{step:06d}.json")
+
+    def export(self, folder: str | None = None, log_artifact: bool = True) -> None:
+        """The policy and its tokenizer, written with save_pretrained (ZeRO-3: gathered, rank 0 writes)."""
+        from .export import export
+
+        folder = folder or (self.cfg.export.enabled and export_dir(self.cfg))
+        if not folder:
+            return
+        path = export(self.engine.model, self.tokenizer, folder, engine=self.engine)
+        if path:
+            self.exported = path
+            log.info("exported the policy to %s", path)
+            if log_artifact:
+                self.tracker.artifacts(path, "model")
 
     def warn(self, warnings: list[str]) -> None:
         """Warnings about the data that may cost the run (answers longer than max_new_tokens, ...): shown once, on
@@ -192,6 +240,30 @@ class Frame:
         self.summary.add(m)
         self.tracker.log(step, m)
         self.bar.set_postfix(**postfix)
+
+
+def format_rows(rows: list[dict], width: int = 40) -> str:
+    """A small aligned text table of sample rows (values cut to `width` characters, newlines shown as ⏎)."""
+    def cell(v):
+        text = f"{v:.3f}" if isinstance(v, float) else str(v)
+        text = text.replace("\n", "⏎")
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    keys = list(rows[0])
+    table = [keys] + [[cell(r.get(k)) for k in keys] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(keys))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table)
+
+
+def export_dir(cfg) -> str | None:
+    """`export.dir`, or `model/` in the run's output folder (Hydra's run dir); None outside a Hydra run."""
+    if cfg.export.dir:
+        return cfg.export.dir
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return os.path.join(HydraConfig.get().runtime.output_dir, "model")
 
 
 def frozen_reference(policy, path: str | None, dtype: str):
@@ -225,6 +297,7 @@ class Summary:
         self.first: list[float] = []
         self.last: deque[float] = deque(maxlen=3)
         self.latest: dict[str, float] = {}  # pass totals and the loss of the last step
+        self.evals: dict[str, list[float]] = {}  # eval/* metric -> [first, last]
 
     def add(self, m: dict[str, float]) -> None:
         for name, key in self.MEANS.items():
@@ -238,6 +311,11 @@ class Summary:
             if len(self.first) < 3:
                 self.first.append(m[self.curve])
             self.last.append(m[self.curve])
+        if any(k.startswith("eval/") for k in m):  # an evaluation, logged on its own
+            for k, v in m.items():
+                if k.startswith("eval/"):
+                    self.evals[k] = [self.evals.get(k, [v])[0], v]
+            return
         self.latest = {k: v for k, v in m.items() if k == "loss" or (k.startswith("passes/") and k.endswith("_total"))}
 
     def result(self) -> dict[str, float]:
@@ -252,14 +330,19 @@ class Summary:
             out[f"{name}_last"] = float(np.mean(self.last))
         if "loss" in self.latest:
             out["loss_last"] = self.latest["loss"]
+        for k, (first, last) in self.evals.items():
+            name = k.replace("/", "_").replace("@", "_at_")
+            out[f"{name}_first"], out[f"{name}_last"] = first, last
         return out
 
     def state_dict(self) -> dict:
         return {"sums": dict(self.sums), "counts": dict(self.counts), "peaks": dict(self.peaks),
-                "first": list(self.first), "last": list(self.last), "latest": dict(self.latest)}
+                "first": list(self.first), "last": list(self.last), "latest": dict(self.latest),
+                "evals": {k: list(v) for k, v in self.evals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.sums, self.counts, self.peaks = dict(state["sums"]), dict(state["counts"]), dict(state["peaks"])
         self.first, self.latest = list(state["first"]), dict(state["latest"])
         self.last = deque(state["last"], maxlen=3)
+        self.evals = {k: list(v) for k, v in state["evals"].items()}
 

@@ -12,6 +12,7 @@ mlflow is imported inside them, so importing this module stays cheap.
 from __future__ import annotations
 
 import os
+import re
 import time
 from urllib.parse import urlparse
 
@@ -66,6 +67,12 @@ class Null:
         pass
 
     def text(self, text, name):
+        pass
+
+    def table(self, rows, name):
+        pass
+
+    def artifacts(self, folder, name):
         pass
 
     def finish(self, status):
@@ -168,8 +175,36 @@ class MLflow:
     def text(self, text: str, name: str):
         self.client.log_text(self.run_id, text, name)
 
+    def table(self, rows: list[dict], name: str):
+        """Rows of equal keys as an MLflow table (`name` ends in .json); the UI shows it under Artifacts."""
+        self.client.log_table(self.run_id, {k: [r.get(k) for r in rows] for k in rows[0]}, name)
+
+    def artifacts(self, folder: str, name: str):
+        self.client.log_artifacts(self.run_id, folder, name)
+
     def finish(self, status: str):
         self.client.set_terminated(self.run_id, status=status)
+
+
+def is_run_id(text: str) -> bool:
+    return re.fullmatch(r"[0-9a-f]{32}", text) is not None
+
+
+def checkpoint_dir_of(cfg, run_id: str) -> str:
+    """`checkpoint.dir` of an MLflow run, for `resume=<run id>`."""
+    if cfg.name != "mlflow":
+        raise TrackingError(f"resume={run_id} looks up an MLflow run, but tracking=none; set tracking=mlflow and "
+                            "tracking.uri to the store the run was logged to, or resume=CHECKPOINT_FOLDER.")
+    try:
+        params = open_client(cfg.uri).get_run(run_id).data.params
+    except Exception as e:  # noqa: BLE001 - not found, or the store is unreachable: one message either way
+        raise TrackingError(f"resume={run_id}: no such MLflow run in tracking.uri={cfg.uri!r} ({type(e).__name__}); "
+                            "point tracking.uri at the store the run was logged to, or give resume=CHECKPOINT_FOLDER."
+                            ) from e
+    folder = params.get("checkpoint.dir")
+    if folder in (None, "None", ""):
+        raise TrackingError(f"resume={run_id}: that run wrote no checkpoints (checkpoint.dir was not set).")
+    return folder
 
 
 def mark(uri: str, run_id: str, status: str) -> None:

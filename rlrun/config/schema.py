@@ -308,6 +308,28 @@ class CheckpointConfig:
     dir: PathStr | None
     every: NonNegInt
     keep: PosInt
+    export: bool  # export the policy beside each checkpoint too
+
+
+@dataclass
+class EvalConfig:
+    every: NonNegInt  # 0: never
+    size: PosInt | None  # null: every held-out row
+    greedy: bool
+    samples: PosInt  # completions per prompt when not greedy
+    max_new_tokens: PosInt | None  # null: rollout.max_new_tokens
+
+
+@dataclass
+class LogConfig:
+    samples_every: NonNegInt  # 0: never
+    samples: PosInt
+
+
+@dataclass
+class ExportConfig:
+    enabled: bool
+    dir: PathStr | None  # null: the run's output folder / model
 
 
 @dataclass
@@ -317,6 +339,9 @@ class RunConfig:
     progress: bool
     resume: bool | PathStr
     checkpoint: CheckpointConfig
+    eval: EvalConfig
+    log: LogConfig
+    export: ExportConfig
     train: TrainConfig
     model: TinyModel | HFModel
     task: ArithTask | JsonlTask | DatasetTask

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import models, registry, tasks
+from .. import evaluate, models, registry, tasks
 from ..losses.dpo import dpo_loss, sequence_logprobs
 from ..runner import Frame, check_finite, meter_metrics
 
@@ -89,7 +89,7 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     frame = Frame(cfg, raw, tracker, grad_accum=t.batch_size // (t.micro_batch * world), with_reference=True,
                   curve="rewards/accuracy", reference_path=lcfg.reference_path)
     engine = frame.engine
-    train_pairs, _ = tasks.load_pairs(cfg.task, cfg.seed, frame.tokenizer)
+    train_pairs, eval_pairs = tasks.load_pairs(cfg.task, cfg.seed, frame.tokenizer)
     frame.warn(tasks.check_lengths(train_pairs, frame.tokenizer, None, models.context_size(engine.model)))
     pairs = [dict(p, id=i) for i, p in enumerate(train_pairs)]
     stream = tasks.prompt_stream(pairs, cfg.seed)  # the same stream on every rank; each takes its slice
@@ -99,7 +99,7 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     stateful = {"pairs": stream, "ref_cache": cache}
     start = frame.restore(resume, stateful)
 
-    with contextlib.closing(frame.steps(start, stateful, "rlrun dpo")) as steps:
+    with contextlib.closing(frame.steps(start, stateful, "rlrun dpo", held_out(cfg, frame, eval_pairs))) as steps:
         for step in steps:
             batch = [next(stream) for _ in range(t.batch_size)][engine.rank * per_rank : (engine.rank + 1) * per_rank]
 
@@ -126,6 +126,20 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
             frame.log(step, m, acc=f"{m['rewards/accuracy']:.2f}", loss=f"{m['loss']:.4f}",
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
     return frame.summary.result()
+
+
+def held_out(cfg, frame, pairs: list[dict]):
+    """Reward accuracy and margin on held-out pairs (None when eval.every is 0); refused when there are none."""
+    if not cfg.eval.every:
+        return None
+    if not pairs:
+        raise tasks.TaskError(f"eval.every={cfg.eval.every} evaluates on held-out pairs, but task={cfg.task.name} has "
+                              "none: set task.eval_size=N (pairs held out of training) or, for task=dataset, "
+                              "task.eval_split=SPLIT; or eval.every=0.")
+    rows, head = pairs[: cfg.eval.size] if cfg.eval.size else pairs, registry.get("head", cfg.head.name)
+    return lambda: evaluate.evaluate_pairs(frame.engine.model, frame.engine.reference, frame.tokenizer, rows,
+                                           beta=cfg.loss.beta, average=cfg.loss.average_logprobs, head=head,
+                                           size=cfg.head.size, batch_size=cfg.train.micro_batch, show=cfg.log.samples)
 
 
 def reference_logprobs(cfg, frame, head, cache: ReferenceCache, batch: list[dict]):

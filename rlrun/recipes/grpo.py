@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import logprobs, losses, models, registry, tasks
+from .. import evaluate, logprobs, losses, models, registry, tasks
 from ..runner import Frame, check_finite, meter_metrics
 
 
@@ -175,11 +175,11 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
                                                                   engine.device)
     synced_at = start  # the rollout engine holds the weights after this many optimizer steps
 
-    with contextlib.closing(frame.steps(start, stateful, "rlrun")) as steps:
+    with contextlib.closing(frame.steps(start, stateful, "rlrun", held_out(cfg, frame, task))) as steps:
         for step in steps:
             # 1. Refill: generate, score, advantages, and only the logprob passes each rollout needs.
             got = {"counts": Counter(), "rewards": [], "by_reward": [], "lengths": [], "finished": [],
-                   "gen_tokens": 0, "mismatch": np.zeros(3)}
+                   "gen_tokens": 0, "mismatch": np.zeros(3), "samples": []}
             while len(buffer) < grad_accum:
                 if rollout.needs_sync and synced_at != step and cfg.rollout.sync_weights:
                     with frame.meter.phase("sync"), engine.generation():  # only when a step changed the weights
@@ -195,7 +195,25 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
             m = step_metrics(frame, passes, got, loss_total, num_tokens, parts, grad_norm)
             frame.log(step, m, reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
+            if cfg.log.samples_every and step % cfg.log.samples_every == 0 and got["samples"]:
+                frame.samples(step, got["samples"], "train")
     return frame.summary.result()
+
+
+def held_out(cfg, frame, task):
+    """The evaluation of the held-out rows (None when eval.every is 0); refused up front when there are none."""
+    if not cfg.eval.every:
+        return None
+    if not task.eval:
+        raise tasks.TaskError(f"eval.every={cfg.eval.every} evaluates on held-out rows, but task={cfg.task.name} has "
+                              "none: set task.eval_size=N (prompts held out of training) or, for task=dataset, "
+                              "task.eval_split=SPLIT; or eval.every=0.")
+    rows = task.eval[: cfg.eval.size] if cfg.eval.size else task.eval
+    r = cfg.rollout
+    return lambda: evaluate.evaluate(frame.engine.model, frame.tokenizer, rows, task.score,
+                                     max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
+                                     greedy=cfg.eval.greedy, samples=cfg.eval.samples, temperature=r.temperature,
+                                     top_p=r.top_p, seed=cfg.seed, show=cfg.log.samples)
 
 
 def refill(cfg, frame, rollout, head, prompts, task, buffer: RolloutBuffer, grad_accum: int, got: dict):
@@ -233,6 +251,10 @@ def refill(cfg, frame, rollout, head, prompts, task, buffer: RolloutBuffer, grad
     with meter.phase("onload"):
         engine.onload()
     got["rewards"].append(reward)
+    if not got["samples"]:  # a few rows of the step's first rollout, for the samples table
+        got["samples"] = [{"prompt": ex["prompt"], "completion": c, "answer": ex.get("answer"), "reward": float(r)}
+                          for ex, c, r in zip([ex for ex in batch for _ in range(t.group_size)], roll.completions,
+                                              totals)][: cfg.log.samples]
     got["by_reward"].append({name: (sum(v), len(v)) for name, v in by_reward.items()})
     got["lengths"].append(roll.response_mask.sum(1).float())
     got["finished"].append(roll.finished.float())
