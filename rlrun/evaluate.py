@@ -1,0 +1,146 @@
+"""Held-out evaluation: GRPO tasks (generate, score, accuracy / pass@k) and DPO pairs (reward accuracy, margin).
+
+`evaluate` decodes every held-out prompt (greedy, or `samples` seeded draws per prompt), scores the completions
+with the task's scorer and returns `Evaluation(metrics, samples)`:
+- `eval/reward_mean`: mean total reward over all completions;
+- `eval/accuracy`: share of completions with total reward >= 1.0 (solved; with samples > 1 this is pass@1);
+- `eval/pass@k` (samples = k > 1): share of prompts with at least one solved completion;
+- `eval/response_len_mean`: response tokens up to and including EOS, as the training metric counts them;
+- `eval/rewards/<name>/mean`: each named reward the scorer returns;
+and `samples`, the first `show` rows as {prompt, completion, answer, reward} for a samples table.
+
+Deterministic: greedy decoding has no randomness; sampling reuses the rollout's seeded sampler
+(rlrun.rollout.hf.generate) with one seed per (row, sample) drawn from `seed`, so the draws do not depend on the
+batch size. Under ZeRO-3 call it inside `engine.generation()` (the weights must be whole for generate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+EVAL_KEY = 0x65766131  # spawn-key prefix: eval seeds never coincide with a training rollout's seeds
+
+
+@dataclass
+class Evaluation:
+    metrics: dict[str, float]
+    samples: list[dict] = field(default_factory=list)
+
+
+def scorer(reward_fn):
+    """A per-completion `reward(completion, answer)` as a batch scorer `(completions, rows) -> (totals, {})`."""
+    def score(completions, rows):
+        return [float(reward_fn(c, r["answer"])) for c, r in zip(completions, rows)], {}
+    return score
+
+
+def sample_seed(seed: int, row: int, sample: int) -> int:
+    return int(np.random.SeedSequence(seed, spawn_key=(EVAL_KEY, row, sample)).generate_state(1)[0])
+
+
+@torch.no_grad()
+def complete(model, tokenizer, prompts: list[str], *, max_new_tokens: int, seeds: list[int] | None,
+             temperature: float = 1.0, top_p: float = 1.0):
+    """(completions, response lengths) for one batch: greedy when `seeds` is None, else seeded sampling."""
+    from .rollout import Rollout, hf
+
+    device = next(model.parameters()).device
+    if seeds is not None:
+        cfg = SimpleNamespace(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+        roll = hf.generate(model, tokenizer, prompts, cfg, device, seeds)
+    else:
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        response = out[:, enc.input_ids.shape[1]:]
+        roll = Rollout.from_response(enc.input_ids, enc.attention_mask, response,
+                                     torch.zeros(response.shape, device=device), tokenizer)
+    return roll.completions, roll.response_mask.sum(1).tolist()
+
+
+def evaluate(model, tokenizer, rows: list[dict], score_fn, *, max_new_tokens: int, greedy: bool = True,
+             samples: int = 1, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, batch_size: int = 256,
+             show: int = 4) -> Evaluation:
+    """Evaluate `model` on `rows` ({"prompt", "answer", ...}); see the module docstring."""
+    if not rows:
+        raise ValueError("evaluate: no rows to evaluate on")
+    if greedy and samples != 1:
+        raise ValueError(f"greedy decoding gives one completion per prompt; got samples={samples} (use greedy=False "
+                         "for pass@k)")
+    k = samples
+    flat = [(i, j) for i in range(len(rows)) for j in range(k)]  # prompt-major: row i's samples are adjacent
+    completions, lengths = [], []
+    was_training, side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"  # generation appends on the right
+    try:
+        for b in range(0, len(flat), batch_size):
+            chunk = flat[b : b + batch_size]
+            seeds = None if greedy else [sample_seed(seed, i, j) for i, j in chunk]
+            c, n = complete(model, tokenizer, [rows[i]["prompt"] for i, _ in chunk], max_new_tokens=max_new_tokens,
+                            seeds=seeds, temperature=temperature, top_p=top_p)
+            completions += c
+            lengths += n
+    finally:
+        model.train(was_training)
+        tokenizer.padding_side = side
+    totals, per_reward = score_fn(completions, [rows[i] for i, _ in flat])
+    solved = torch.tensor(totals, dtype=torch.float64).view(len(rows), k) >= 1.0
+    metrics = {"eval/reward_mean": float(np.mean(totals)), "eval/accuracy": solved.double().mean().item(),
+               "eval/response_len_mean": float(np.mean(lengths))}
+    if k > 1:
+        metrics[f"eval/pass@{k}"] = solved.any(1).double().mean().item()
+    for name, values in (per_reward or {}).items():
+        metrics[f"eval/rewards/{name}/mean"] = float(np.mean(values))
+    table = [{"prompt": rows[i]["prompt"], "completion": completions[n], "answer": rows[i].get("answer"),
+              "reward": totals[n]} for n, (i, j) in enumerate(flat) if j == 0 and i < show]
+    return Evaluation(metrics, table)
+
+
+def _pair_functions():
+    """encode_pairs / pair_logprobs of the DPO recipe (rlrun.recipes.dpo, historically rlrun.loop), and whether
+    pair_logprobs takes the head size (recipes) or the head config (loop)."""
+    try:
+        from .recipes.dpo import encode_pairs, pair_logprobs
+
+        return encode_pairs, pair_logprobs, True
+    except ImportError:
+        from .loop import encode_pairs, pair_logprobs
+
+        return encode_pairs, pair_logprobs, False
+
+
+@torch.no_grad()
+def evaluate_pairs(policy, reference, tokenizer, pairs: list[dict], *, beta: float, average: bool = False,
+                   head=None, size: int = 1024, batch_size: int = 64, show: int = 4) -> Evaluation:
+    """DPO on held-out pairs ({prompt, chosen, rejected}): `eval/accuracy` = share of pairs whose implicit reward
+    margin beta*((pi_c - ref_c) - (pi_r - ref_r)) is positive, `eval/margin` its mean; the same sequence logprobs
+    as training (through `head`, default dense)."""
+    if not pairs:
+        raise ValueError("evaluate_pairs: no pairs to evaluate on")
+    encode_pairs, pair_logprobs, takes_size = _pair_functions()
+    if head is None:
+        from .heads import dense as head
+    head_arg = size if takes_size else SimpleNamespace(size=size)
+    device = next(policy.parameters()).device
+    was_training = policy.training
+    policy.eval()
+    margins = []
+    try:
+        for b in range(0, len(pairs), batch_size):
+            chunk = [dict(p, id=b + i) for i, p in enumerate(pairs[b : b + batch_size])]
+            batch = encode_pairs(tokenizer, chunk, device)
+            pc, pr = pair_logprobs(policy, batch, head, head_arg, average)
+            rc, rr = pair_logprobs(reference, batch, head, head_arg, average)
+            margins.append((beta * ((pc - rc) - (pr - rr))).double().cpu())
+    finally:
+        policy.train(was_training)
+    margin = torch.cat(margins)
+    metrics = {"eval/accuracy": (margin > 0).double().mean().item(), "eval/margin": margin.mean().item()}
+    table = [{"prompt": p["prompt"], "chosen": p["chosen"], "rejected": p["rejected"], "margin": m.item()}
+             for p, m in zip(pairs[:show], margin[:show])]
+    return Evaluation(metrics, table)

@@ -1,0 +1,93 @@
+"""Export the policy as a plain transformers folder: `save_pretrained` weights and config plus the tokenizer.
+
+The folder loads with `AutoModelForCausalLM.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)`
+alone (the embedded character tokenizer is a `PreTrainedTokenizerFast`, saved as tokenizer.json), and through
+rlrun's own `model=hf model.path=<folder>`. It is written atomically: into `<folder>.tmp`, then renamed, so a
+crash never leaves a half-written folder under the final name. Under `engine=deepspeed` with ZeRO-3 each rank
+holds a slice of every parameter: all ranks gather them (a collective), rank 0 writes, the others wait at a
+barrier. With ZeRO-1/2 every rank already holds the full weights; rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+
+import torch
+
+from . import models
+
+
+def _zero3(engine) -> bool:
+    config = getattr(engine, "config", None) or {}
+    return config.get("zero_optimization", {}).get("stage") == 3
+
+
+def _gathered(model, engine):
+    """All parameters whole on every rank while inside (ZeRO-3), else nothing to do."""
+    if engine is None or not _zero3(engine):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+
+
+def cpu_state_dict(model) -> dict[str, torch.Tensor]:
+    """A CPU copy of the state dict; tensors that share storage (tied embeddings) stay shared, so save_pretrained
+    sees the tie it expects."""
+    copies: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if key not in copies:
+            copies[key] = t.detach().to("cpu", copy=True)
+        out[name] = copies[key]
+    return out
+
+
+def _keep_padding_side(folder: str, tokenizer) -> None:
+    """transformers saves the padding side given at construction, not one set later (rlrun sets "left" for
+    generation): write the current one, so batched generation from the folder pads on the right side."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["padding_side"] = tokenizer.padding_side
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+
+
+def _replace_folder(tmp: str, folder: str) -> None:
+    """Move `tmp` to `folder`; an existing `folder` is moved aside first and removed after."""
+    old = None
+    if os.path.lexists(folder):
+        old = f"{folder}.old{os.getpid()}"
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export(model, tokenizer, folder: str, *, engine=None) -> str | None:
+    """Write `model` (unwrapped from DeepSpeed/DDP/PEFT wrappers) and `tokenizer` to `folder`; returns the folder
+    on the rank that wrote it, None on the others. `engine`: the run's engine (rlrun.engine.*), for ZeRO-3
+    gathering and the rank; None means one process."""
+    lm = models.unwrap(model)
+    rank = getattr(engine, "rank", 0) if engine is not None else 0
+    folder = os.path.abspath(folder)
+    with _gathered(lm, engine):  # collective: every rank enters, whoever writes
+        state = cpu_state_dict(lm) if rank == 0 else None
+    if rank == 0:
+        tmp = f"{folder}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.dirname(folder) or ".", exist_ok=True)
+        lm.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)
+        _keep_padding_side(tmp, tokenizer)
+        _replace_folder(tmp, folder)
+    if engine is not None and getattr(engine, "world", 1) > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # the folder exists for every rank once this returns
+    return folder if rank == 0 else None
