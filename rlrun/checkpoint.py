@@ -3,7 +3,15 @@
 A checkpoint is one file `step_NNNNNNNN.pt`: a 64-character sha256 of the payload, then the payload (torch.save
 of the training state). It is written to a temporary name, flushed to disk and renamed, so a kill during a write
 leaves either the previous checkpoint or the new one, never a partial one under the real name. On load a file
-whose checksum or unpickling fails is skipped with a warning and the previous one is used.
+whose checksum or decoding fails is skipped with a warning and the previous one is used.
+
+Loading a checkpoint never runs code: the payload is read with `torch.load(weights_only=True)`, which rebuilds
+only tensors and plain data (dict, list, tuple, str, int, float, bool, None, ...) and refuses any other object
+before creating it. Numpy arrays and scalars (numpy's RNG state) are stored as tagged plain data (`_encode`) and
+rebuilt on load (`_decode`), so no numpy global is needed either. A checkpoint that needs anything else (a
+function, a class, a pickle that calls `os.system`) is refused with `UnsafeCheckpointError` naming what it asks
+for; it is not skipped for an older one: a checkpoint folder holding such a file is not to be trusted. A state
+that could not be loaded back this way is refused when it is saved, not at resume.
 
 Under engine=deepspeed a checkpoint is a folder `step_NNNNNNNN/` (DeepSpeed's own model and ZeRO optimizer files,
 plus one `rlrun_rank{R}.pt` per rank with that rank's loop state and RNG) and a manifest `step_NNNNNNNN.manifest`
@@ -20,14 +28,91 @@ import io
 import json
 import logging
 import os
+import pickle
 import shutil
 import signal
 
+import numpy as np
 import torch
 
 from .errors import CheckpointError
 
 log = logging.getLogger(__name__)
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint that asks for code or objects beyond tensors and plain data: refused, never unpickled."""
+
+
+_TAG = "__rlrun_numpy__"  # the key of a numpy array or scalar stored as plain data
+
+
+def _encode(obj):
+    """`obj` with numpy arrays and scalars replaced by tagged plain data (exact: ints and floats round-trip)."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise CheckpointError("a numpy array of Python objects cannot be checkpointed")
+        return {_TAG: "array", "dtype": obj.dtype.str, "shape": list(obj.shape), "data": obj.ravel().tolist()}
+    if isinstance(obj, np.generic):
+        return {_TAG: "scalar", "dtype": obj.dtype.str, "data": obj.item()}
+    if isinstance(obj, dict):  # OrderedDict and Counter keep their type (both load with weights_only)
+        out = {k: _encode(v) for k, v in obj.items()}
+        return out if type(obj) is dict else type(obj)(out)
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_encode(v) for v in obj)
+    return obj
+
+
+def _decode(obj):
+    if isinstance(obj, dict):
+        kind = obj.get(_TAG)
+        if kind == "array":
+            return np.array(obj["data"], dtype=np.dtype(obj["dtype"])).reshape(obj["shape"])
+        if kind == "scalar":
+            return np.dtype(obj["dtype"]).type(obj["data"])
+        out = {k: _decode(v) for k, v in obj.items()}
+        return out if type(obj) is dict else type(obj)(out)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_decode(v) for v in obj)
+    return obj
+
+
+def _unsafe_globals(payload: bytes) -> list[str]:
+    """The globals (functions, classes) a torch.save payload asks for beyond what weights_only allows, read by
+    disassembling the pickle statically (nothing in it runs)."""
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(payload))
+    except Exception:  # noqa: BLE001 - not a zip checkpoint (a bare pickle): scan its opcodes ourselves
+        import pickletools
+
+        found, strings = [], []
+        try:
+            for op, arg, _ in pickletools.genops(payload):
+                if op.name in ("GLOBAL", "INST"):
+                    found.append(str(arg).replace(" ", "."))
+                elif op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+                    strings.append(arg)
+                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    found.append(f"{strings[-2]}.{strings[-1]}")
+        except Exception:  # noqa: BLE001 - garbage after the pickle: report what was found so far
+            pass
+        return found or ["(not a torch checkpoint)"]
+
+
+def loads(payload: bytes, path: str) -> dict:
+    """Decode a checkpoint payload with weights_only=True; UnsafeCheckpointError if it asks for more."""
+    try:
+        state = torch.load(io.BytesIO(payload), weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" not in str(e) and "Unsupported" not in str(e):
+            raise CheckpointError(f"{path}: cannot be decoded ({str(e).splitlines()[0][:200]})") from None
+        names = _unsafe_globals(payload)
+        raise UnsafeCheckpointError(
+            f"{path}: contains code/objects rlrun does not load: {', '.join(names[:10]) or 'unknown'}. It was "
+            "refused without being unpickled. rlrun writes only tensors and plain data; a checkpoint asking for "
+            "more was not written by rlrun (or by an older rlrun that pickled numpy state): delete it, or resume "
+            "from a checkpoint you wrote.") from None
+    return _decode(state)
 
 
 def tag(step: int) -> str:
@@ -48,10 +133,29 @@ def write(path: str, state: dict) -> str:
     """One checksummed file, written atomically."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     buf = io.BytesIO()
-    torch.save(state, buf)
+    torch.save(_encode(state), buf)
     payload = buf.getvalue()
+    unsafe = _unsafe_globals(payload)
+    if unsafe:  # it could not be resumed from: say so now, not at resume
+        raise CheckpointError(f"{path}: the training state holds objects a checkpoint cannot load ({', '.join(unsafe)}"
+                              "); a recipe's state_dict must return tensors and plain data only.")
     _write_atomic(path, [hashlib.sha256(payload).hexdigest().encode(), payload])
     return path
+
+
+def check_writable(folder: str | None) -> None:
+    """Before training: `checkpoint.dir` can be created and written (not first found out at the first save)."""
+    if not folder:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".rlrun_write_test.{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir={folder!r} is not writable ({e.strerror or e}); choose a folder you "
+                              "can write to, or leave checkpoint.dir unset to train without checkpoints.") from None
 
 
 def save(folder: str, step: int, state: dict, keep: int) -> str:
@@ -102,7 +206,25 @@ def read(path: str) -> dict:
     digest, payload = data[:64].decode(errors="replace"), data[64:]
     if hashlib.sha256(payload).hexdigest() != digest:
         raise CheckpointError(f"{path}: checksum mismatch (truncated or corrupted)")
-    return torch.load(io.BytesIO(payload), weights_only=False)
+    return loads(payload, path)
+
+
+def check_foreign(root: str, allowed: set[str]) -> None:
+    """Before another library (DeepSpeed) loads the `.pt` files under `root` with its own torch.load: each may ask
+    only for what weights_only allows plus the classes in `allowed`, read by static disassembly (nothing runs)."""
+    for d, _, names in os.walk(root):
+        for n in sorted(names):
+            if not n.endswith(".pt") or n.startswith("rlrun_rank"):
+                continue
+            path = os.path.join(d, n)
+            try:
+                found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            except Exception as e:  # noqa: BLE001 - not a torch.save zip: nothing rlrun or DeepSpeed writes
+                raise UnsafeCheckpointError(f"{path}: not a torch checkpoint ({e}); refused without loading it.") from e
+            extra = sorted(set(found) - allowed)
+            if extra:
+                raise UnsafeCheckpointError(f"{path}: contains code/objects rlrun does not load: {', '.join(extra)}. "
+                                            "It was refused without being unpickled.")
 
 
 def load_latest(where: str) -> tuple[dict, str]:
@@ -115,6 +237,8 @@ def load_latest(where: str) -> tuple[dict, str]:
     for path in paths:
         try:
             return (read_sharded(path, rank) if path.endswith(".manifest") else read(path)), path
+        except UnsafeCheckpointError:  # never skipped for an older one: the folder is not to be trusted
+            raise
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped
             log.warning("skipping checkpoint %s: %s", path, e)
     raise CheckpointError(f"no valid checkpoint in {where!r} (all {len(paths)} unreadable)")
@@ -139,6 +263,9 @@ def deferred_interrupts():
     previous = {}
 
     def handler(signum, frame):
+        from . import tracking
+
+        tracking.interrupt_on_signals.received = signum  # the exit status names the signal (cli.main)
         if flag["stop"]:
             raise KeyboardInterrupt
         flag["stop"] = True

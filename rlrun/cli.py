@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from . import tracking
 from .config import ConfigError, validate
 from .errors import CheckpointError, ModelError, RolloutError, TaskError, TrackingError
 
@@ -37,6 +39,16 @@ def run(cfg: DictConfig, run_name: str | None = None) -> dict:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig):
+    # before validation and model build: a signal from now on ends the run KILLED (restored when main returns)
+    previous = tracking.interrupt_on_signals()
+    try:
+        return _main(cfg)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(cfg: DictConfig):
     hc = HydraConfig.get()
     run_name = cfg.run_name or hc.job.override_dirname or "default"
     if str(hc.mode) == "RunMode.MULTIRUN":
@@ -46,7 +58,7 @@ def main(cfg: DictConfig):
     except USER_ERRORS + (KeyboardInterrupt,) as e:
         if isinstance(e, KeyboardInterrupt):
             print("rlrun: interrupted", file=sys.stderr)
-            sys.exit(130)
+            sys.exit(128 + (tracking.interrupt_on_signals.received or 2))  # 130 Ctrl-C, 143 SIGTERM
         # the launcher's WORLD_SIZE, read here so the error path never imports the engine (torch, deepspeed)
         rank = f" rank {os.environ.get('RANK', '0')}:" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         print(f"rlrun:{rank} error: {e}", file=sys.stderr)

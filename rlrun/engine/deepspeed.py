@@ -27,6 +27,35 @@ from . import single
 
 log = logging.getLogger(__name__)
 
+# The classes DeepSpeed's own checkpoint files pickle besides tensors and plain data (0.19, ZeRO-2/3), the only
+# ones a DeepSpeed checkpoint may ask for.
+DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.utils.tensor_fragment.fragment_address",
+                     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")
+
+
+@contextlib.contextmanager
+def weights_only_loads(ds):
+    """DeepSpeed's checkpoint engine loads with torch.load(weights_only=True), DEEPSPEED_GLOBALS allowed."""
+    import importlib
+
+    classes = []
+    for name in DEEPSPEED_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        with contextlib.suppress(ImportError, AttributeError):
+            classes.append(getattr(importlib.import_module(module), attr))
+    engine = ds.checkpoint_engine
+
+    def load(path, map_location=None):
+        with torch.serialization.safe_globals(classes):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    engine.load = load  # an instance attribute over the class's method
+    try:
+        yield
+    finally:
+        del engine.load
+
 
 class RankFailure(RuntimeError):
     """Another rank stopped: a collective lost its peer."""
@@ -183,8 +212,14 @@ class Engine:
         return path
 
     def load_state_dict(self, state: dict) -> None:
+        """DeepSpeed's loader calls torch.load(weights_only=False) on its files: each is first checked statically
+        to ask for nothing beyond tensors, plain data and DeepSpeed's own few state classes, and the load itself
+        then runs with weights_only=True (those classes allowlisted) in place of DeepSpeed's unrestricted one."""
         folder, tag = state["deepspeed_checkpoint"]
-        path, _ = self.ds.load_checkpoint(folder, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        checkpoint.check_foreign(os.path.join(folder, tag), set(DEEPSPEED_GLOBALS))
+        with weights_only_loads(self.ds):
+            path, _ = self.ds.load_checkpoint(folder, tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
         if path is None:
             raise checkpoint.CheckpointError(f"DeepSpeed could not load {folder}/{tag}")
 
