@@ -53,14 +53,59 @@ def histories(client, run, keys):
     return out
 
 
+CURVES = (("loss", "loss"), ("reward_mean", "mean reward (GRPO)"), ("rewards/accuracy", "reward accuracy (DPO)"),
+          ("rewards/margin", "reward margin (DPO)"), ("eval/accuracy", "held-out accuracy"))
+# Figures are drawn 8 inches wide at 100 dpi: 800 px, so the artifact viewer shows them at (about) their own size
+# (shrunk at most ~15% beside MLflow's assistant panel) and 10-12 pt text stays >= 12 px; one panel per row.
+DPI = 100
+WIDTH = 8.0
+FONT = 11
+
+
 def collect(client, runs):
-    keys = ["loss", "reward_mean", "throughput/gen_tokens_per_s", "throughput/train_tokens_per_s"]
+    keys = [k for k, _ in CURVES] + ["throughput/gen_tokens_per_s", "throughput/train_tokens_per_s"]
     keys += [k(p) for k in (peak_key, growth_key, time_key) for p in PHASES]
     return [histories(client, r, keys) for r in runs]
 
 
-def _height(n: int) -> float:
-    return 1.6 + 0.32 * max(n, 2)
+def colors(n: int) -> list:
+    """One distinct colour per run, the same in every panel and figure."""
+    if n <= 10:
+        cmap, xs = plt.get_cmap("tab10"), range(n)
+    elif n <= 20:
+        cmap, xs = plt.get_cmap("tab20"), range(n)
+    else:
+        cmap, xs = plt.get_cmap("turbo"), np.linspace(0.05, 0.95, n)
+    return [cmap(x) for x in xs]
+
+
+def _figure(rows_of_panels: list[float], extra: float = 0.0):
+    """A figure WIDTH inches wide with one panel per row, panel heights in inches (+ `extra` for a legend)."""
+    fig = plt.figure(figsize=(WIDTH, sum(rows_of_panels) + extra), dpi=DPI)
+    gs = fig.add_gridspec(len(rows_of_panels), 1, height_ratios=rows_of_panels)
+    return fig, [fig.add_subplot(gs[i]) for i in range(len(rows_of_panels))]
+
+
+def wrap(name: str, width: int = 34) -> str:
+    """A long run name broken after commas into lines of about `width` characters (tick labels stay narrow)."""
+    if "\n" in name:  # already broken
+        return name
+    lines, line = [], ""
+    for part in name.split(","):
+        if line and len(line) + 1 + len(part) > width:
+            lines.append(line + ",")
+            line = part
+        else:
+            line = f"{line},{part}" if line else part
+    return "\n".join(lines + [line])
+
+
+def _height(n: int, lines: int = 1) -> float:
+    return 1.4 + (0.3 + 0.18 * (lines - 1)) * max(n, 2)
+
+
+def _lines(names) -> int:
+    return max((wrap(n).count("\n") + 1 for n in names), default=1)
 
 
 def _hbars(ax, names, series: dict[str, list[float]], xlabel, title, stacked=False, log=False):
@@ -75,14 +120,15 @@ def _hbars(ax, names, series: dict[str, list[float]], xlabel, title, stacked=Fal
             left += values
         else:
             ax.barh(y - 0.4 + height * (i + 0.5), values, height, label=label)
-    ax.set_yticks(y, names, fontsize=8)
-    if not ax.yaxis_inverted():  # first run on top, in sweep order (once: shared axes invert together)
+    ax.set_yticks(y, [wrap(n) for n in names], fontsize=FONT - 1)
+    if not ax.yaxis_inverted():  # first run on top, in sweep order
         ax.invert_yaxis()
-    ax.set_xlabel(xlabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=FONT)
+    ax.set_title(title, fontsize=FONT + 1)
+    ax.tick_params(axis="x", labelsize=FONT - 1)
     if log:
         ax.set_xscale("log")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=FONT - 1, loc="best", framealpha=0.85)
     ax.grid(axis="x", alpha=0.3)
 
 
@@ -90,15 +136,16 @@ def _heatmap(fig, ax, names, columns, values, unit, title):
     """Runs x phases, each cell annotated; NaN (phase absent) left blank."""
     values = np.array(values, dtype=float)
     im = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="viridis")
-    ax.set_xticks(range(len(columns)), columns, rotation=20, fontsize=8)
-    ax.set_yticks(range(len(names)), names, fontsize=8)
-    ax.set_title(title, fontsize=10)
-    fig.colorbar(im, ax=ax, label=unit)
+    ax.set_xticks(range(len(columns)), columns, rotation=20, fontsize=FONT - 1)
+    ax.set_yticks(range(len(names)), [wrap(n) for n in names], fontsize=FONT - 1)
+    ax.set_title(title, fontsize=FONT + 1)
+    bar = fig.colorbar(im, ax=ax, label=unit, pad=0.01)
+    bar.ax.tick_params(labelsize=FONT - 1)
     finite = values[np.isfinite(values)]
     mid = (finite.min() + finite.max()) / 2 if finite.size else 0
     for (r, c), v in np.ndenumerate(values):
         if np.isfinite(v):
-            ax.text(c, r, f"{v:.0f}" if abs(v) >= 10 else f"{v:.2g}", ha="center", va="center", fontsize=7,
+            ax.text(c, r, f"{v:.0f}" if abs(v) >= 10 else f"{v:.2g}", ha="center", va="center", fontsize=FONT - 1,
                     color="black" if v > mid else "white")
 
 
@@ -108,19 +155,18 @@ def _stat(h, key, fn):
 
 def memory_figure(names, data, device):
     present = [p for p in PHASES if any(peak_key(p) in h for h in data)]
-    fig, axes = plt.subplots(1, 2, figsize=(16, _height(len(names))))
+    fig, axes = _figure([_height(len(names), _lines(names))] * 2)
     what = "CUDA peak allocated" if device == "cuda" else "process peak RSS"
     _heatmap(fig, axes[0], names, present, [[_stat(h, peak_key(p), np.max) for p in present] for h in data],
              "MiB", f"Peak memory per phase, MiB ({what}, {device})")
-    _heatmap(fig, axes[1], [""] * len(names), present,
-             [[_stat(h, growth_key(p), np.max) for p in present] for h in data],
+    _heatmap(fig, axes[1], names, present, [[_stat(h, growth_key(p), np.max) for p in present] for h in data],
              "MiB", "Peak growth over the phase's starting memory, MiB")
     fig.tight_layout()
     return fig
 
 
 def throughput_figure(names, data):
-    fig, axes = plt.subplots(1, 2, figsize=(16, _height(len(names))), sharey=True)
+    fig, axes = _figure([_height(len(names), _lines(names))] * 2)
     _hbars(axes[0], names, {"generated": [_stat(h, "throughput/gen_tokens_per_s", np.mean) for h in data],
                             "trained": [_stat(h, "throughput/train_tokens_per_s", np.mean) for h in data]},
            "tokens / s (mean over steps)", "Throughput")
@@ -132,19 +178,30 @@ def throughput_figure(names, data):
 
 
 def curves_figure(names, data):
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5 + 0.12 * len(names)))
-    for ax, key, ylabel in ((axes[0], "loss", "loss"), (axes[1], "reward_mean", "mean reward")):
-        for i, (name, h) in enumerate(zip(names, data)):
+    """One panel per curve that any run logged (loss, GRPO reward, DPO accuracy and margin, held-out accuracy),
+    one colour per run shared by all panels, and one legend for the figure listing every run."""
+    present = [(k, label) for k, label in CURVES if any(k in h for h in data)] or [CURVES[0]]
+    ncol = 1 if max((len(n) for n in names), default=0) > 45 else 2
+    legend_h = 0.3 + 0.24 * -(-len(names) // ncol)
+    fig, axes = _figure([3.0] * len(present), extra=legend_h)
+    palette = colors(len(names))
+    handles = {}
+    for ax, (key, ylabel) in zip(axes, present):
+        for i, h in enumerate(data):
             if key in h:  # line styles vary so that runs with identical curves stay visible on top of each other
-                ax.plot(*h[key], label=name, lw=1.4, alpha=0.8, ls=STYLES[i % len(STYLES)])
+                line, = ax.plot(*h[key], lw=1.5, alpha=0.85, ls=STYLES[i % len(STYLES)], color=palette[i],
+                                marker="o" if len(h[key][0]) == 1 else None)
+                handles.setdefault(i, line)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{ylabel} per step, one line per run", fontsize=10)
+        ax.set_xlabel("optimizer step", fontsize=FONT)
+        ax.set_ylabel(ylabel, fontsize=FONT)
+        ax.set_title(f"{ylabel} per step", fontsize=FONT + 1)
+        ax.tick_params(labelsize=FONT - 1)
         ax.grid(alpha=0.3)
-    handles, legend = axes[1].get_legend_handles_labels()
-    axes[1].legend(handles, legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
-    fig.tight_layout()
+    order = sorted(handles)
+    fig.tight_layout(rect=(0, legend_h / fig.get_figheight(), 1, 1))
+    fig.legend([handles[i] for i in order], [names[i] for i in order], loc="lower center", ncol=ncol,
+               fontsize=FONT - 1, frameon=False, bbox_to_anchor=(0.5, 0.0))
     return fig
 
 
@@ -176,8 +233,8 @@ def equivalence(runs, names, data):
 
 
 def equivalence_figure(rows):
-    fig, ax = plt.subplots(figsize=(12, _height(len(rows))))
-    names = [f"{r['run']}  vs  {r['baseline']}" for r in rows]
+    names = [f"{wrap(r['run'])}\nvs {wrap(r['baseline'])}" for r in rows]
+    fig, (ax,) = _figure([_height(len(rows), _lines(names))])
     floor = 1e-12
     _hbars(ax, names, {"loss": [max(r.get("loss", 0), floor) for r in rows],
                        "reward": [max(r.get("reward_mean", 0), floor) for r in rows]},
@@ -187,16 +244,53 @@ def equivalence_figure(rows):
     return fig
 
 
-def table(names, data) -> str:
-    """One line per run: mean step time, throughput, and the largest peak / growth of any phase."""
-    head = f"{'run':<44} {'step s':>8} {'gen tok/s':>10} {'train tok/s':>12} {'peak MiB':>9} {'growth MiB':>11}"
-    lines = [head]
+def fmt(v, spec: str = ".4g") -> str:
+    """A number for a table; '–' where there is none (NaN / missing)."""
+    if v is None or not np.isfinite(v):
+        return "–"
+    return format(v, spec)
+
+
+COLUMNS = ("run", "reward / acc", "step s", "gen tok/s", "train tok/s", "peak MiB", "growth MiB")
+
+
+def rows_of(names, data) -> list[dict]:
+    """One row per run: the last value of its reward (GRPO) or accuracy (DPO) curve, mean step time, throughput,
+    and the largest peak / growth of any phase (floats; NaN where the run has none)."""
+    out = []
     for name, h in zip(names, data):
+        curve = next((k for k in ("reward_mean", "rewards/accuracy") if k in h), None)
         step = sum(_stat(h, time_key(p), np.mean) for p in PHASES if time_key(p) in h)
-        peak = max((_stat(h, peak_key(p), np.max) for p in PHASES if peak_key(p) in h), default=0)
-        growth = max((_stat(h, growth_key(p), np.max) for p in PHASES if growth_key(p) in h), default=0)
-        lines.append(f"{name[:44]:<44} {step:>8.4f} {_stat(h, 'throughput/gen_tokens_per_s', np.mean):>10.0f} "
-                     f"{_stat(h, 'throughput/train_tokens_per_s', np.mean):>12.0f} {peak:>9.0f} {growth:>11.0f}")
+        peaks = [_stat(h, peak_key(p), np.max) for p in PHASES if peak_key(p) in h]
+        growths = [_stat(h, growth_key(p), np.max) for p in PHASES if growth_key(p) in h]
+        out.append({"run": name, "reward / acc": float(h[curve][1][-1]) if curve else float("nan"),
+                    "step s": step if any(time_key(p) in h for p in PHASES) else float("nan"),
+                    "gen tok/s": _stat(h, "throughput/gen_tokens_per_s", np.mean),
+                    "train tok/s": _stat(h, "throughput/train_tokens_per_s", np.mean),
+                    "peak MiB": max(peaks, default=float("nan")), "growth MiB": max(growths, default=float("nan"))})
+    return out
+
+
+SPECS = {"reward / acc": ".3f", "step s": ".4f", "gen tok/s": ".0f", "train tok/s": ".0f", "peak MiB": ".0f",
+         "growth MiB": ".0f"}
+
+
+def _cells(rows) -> list[list[str]]:
+    return [[r["run"]] + [fmt(r[c], SPECS[c]) for c in COLUMNS[1:]] for r in rows]
+
+
+def table(names, data) -> str:
+    """The comparison as aligned text: full run names, '–' where a run has no value."""
+    cells = [list(COLUMNS)] + _cells(rows_of(names, data))
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in cells)
+
+
+def markdown(names, data) -> str:
+    """The comparison as a markdown table (the sweep parent's description)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join([":---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in _cells(rows_of(names, data))]
     return "\n".join(lines)
 
 
@@ -216,10 +310,11 @@ def figures(client, runs, device="cpu"):
 def write(figs, rows, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     for name, fig in figs.items():
-        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        fig.savefig(os.path.join(out_dir, name), dpi=DPI)
     if rows:
-        text = "\n".join(f"{r['run']:<40} vs {r['baseline']:<30} max|dloss|={r.get('loss', float('nan')):.3g} "
-                         f"max|dreward|={r.get('reward_mean', float('nan')):.3g}" for r in rows)
+        width = max(len(r["run"]) for r in rows)
+        text = "\n".join(f"{r['run']:<{width}} vs {r['baseline']:<30} max|dloss|={fmt(r.get('loss'), '.3g')} "
+                         f"max|dreward|={fmt(r.get('reward_mean'), '.3g')}" for r in rows)
         with open(os.path.join(out_dir, "equivalence.txt"), "w") as f:
             f.write(text + "\n")
         print(text)

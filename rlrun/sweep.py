@@ -5,6 +5,11 @@ Registered as a Hydra callback in conf/config.yaml. The parent run id reaches th
 in other processes; never MLFLOW_RUN_ID, which would make start_run resume the parent). A failed job is marked
 FAILED with its error and the sweep goes on; at the end the parent run is FINISHED only if every job finished,
 and the command exits non-zero listing the failures.
+
+Before any job runs, every job's config is composed and validated: a sweep with an invalid job is refused as a
+whole (exit 2), each invalid job listed with all its problems. At the end the parent run carries the comparison
+table (its description, markdown, and `comparison.json`), the figures, and the children are renamed to the
+overrides that differ between jobs.
 """
 
 from __future__ import annotations
@@ -28,15 +33,21 @@ class SweepCallback(Callback):
         self.parent_id = None
 
     def on_multirun_start(self, config, config_name=None, **kwargs):
+        refuse_invalid_jobs(config, config_name)
         if config.tracking.name != "mlflow":
             return
         self.client, exp_id = tracking.connect(config.tracking.uri, config.tracking.experiment)
-        overrides = list(config.hydra.overrides.task)
+        tracking.mark_experiment_kind(self.client, exp_id)
+        hidden = set(OmegaConf.select(config, "hydra.job.config.override_dirname.exclude_keys") or [])
+        hidden |= {"tracking.uri", "tracking.experiment"}  # where it is logged, not what it runs
+        overrides = [o for o in config.hydra.overrides.task if o.split("=", 1)[0].lstrip("+~") not in hidden]
         name = config_name if config_name and config_name != "config" else "sweep"
         params = config.hydra.sweeper.get("params")
         sweep_params = OmegaConf.to_container(params, resolve=False) if params else {}
-        run = self.client.create_run(exp_id, run_name=f"{name}: {','.join(overrides)}"[:250],
-                                     tags={"rlrun.kind": "sweep", "rlrun.sweep": name})
+        run = self.client.create_run(exp_id, run_name=f"{name}: {','.join(overrides)}"[:250] if overrides else name,
+                                     tags={"rlrun.kind": "sweep", "rlrun.sweep": name, **tracking.standard_tags(),
+                                           "mlflow.note.content": f"Sweep `{name}`: {count(config)} "
+                                           "(the comparison table appears here when the sweep ends)."})
         self.parent_id = run.info.run_id
         tracking.log_params(self.client, self.parent_id, tracking.flatten(
             {"sweep": {"name": name, "overrides": ",".join(overrides), "params": sweep_params}}))
@@ -66,7 +77,7 @@ class SweepCallback(Callback):
             self.client.set_terminated(self.parent_id, status)
         if failed:
             lines = [f"  - {r.data.tags.get('mlflow.runName')}: {r.info.status} "
-                     f"({r.data.tags.get('error', '')[:300]})" for r in failed]
+                     f"({r.data.tags.get('error', '')})" for r in failed]
             print(f"rlrun: {len(failed)} of {len(runs)} sweep jobs failed:\n" + "\n".join(lines), file=sys.stderr)
             sys.exit(1)
 
@@ -74,9 +85,70 @@ class SweepCallback(Callback):
         figs, rows = report.figures(self.client, runs, runs[0].data.tags.get("rlrun.device", "cpu"))
         report.write(figs, rows, out)
         tracking.log_figures(self.client, self.parent_id, figs)
+        self.describe(report, runs)
         if rows:
             self.client.log_artifact(self.parent_id, os.path.join(out, "equivalence.txt"))
             diffs = {k: [r[k] for r in rows if k in r] for k in ("loss", "reward_mean")}
             tracking.log_metrics(self.client, self.parent_id,
                                  {f"equivalence/max_abs_diff_{k}": max(v) for k, v in diffs.items() if v})
         log.info("figures: %s", out)
+
+    def describe(self, report, runs):
+        """The comparison table as the parent's description (markdown) and as `comparison.json`; the children
+        renamed to the overrides that tell them apart."""
+        names = report.labels(runs)
+        data = report.collect(self.client, runs)
+        for run, name in zip(runs, names):
+            if run.data.tags.get("mlflow.runName") != name:
+                self.client.set_tag(run.info.run_id, "mlflow.runName", name)
+        note = self.client.get_run(self.parent_id).data.tags.get("mlflow.note.content", "").split(" (the ")[0]
+        text = (f"{note.rstrip('.')}. Reward / acc: the last step's mean reward (GRPO) or reward accuracy (DPO); "
+                "step s, tok/s: means over steps; peak / growth: the largest of any phase. Figures: Artifacts."
+                f"\n\n{report.markdown(names, data)}\n")
+        self.client.set_tag(self.parent_id, "mlflow.note.content", text)
+        rows = report.rows_of(names, data)
+        self.client.log_table(self.parent_id, {c: [None if isinstance(r[c], float) and r[c] != r[c] else r[c]
+                                                   for r in rows] for c in report.COLUMNS}, "comparison.json")
+
+
+def jobs(config) -> list[list[str]]:
+    """Each job's overrides, as Hydra's basic sweeper will launch them (sweeper params, then the command line)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = config.hydra.sweeper.get("params") or {}
+    args = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    overrides = OverridesParser.create().parse_overrides(args)
+    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
+def count(config) -> str:
+    try:
+        return f"{len(jobs(config))} jobs"
+    except Exception:  # noqa: BLE001 - a sweeper that is not the basic one: its jobs are not known up front
+        return "jobs"
+
+
+def refuse_invalid_jobs(config, config_name) -> None:
+    """Compose and validate every job's config before any job runs; refuse the sweep (exit 2) listing each invalid
+    job in full. Only for Hydra's basic sweeper (other sweepers choose their jobs as they go)."""
+    if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
+        return
+    from hydra import compose
+
+    from .config import ConfigError, validate
+
+    bad = []
+    todo = jobs(config)
+    for overrides in todo:
+        try:
+            validate(compose(config_name=config_name, overrides=overrides))
+        except ConfigError as e:
+            bad.append(f"job {','.join(overrides)}:\n" + "\n".join(f"    - {p}" for p in e.problems))
+        except Exception as e:  # noqa: BLE001 - a job that does not even compose is as invalid
+            bad.append(f"job {','.join(overrides)}:\n    - {type(e).__name__}: {e}")
+    if bad:
+        print(f"rlrun: sweep refused, {len(bad)} of {len(todo)} jobs are invalid (no job was run):\n"
+              + "\n".join(bad), file=sys.stderr)
+        sys.exit(2)
+

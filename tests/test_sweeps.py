@@ -19,7 +19,7 @@ def sweep(tmp, *args):
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+def smoke(tmp_path_factory):  # 36 training jobs: only slow tests use it
     tmp = tmp_path_factory.mktemp("smoke")
     r = sweep(tmp, "-cd", str(ROOT / "sweeps"), "-cn", "smoke")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -27,6 +27,7 @@ def smoke(tmp_path_factory):
     return tmp, client, all_runs
 
 
+@pytest.mark.slow
 def test_smoke_sweep_has_one_parent_and_a_child_per_job(smoke):
     tmp, client, all_runs = smoke
     parents = [r for r in all_runs if r.data.tags.get("rlrun.kind") == "sweep"]
@@ -45,6 +46,7 @@ def test_smoke_sweep_has_one_parent_and_a_child_per_job(smoke):
     assert FIGURES <= {p.name for p in (tmp / "sweep" / "figures").iterdir()}
 
 
+@pytest.mark.slow
 def test_equivalence_holds_across_the_smoke_sweep(smoke):
     tmp, _, _ = smoke
     lines = (tmp / "sweep" / "figures" / "equivalence.txt").read_text().splitlines()
@@ -55,6 +57,7 @@ def test_equivalence_holds_across_the_smoke_sweep(smoke):
         assert dloss < 1e-5 and dreward == 0, line
 
 
+@pytest.mark.slow
 def test_figures_have_one_series_per_job_and_report_redraws_them_from_the_store(smoke):
     from mlflow.tracking import MlflowClient
 
@@ -65,9 +68,9 @@ def test_figures_have_one_series_per_job_and_report_redraws_them_from_the_store(
     client = MlflowClient(f"sqlite:///{tmp}/mlflow.db")
     _, children = report.child_runs(client, parent.info.run_id)
     figs, rows = report.figures(client, children)
-    loss_ax, reward_ax = figs["curves.png"].axes
+    loss_ax, reward_ax = figs["curves.png"].axes[:2]
     assert len(loss_ax.get_lines()) == len(reward_ax.get_lines()) == 36
-    assert {t.get_text() for t in reward_ax.get_legend().get_texts()} == set(report.labels(children))
+    assert {t.get_text() for t in figs["curves.png"].legends[0].get_texts()} == set(report.labels(children))
     assert loss_ax.get_xlabel() == "optimizer step"
     assert "MiB" in [a.get_ylabel() for a in figs["memory.png"].axes]  # the colour bars
     out = tmp / "report"
@@ -82,11 +85,12 @@ def test_figures_have_one_series_per_job_and_report_redraws_them_from_the_store(
     assert r.returncode == 0 and "12 runs" in r.stdout
 
 
+@pytest.mark.slow
 def test_failed_jobs_are_marked_and_the_sweep_goes_on_then_exits_nonzero(tmp_path):
     r = sweep(tmp_path, "-m", "experiment=smoke", "task.reward=rlrun.tasks:partial_credit,helpers:nan_reward",
-              "logprob_policy=always,skip", "loss.kl_coef=0.1")
+              "logprob_policy=always,window")
     assert r.returncode == 1
-    assert "3 of 4 sweep jobs failed" in r.stderr
+    assert "2 of 4 sweep jobs failed" in r.stderr
     _, all_runs = runs(tmp_path / "mlflow.db")
     parent = next(r for r in all_runs if r.data.tags.get("rlrun.kind") == "sweep")
     children = {(c.data.params["task.reward"], c.data.params["logprob_policy.name"]): c
@@ -94,8 +98,127 @@ def test_failed_jobs_are_marked_and_the_sweep_goes_on_then_exits_nonzero(tmp_pat
     assert len(children) == 4 and parent.info.status == "FAILED"
     assert children["rlrun.tasks:partial_credit", "always"].info.status == "FINISHED"
     nan = children["helpers:nan_reward", "always"]
-    assert nan.info.status == "FAILED" and "NonFiniteLossError" in nan.data.tags["error"]
-    refused = [c for (_, policy), c in children.items() if policy == "skip"]
-    assert len(refused) == 2 and all(c.info.status == "FAILED" and "loss.kl_coef=0" in c.data.tags["error"]
-                                     for c in refused)
+    # a NaN reward is refused while scoring (Task.score): the job fails naming the reward and the value
+    assert nan.info.status == "FAILED" and nan.data.tags["error"].startswith("TaskError: reward 'nan_reward'")
+    assert "returned nan" in nan.data.tags["error"]
     assert (tmp_path / "sweep" / "figures" / "curves.png").exists()  # figures of the jobs that finished
+
+
+@pytest.mark.slow
+def test_a_sweep_with_an_invalid_job_is_refused_before_any_job_runs(tmp_path):
+    r = sweep(tmp_path, "-m", "experiment=smoke", "logprob_policy=always,skip", "loss=dapo,cispo",
+              "loss.kl_coef=0.1")
+    assert r.returncode == 2
+    assert "sweep refused, 2 of 4 jobs are invalid (no job was run)" in r.stderr
+    for loss in ("dapo", "cispo"):  # each invalid job named with its overrides and its full problem
+        assert f"job experiment=smoke,logprob_policy=skip,loss={loss},loss.kl_coef=0.1" in r.stderr
+    assert r.stderr.count("which needs loss.kl_coef=0 (got loss.kl_coef=0.1). Set loss.kl_coef=0") == 2
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
+def test_shipped_sweeps_run_from_any_working_directory(tmp_path):
+    r = subprocess.run(["rlrun", "-cn", "logprob_policies", "--cfg", "hydra"], cwd=tmp_path, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "logprob_policy: always,window,skip" in r.stdout and "mode: MULTIRUN" in r.stdout
+    r = subprocess.run(["rlrun", "-cn", "logprob_policies", "--cfg", "job"], cwd=tmp_path, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "steps: 100" in r.stdout, r.stderr[-2000:]
+
+
+# --- Fast checks on a synthetic store (no training): the sweep parent, the report's figures and tables ---
+
+def fake_sweep(tmp, kinds=("dapo", "dpo", "cispo")):
+    """A parent run and one child per loss in a sqlite store, with the metrics the recipes log (DPO: accuracy and
+    margin, no generation), like a finished sweep; -> (client, parent id, children)."""
+    from conftest import new_store
+    from mlflow.tracking import MlflowClient
+
+    from rlrun import report, tracking
+
+    client = MlflowClient(new_store(tmp))  # a copy of an empty store: no schema migrations per test
+    exp = tracking.experiment_id(client, "rlrun")
+    parent = client.create_run(exp, run_name="fake", tags={"rlrun.kind": "sweep"}).info.run_id
+    for i, loss in enumerate(kinds):
+        name = f"experiment=smoke,loss={loss},model.hidden_size=64,task.size=1000,train.steps=5"
+        run = client.create_run(exp, run_name=name, tags={"mlflow.parentRunId": parent})
+        rid = run.info.run_id
+        client.log_batch(rid, params=[__import__("mlflow").entities.Param("loss.name", loss)])
+        for step in range(5):
+            m = {"loss": 1.0 / (step + 1 + i), "time/train_s": 0.1, "mem/train_peak_mib": 500.0 + i,
+                 "mem/train_growth_mib": 20.0, "throughput/train_tokens_per_s": 1000.0 + i}
+            if loss == "dpo":
+                m.update({"rewards/accuracy": 0.5 + 0.1 * step, "rewards/margin": 0.2 * step})
+            else:
+                m.update({"reward_mean": 0.1 * step, "throughput/gen_tokens_per_s": 300.0, "time/generate_s": 0.2,
+                          "mem/generate_peak_mib": 400.0, "mem/generate_growth_mib": 5.0})
+            tracking.log_metrics(client, rid, m, step)
+        client.set_terminated(rid, "FINISHED")
+    _, children = report.child_runs(client, parent)
+    return client, parent, children
+
+
+def test_report_colours_legend_dpo_panels_and_dashes(tmp_path):
+    from rlrun import report
+
+    client, _, children = fake_sweep(tmp_path)
+    names = report.labels(children)
+    assert names == ["loss=dapo", "loss=dpo", "loss=cispo"]  # the overrides that differ, in full
+    data = report.collect(client, children)
+    fig = report.curves_figure(names, data)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert any("accuracy (DPO)" in t for t in titles) and any("margin (DPO)" in t for t in titles)
+    assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1  # one legend, figure-level
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == names  # the DPO run too
+    legend_colour = {t.get_text(): h.get_color() for t, h in zip(fig.legends[0].get_texts(),
+                                                                    fig.legends[0].legend_handles)}
+    assert len({str(c) for c in legend_colour.values()}) == 3
+    loss_ax = fig.axes[0]  # every run has a loss: its lines carry the legend's colours, in run order
+    assert [str(line.get_color()) for line in loss_ax.get_lines()] == [str(legend_colour[n]) for n in names]
+    text = report.table(names, data)
+    assert "nan" not in text and "–" in text  # DPO generates nothing: a dash, not nan
+    md = report.markdown(names, data)
+    assert md.count("\n") == 4 and "| loss=dpo |" in md and "nan" not in md
+
+
+def test_figures_are_legible_in_the_artifact_viewer(tmp_path):
+    from rlrun import report
+
+    client, _, children = fake_sweep(tmp_path)
+    figs, _ = report.figures(client, children)
+    report.write(figs, [], tmp_path / "out")
+    import matplotlib.image as mpimg
+
+    for name, fig in figs.items():
+        h, w = mpimg.imread(tmp_path / "out" / name).shape[:2]
+        assert 700 <= w <= 1000, (name, w)  # shown at about its own size in MLflow's artifact viewer
+        assert h <= 4000, (name, h)
+        sizes = [t.get_fontsize() for t in fig.findobj(lambda a: hasattr(a, "get_fontsize") and a.get_text())]
+        assert min(sizes) * report.DPI / 72 >= 11, (name, min(sizes))  # every label >= 11 px
+
+
+def test_sweep_parent_carries_the_table_and_children_get_short_full_names(tmp_path):
+    from rlrun import report
+    from rlrun.sweep import SweepCallback
+
+    client, parent, children = fake_sweep(tmp_path)
+    cb = SweepCallback()
+    cb.client, cb.parent_id = client, parent
+    cb.draw(report, children, str(tmp_path / "figures"))
+    run = client.get_run(parent)
+    note = run.data.tags["mlflow.note.content"]
+    assert "| run | reward / acc |" in note and "| loss=dpo |" in note and "nan" not in note
+    arts = {a.path for a in client.list_artifacts(parent)}
+    assert {"comparison.json", "curves.png", "memory.png", "throughput.png"} <= arts
+    names = {client.get_run(c.info.run_id).data.tags["mlflow.runName"] for c in children}
+    assert names == {"loss=dapo", "loss=dpo", "loss=cispo"}
+
+
+@pytest.mark.slow
+def test_report_unknown_run_is_one_clear_message(tmp_path):
+    fake_sweep(tmp_path)
+    r = subprocess.run(["rlrun-report", "deadbeef", "--uri", f"sqlite:///{tmp_path}/mlflow.db"], cwd=tmp_path,
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("rlrun-report:"), r.stderr
+

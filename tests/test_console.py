@@ -1,0 +1,103 @@
+"""Fast checks of what the user reads: the end-of-run table, where the results are, progress lines in a log file,
+and the MLflow tags and description every run carries (sqlite store, no training)."""
+
+import io
+import re
+import sys
+
+from omegaconf import OmegaConf
+
+from rlrun import runner, tracking
+
+GRPO = {"reward_first": 0.1, "reward_last": 0.45, "eval_accuracy_first": 0.05, "eval_accuracy_last": 0.3,
+        "step_s": 0.123, "gen_tokens_per_s": 1234.0, "train_tokens_per_s": 5678.0, "loss_last": 0.01,
+        "max_generate_peak_mib": 512.0, "max_train_peak_mib": 900.0, "max_train_growth_mib": 30.0,
+        "passes_ref_run": 3.0}
+DPO = {"accuracy_first": 0.5, "accuracy_last": 0.9, "step_s": 0.2, "train_tokens_per_s": 100.0,
+       "max_train_peak_mib": 700.0, "max_ref_logprobs_peak_mib": float("nan")}
+
+
+def test_end_table_is_short_aligned_and_names_its_numbers():
+    text = runner.end_table(GRPO, steps=12)
+    lines = text.splitlines()
+    assert lines[0] == "rlrun: run finished (12 steps)"
+    assert "reward (mean of first / last 3 steps)" in text and "0.100 → 0.450" in text
+    assert "eval accuracy (first / last evaluation)" in text and "0.050 → 0.300" in text
+    assert "0.123 s" in text and "1234 generated, 5678 trained" in text
+    assert "generate 512  train 900" in text and "growth" not in text
+    starts = {re.match(r"^  (.+?)\s{2,}\S", line).end() for line in lines[1:]}
+    assert len(starts) == 1  # the values start in one column
+    dpo = runner.end_table(DPO)
+    assert "reward accuracy (mean of first / last 3 steps)" in dpo and "0.500 → 0.900" in dpo
+    assert "nan" not in dpo and "ref_logprobs –" in dpo and "generated" not in dpo
+
+
+def test_results_hint_gives_the_command_or_the_url(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = OmegaConf.create({"tracking": {"name": "mlflow", "uri": "sqlite:///mlflow.db"}})
+    tracker = tracking.MLflow(OmegaConf.create({"uri": "sqlite:///mlflow.db", "experiment": "rlrun",
+                                                "parent_run_id": None}), {}, "x")
+    hint = runner.results_hint(cfg, tracker)
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db" in hint
+    assert f"/runs/{tracker.run_id}?workflowType=machine_learning" in hint  # opens on model training
+    server = OmegaConf.create({"tracking": {"name": "mlflow", "uri": "http://127.0.0.1:5000"}})
+    assert "http://127.0.0.1:5000/#/experiments/" in runner.results_hint(server, tracker)
+    none = OmegaConf.create({"tracking": {"name": "none"}})
+    assert "mlflow ui" not in runner.results_hint(none, tracking.Null())
+
+
+def test_not_on_a_terminal_progress_writes_a_line_every_n_steps():
+    out = io.StringIO()
+    bar = runner.PlainProgress(0, 400, "rlrun grpo", out=out)
+    for step in bar:
+        bar.set_postfix(reward=f"{step / 400:.3f}")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 40 and lines[-1].startswith("rlrun grpo: step 400/400") and "reward=0.998" in lines[-1]
+    out = io.StringIO()
+    assert list(runner.PlainProgress(5, 8, "x", out=out)) == [5, 6, 7] and out.getvalue().count("\n") == 3
+    assert isinstance(runner.progress(0, 3, "x", enabled=True), runner.PlainProgress) != sys.stderr.isatty()
+
+
+def test_runs_carry_source_tags_and_a_description(tmp_path):
+    cfg = OmegaConf.create({"uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "rlrun", "parent_run_id": None})
+    config = {"loss": {"name": "dpo"}, "head": {"name": "chunked"}, "logprob_policy": {"name": "window"},
+              "offload": {"name": "on"}, "rollout": {"name": "hf"}, "engine": {"name": "single"},
+              "model": {"name": "tiny"}, "task": {"name": "jsonl"}, "train": {"steps": 7}}
+    tracker = tracking.MLflow(cfg, config, "loss=dpo")
+    tracker.describe(tracking.headline(DPO))
+    tracker.finish("FINISHED")
+    client = tracking.open_client(cfg.uri)
+    run = client.get_run(tracker.run_id)
+    tags = run.data.tags
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.source.name"] and tags["rlrun.command"]
+    assert tags["rlrun.version"] and tags["rlrun.host"] and tags["mlflow.user"]
+    assert ("mlflow.source.git.commit" in tags) == (tracking.git_commit() is not None)
+    note = tags["mlflow.note.content"]
+    assert note.startswith("DPO with the chunked head, logprob policy window, optimizer offload on")
+    assert "model tiny, task jsonl, 7 steps." in note
+    assert "Accuracy 0.5 → 0.9" in note and "100 trained tokens/s" in note and "nan" not in note
+
+
+def test_an_experiment_that_already_says_its_kind_keeps_it(tmp_path):
+    client = tracking.open_client(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.create_experiment("genai", tags={"mlflow.experimentKind": "genai_development"})
+    tracking.mark_experiment_kind(client, exp)
+    assert client.get_experiment(exp).tags["mlflow.experimentKind"] == "genai_development"
+    other = client.create_experiment("plain")
+    tracking.mark_experiment_kind(client, other)
+    assert client.get_experiment(other).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_git_commit_is_none_outside_a_checkout(tmp_path):
+    assert tracking.git_commit(str(tmp_path)) is None
+
+
+def test_a_resumed_run_keeps_its_description_and_replaces_the_result(tmp_path):
+    cfg = OmegaConf.create({"uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "rlrun", "parent_run_id": None})
+    first = tracking.MLflow(cfg, {"loss": {"name": "dapo"}, "train": {"steps": 4}}, "x")
+    first.describe(tracking.headline({"reward_first": 0.1, "reward_last": 0.2}))
+    again = tracking.MLflow(cfg, {}, None, resume_run_id=first.run_id)
+    again.describe(tracking.headline({"reward_first": 0.1, "reward_last": 0.3}))
+    note = tracking.open_client(cfg.uri).get_run(first.run_id).data.tags["mlflow.note.content"]
+    assert note.startswith("GRPO-family RL (dapo loss)") and note.count("Result:") == 1 and "0.1 → 0.3" in note

@@ -1,0 +1,124 @@
+"""What a user sees in MLflow, checked against a real `mlflow server` on 127.0.0.1: a 3-job sweep logged over HTTP,
+then read back through the client: the experiment kind (model training, not GenAI), the runs' source and git
+tags, their descriptions, the sweep parent's comparison table, and figures legible in the artifact viewer."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rlrun import tracking
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PYTHONPATH": str(ROOT / "tests")}
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A tracking server with its own sqlite store and artifact folder; stopped (by its pid) at the end."""
+    tmp = tmp_path_factory.mktemp("server")
+    port = free_port()
+    mlflow_bin = str(Path(sys.executable).parent / "mlflow")
+    proc = subprocess.Popen([mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db",
+                             "--artifacts-destination", str(tmp / "artifacts")],
+                            cwd=tmp, env=ENV, stdout=open(tmp / "server.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail(f"mlflow server did not start:\n{(tmp / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url, tmp
+    finally:
+        try:
+            os.killpg(proc.pid, 15)  # the server and its worker processes, nothing else
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def swept(server):
+    url, tmp = server
+    work = tmp / "work"
+    work.mkdir()
+    r = subprocess.run(["rlrun", "-cn", "logprob_policies", "experiment=smoke", "train.steps=3", "progress=false",
+                        f"tracking.uri={url}", "tracking.experiment=ui", f"hydra.sweep.dir={work}/sweep"],
+                       cwd=work, env=ENV, capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    client = tracking.open_client(url)
+    exp = client.get_experiment_by_name("ui")
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+    parent = next(x for x in runs if x.data.tags.get("rlrun.kind") == "sweep")
+    children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    return client, exp, parent, children, tmp
+
+
+def test_experiment_opens_as_model_training(swept):
+    _, exp, _, children, _ = swept
+    assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
+    assert len(children) == 3
+
+
+def test_runs_say_where_they_come_from_and_what_they_are(swept):
+    _, _, parent, children, _ = swept
+    in_git = tracking.git_commit() is not None
+    for run in [parent, *children]:
+        tags = run.data.tags
+        assert tags["mlflow.source.name"] == "rlrun" and tags["mlflow.source.type"] == "LOCAL"
+        assert tags["mlflow.user"] and tags["rlrun.host"] and tags["rlrun.version"]
+        assert "-cn logprob_policies" in tags["rlrun.command"]
+        assert ("mlflow.source.git.commit" in tags) == in_git
+    for child in children:
+        note = child.data.tags["mlflow.note.content"]
+        policy = child.data.params["logprob_policy.name"]
+        assert f"logprob policy {policy}" in note and "dapo loss" in note and "model tiny, task arith" in note
+    assert sorted(c.data.tags["mlflow.runName"] for c in children) == [
+        "logprob_policy=always", "logprob_policy=skip", "logprob_policy=window"]  # what differs, in full
+
+
+def test_sweep_parent_description_holds_the_comparison_table(swept):
+    client, _, parent, children, _ = swept
+    note = parent.data.tags["mlflow.note.content"]
+    assert "| run | reward / acc | step s |" in note
+    for c in children:
+        assert f"| {c.data.tags['mlflow.runName']} |" in note
+    assert "comparison.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    name = parent.data.tags["mlflow.runName"]
+    assert name.startswith("logprob_policies: ") and "tracking.uri" not in name and "progress" not in name
+
+
+def test_figures_are_sized_for_the_artifact_viewer(swept):
+    import matplotlib.image as mpimg
+
+    client, _, parent, _, tmp = swept
+    for name in ("curves.png", "memory.png", "throughput.png"):
+        path = client.download_artifacts(parent.info.run_id, name, str(tmp))
+        h, w = mpimg.imread(path).shape[:2]
+        assert 700 <= w <= 1000 and 200 <= h <= 4000, (name, w, h)
