@@ -101,31 +101,21 @@ def evaluate(model, tokenizer, rows: list[dict], score_fn, *, max_new_tokens: in
     return Evaluation(metrics, table)
 
 
-def _pair_functions():
-    """encode_pairs / pair_logprobs of the DPO recipe (rlrun.recipes.dpo, historically rlrun.loop), and whether
-    pair_logprobs takes the head size (recipes) or the head config (loop)."""
-    try:
-        from .recipes.dpo import encode_pairs, pair_logprobs
-
-        return encode_pairs, pair_logprobs, True
-    except ImportError:
-        from .loop import encode_pairs, pair_logprobs
-
-        return encode_pairs, pair_logprobs, False
-
-
 @torch.no_grad()
-def evaluate_pairs(policy, reference, tokenizer, pairs: list[dict], *, beta: float, average: bool = False,
-                   head=None, size: int = 1024, batch_size: int = 64, show: int = 4) -> Evaluation:
+def evaluate_pairs(policy, reference, tokenizer, pairs: list[dict], *, encode_pairs, pair_logprobs, beta: float,
+                   average: bool = False, head=None, size: int = 1024, batch_size: int = 64,
+                   show: int = 4) -> Evaluation:
     """DPO on held-out pairs ({prompt, chosen, rejected}): `eval/accuracy` = share of pairs whose implicit reward
-    margin beta*((pi_c - ref_c) - (pi_r - ref_r)) is positive, `eval/margin` its mean; the same sequence logprobs
-    as training (through `head`, default dense)."""
+    margin beta*((pi_c - ref_c) - (pi_r - ref_r)) is positive, `eval/margin` its mean.
+
+    `encode_pairs(tokenizer, pairs, device)` and `pair_logprobs(model, batch, head, size, average)` are the DPO
+    recipe's own (rlrun.recipes.dpo passes them), so evaluation scores sequences exactly as training does; they
+    are arguments because this module sits below the recipes (tests/test_code_shape.py: no upward imports).
+    `head`: the head module (default dense), `size` its tile size."""
     if not pairs:
         raise ValueError("evaluate_pairs: no pairs to evaluate on")
-    encode_pairs, pair_logprobs, takes_size = _pair_functions()
     if head is None:
         from .heads import dense as head
-    head_arg = size if takes_size else SimpleNamespace(size=size)
     device = next(policy.parameters()).device
     was_training = policy.training
     policy.eval()
@@ -134,8 +124,8 @@ def evaluate_pairs(policy, reference, tokenizer, pairs: list[dict], *, beta: flo
         for b in range(0, len(pairs), batch_size):
             chunk = [dict(p, id=b + i) for i, p in enumerate(pairs[b : b + batch_size])]
             batch = encode_pairs(tokenizer, chunk, device)
-            pc, pr = pair_logprobs(policy, batch, head, head_arg, average)
-            rc, rr = pair_logprobs(reference, batch, head, head_arg, average)
+            pc, pr = pair_logprobs(policy, batch, head, size, average)
+            rc, rr = pair_logprobs(reference, batch, head, size, average)
             margins.append((beta * ((pc - rc) - (pr - rr))).double().cpu())
     finally:
         policy.train(was_training)

@@ -82,7 +82,13 @@ def export(model, tokenizer, folder: str, *, engine=None) -> str | None:
         tmp = f"{folder}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.dirname(folder) or ".", exist_ok=True)
-        lm.save_pretrained(tmp, state_dict=state)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one shard of a small model: no bar in rlrun's console
+        try:
+            lm.save_pretrained(tmp, state_dict=state)
+        finally:
+            hf_logging.enable_progress_bar()
         tokenizer.save_pretrained(tmp)
         _keep_padding_side(tmp, tokenizer)
         _replace_folder(tmp, folder)

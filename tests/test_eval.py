@@ -113,6 +113,21 @@ def seq_logprob(model, tok, prompt, response):
     return sum(logp[len(p) - 1 + i, t].item() for i, t in enumerate(r))
 
 
+def dpo_functions():
+    """The DPO recipe's encode_pairs / pair_logprobs (rlrun.recipes.dpo; rlrun.loop before the split)."""
+    try:
+        from rlrun.recipes.dpo import encode_pairs, pair_logprobs
+    except ImportError:
+        from types import SimpleNamespace
+
+        from rlrun.loop import encode_pairs
+        from rlrun.loop import pair_logprobs as by_cfg
+
+        def pair_logprobs(model, batch, head, size, average):
+            return by_cfg(model, batch, head, SimpleNamespace(size=size), average)
+    return {"encode_pairs": encode_pairs, "pair_logprobs": pair_logprobs}
+
+
 @torch.no_grad()
 def test_pair_metrics_match_a_plain_computation():
     policy, tok = tiny(seed=0)
@@ -120,7 +135,7 @@ def test_pair_metrics_match_a_plain_computation():
     pairs = [{"prompt": "3+4=", "chosen": "7", "rejected": "8"}, {"prompt": "2+2=", "chosen": "4", "rejected": "11"},
              {"prompt": "9+9=", "chosen": "18", "rejected": "0"}]
     beta = 0.1
-    res = evaluate.evaluate_pairs(policy, reference, tok, pairs, beta=beta, batch_size=2)
+    res = evaluate.evaluate_pairs(policy, reference, tok, pairs, beta=beta, batch_size=2, **dpo_functions())
     margins = [beta * ((seq_logprob(policy, tok, p["prompt"], p["chosen"])
                         - seq_logprob(reference, tok, p["prompt"], p["chosen"]))
                        - (seq_logprob(policy, tok, p["prompt"], p["rejected"])
@@ -128,5 +143,5 @@ def test_pair_metrics_match_a_plain_computation():
     assert res.metrics["eval/margin"] == pytest.approx(sum(margins) / 3, abs=1e-5)
     assert res.metrics["eval/accuracy"] == pytest.approx(sum(m > 0 for m in margins) / 3)
     assert [s["margin"] for s in res.samples] == pytest.approx(margins, abs=1e-5)
-    same = evaluate.evaluate_pairs(policy, policy, tok, pairs, beta=beta)
+    same = evaluate.evaluate_pairs(policy, policy, tok, pairs, beta=beta, **dpo_functions())
     assert same.metrics == {"eval/accuracy": 0.0, "eval/margin": 0.0}

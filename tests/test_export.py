@@ -100,3 +100,42 @@ def test_training_continues_from_an_export(tmp_path):
                         "tracking=none", "progress=false", f"hydra.run.dir={tmp_path / 'run'}"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+ZERO3_SCRIPT = '''
+import sys, torch
+from conftest import make_cfg
+from rlrun import export, models
+from rlrun.engine import deepspeed as ds_engine
+
+folder, tied = sys.argv[1], sys.argv[2]
+cfg = make_cfg("experiment=smoke", "engine=deepspeed", "engine.zero_stage=3", "train.micro_batch=4",
+               f"model.tie_embeddings={tied}")
+policy, tok = models.build(cfg.model, 0)
+full = {k: v.clone() for k, v in policy.state_dict().items()}
+engine = ds_engine.Engine(cfg, policy, None, grad_accum=1)
+assert all(p.numel() == 0 for p in engine.model.parameters())  # partitioned: no rank holds a whole tensor
+out = export.export(engine.model, tok, folder, engine=engine)
+assert (out is not None) == (engine.rank == 0)
+if engine.rank == 0:
+    torch.save(full, folder + "-reference.pt")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("tied", [False, True])
+def test_zero3_export_gathers_the_partitioned_weights(tmp_path, tied):
+    pytest.importorskip("deepspeed")
+    from distributed import torchrun
+
+    script = tmp_path / "zero3_export.py"
+    script.write_text(ZERO3_SCRIPT)
+    folder = str(tmp_path / "policy")
+    r = torchrun(2, [str(script), folder, str(tied).lower()], cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reference = torch.load(folder + "-reference.pt")
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    for name, t in reference.items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    assert sorted(os.listdir(tmp_path)) == ["policy", "policy-reference.pt", "zero3_export.py"]
