@@ -11,11 +11,14 @@ are saved into every checkpoint and restored from it by name, together with the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import os
 import random
+import time
 from collections import deque
 
 import numpy as np
@@ -35,32 +38,43 @@ class NonFiniteLossError(FloatingPointError):
 
 def run(cfg, raw, run_name: str | None, train) -> dict:
     """Train one validated config with `train` (a recipe's `train(cfg, raw, tracker, resume)`); `cfg` is typed,
-    `raw` the composed DictConfig that is logged and checkpointed."""
+    `raw` the composed DictConfig that is logged and checkpointed. Once the MLflow run exists every way out ends it
+    FINISHED, FAILED or KILLED (SIGTERM arrives as KeyboardInterrupt: cli.main installs that at process start)."""
     state = load_resume(cfg, raw) if cfg.resume else None
+    checkpoint.check_writable(cfg.checkpoint.dir)
     # Data parallel: only rank 0 talks to MLflow (and draws progress); the others record nothing.
     main_rank = os.environ.get("RANK", "0") == "0"
     resume_id = state and state["run_id"]
-    tracker = tracking.start(cfg.tracking, raw, run_name, resume_run_id=resume_id) if main_rank else tracking.Null()
+    tracker = tracking.Null()
     try:
+        if main_rank:  # inside the try: a signal just after the run is created still ends it (tracking.MLflow)
+            tracker = tracking.start(cfg.tracking, raw, run_name, resume_run_id=resume_id)
         summary = train(cfg, raw, tracker, state)
     except KeyboardInterrupt:
-        tracker.tags({"error": "interrupted (KeyboardInterrupt)"})
-        tracker.finish("KILLED")
+        end(tracker, "KILLED", "interrupted (KeyboardInterrupt)")
         raise
     except BaseException as e:
-        tracker.tags({"error": f"{type(e).__name__}: {e}"})
-        tracker.finish("FAILED")
+        end(tracker, "FAILED", f"{type(e).__name__}: {e}")
         raise
     finally:
         if cfg.engine.name == "deepspeed":
             registry.get("engine", "deepspeed").shutdown()
-    tracker.summary(summary)
-    tracker.finish("FINISHED")
+    with tracking.signals_held():  # a Ctrl-C now waits until the run is marked FINISHED
+        tracker.summary(summary)
+        tracker.describe(tracking.headline(summary))
+        tracker.finish("FINISHED")
     if main_rank:
-        log.info("summary: %s", {k: round(v, 4) for k, v in summary.items()})
-    if tracker.run_id:
-        log.info("mlflow run %s (%s)", tracker.run_id, cfg.tracking.uri)
+        print(end_table(summary, cfg.train.steps) + "\n" + results_hint(cfg, tracker), flush=True)
     return summary
+
+
+def end(tracker, status: str, error: str) -> None:
+    """Mark the run `status` with its error; a second signal waits until that is done."""
+    with tracking.signals_held():
+        try:
+            tracker.tags({"error": error})
+        finally:
+            tracker.finish(status)
 
 
 def load_resume(cfg, raw) -> dict:
@@ -81,6 +95,29 @@ def load_resume(cfg, raw) -> dict:
                            f"rank(s), this launch has {world}; resume with the same number of processes."])
     log.info("resuming from %s at step %d", path, state["step"])
     return state
+
+
+DEAD_GRADIENT_STEPS = 5  # consecutive steps of a zero or non-finite gradient norm before the warning
+DEAD_GRADIENTS_TAG = "rlrun.warning.dead_gradients"
+
+
+def watch_gradients(history_state: dict, grad_norm: float) -> str | None:
+    """Training that died quietly (e.g. train.lr=1e6: the weights blew up, then every gradient is exactly 0): the
+    warning text the first time the gradient norm has been exactly 0 or non-finite for DEAD_GRADIENT_STEPS
+    consecutive steps, else None. `history_state` is a dict the caller keeps for the run (start with {}); the
+    warning is given once per run. Call once per optimizer step with that step's grad norm; on a text, warn in the
+    console and set the run tag DEAD_GRADIENTS_TAG to it."""
+    dead = not math.isfinite(grad_norm) or grad_norm == 0.0
+    history_state["dead"] = history_state.get("dead", 0) + 1 if dead else 0
+    history_state["steps"] = history_state.get("steps", 0) + 1
+    if history_state["dead"] < DEAD_GRADIENT_STEPS or history_state.get("warned"):
+        return None
+    history_state["warned"] = True
+    what = "exactly 0" if grad_norm == 0.0 else f"non-finite ({grad_norm})"
+    return (f"the gradient norm has been zero or non-finite for {history_state['dead']} consecutive steps "
+            f"(now {what}, step {history_state['steps'] - 1} of this process): training has stopped learning, "
+            "usually from a learning rate far too high (train.lr) that broke the weights; lower train.lr or check "
+            "the loss and reward.")
 
 
 def cfg_flat(raw) -> dict[str, str]:
@@ -120,26 +157,49 @@ RESERVED = {"step", "rng", "run_id", "config", "model", "optimizer", "scheduler"
 
 
 class Frame:
-    """Setup and the per-step frame of one run; the recipe reads `engine`, `tokenizer`, `meter` and calls `steps`,
-    `reduce` and `log`."""
+    """Setup and the per-step frame of one run. The recipe builds it (the policy and its tokenizer), loads its data
+    with `tokenizer`, calls `start` (warm start, reference, engine), then reads `engine` and `meter` and calls
+    `steps`, `reduce` and `log`."""
 
-    def __init__(self, cfg, raw, tracker, *, grad_accum: int, with_reference: bool, curve: str,
-                 reference_path: str | None = None):
+    def __init__(self, cfg, raw, tracker, *, curve: str):
         self.cfg, self.raw, self.tracker = cfg, raw, tracker
         seed_everything(cfg.seed)
-        policy, self.tokenizer = models.build(cfg.model, cfg.seed)
+        self.policy, self.tokenizer = models.build(cfg.model, cfg.seed)
+        self.summary = Summary(curve)
+        self.bar = None
+        self.last_samples: list[dict] = []  # the last samples table, printed at the end of the run
+        self.exported: str | None = None
+        self.grad_watch: dict = {}  # consecutive dead-gradient steps (watch_gradients)
+
+    def start(self, *, grad_accum: int, with_reference: bool, warm_rows: list[dict],
+              reference_path: str | None = None) -> None:
+        """Warm-start the policy (when `warm_start` applies) on `warm_rows` ({prompt, answer}), copy the reference
+        from it, and hand both to the engine."""
+        cfg, tracker, policy = self.cfg, self.tracker, self.policy
+        if cfg.warm_start.enabled is True or (cfg.warm_start.enabled == "auto" and cfg.model.name == "tiny"):
+            from .warmstart import warm_start
+
+            with self.meter_once("warm_start"):
+                warm_start(policy, self.tokenizer, warm_rows, dataclasses.asdict(cfg.warm_start), cfg.seed,
+                           cache=cfg.warm_start.cache)
         reference = frozen_reference(policy, reference_path, cfg.model.dtype) if with_reference else None
         self.engine = registry.get("engine", cfg.engine.name).Engine(cfg, policy, reference, grad_accum)
+        del self.policy  # the engine owns it now (wrapped, moved, maybe partitioned)
         tracker.tags({"rlrun.device": self.engine.device.type, "rlrun.torch": torch.__version__,
                       "rlrun.world_size": str(self.engine.world)})
         if cfg.offload.enabled and not self.engine.offload_effective():
             log.info("offload=on on a CPU-only run: optimizer state already lives in host memory, nothing moves.")
             tracker.tags({"offload.effective": "false"})
         self.meter = Meter(self.engine.device)
-        self.summary = Summary(curve)
-        self.bar = None
-        self.last_samples: list[dict] = []  # the last samples table, printed at the end of the run
-        self.exported: str | None = None
+
+    @contextlib.contextmanager
+    def meter_once(self, what: str):
+        """Time a one-off setup phase and log it as `time/<what>_s` (at step 0)."""
+        t0 = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - t0
+        log.info("%s: %.1f s", what.replace("_", " "), seconds)
+        self.tracker.log(0, {f"time/{what}_s": seconds})
 
     def steps(self, start: int, stateful: dict, desc: str, evaluate=None):
         """Yield the steps from `start` on. Before a step that is a multiple of `eval.every`, and after the last
@@ -152,8 +212,8 @@ class Frame:
         taken = RESERVED & set(stateful)  # the frame's and the engines' own keys of a checkpoint
         assert not taken, f"stateful names {sorted(taken)} collide with checkpoint keys"
         total = self.cfg.train.steps
-        self.bar = tqdm(range(start, total), desc=desc, unit="step", dynamic_ncols=True, initial=start, total=total,
-                        disable=not (self.cfg.progress and self.engine.main))
+        self.bar = progress(start, total, desc, enabled=self.cfg.progress and self.engine.main,
+                            every=self.cfg.log.every)
         every = self.cfg.eval.every if evaluate is not None else 0
         with checkpoint.deferred_interrupts() as signals:
             for step in self.bar:
@@ -237,6 +297,10 @@ class Frame:
         return self.engine.gather({**part, "meter": self.meter.metrics()})
 
     def log(self, step: int, m: dict[str, float], **postfix) -> None:
+        text = watch_gradients(self.grad_watch, m["grad_norm"])
+        if text:  # training that died quietly: say so once, in the console and on the run
+            log.warning(text)
+            self.tracker.tags({DEAD_GRADIENTS_TAG: text})
         self.summary.add(m)
         self.tracker.log(step, m)
         self.bar.set_postfix(**postfix)
@@ -346,3 +410,112 @@ class Summary:
         self.last = deque(state["last"], maxlen=3)
         self.evals = {k: list(v) for k, v in state["evals"].items()}
 
+
+
+# --- The console: the end-of-run table, where the results are, and progress when stdout is not a terminal ---
+
+
+def _num(v: float | None, spec: str = ".3g") -> str:
+    return "–" if v is None or not math.isfinite(v) else format(v + 0.0, spec)  # + 0.0: no "-0"
+
+
+def end_table(summary: dict[str, float], steps: int | None = None) -> str:
+    """The run's headline numbers as a short aligned table (from `Summary.result()`)."""
+    rows = []
+    for curve, label in (("reward", "reward (mean of first / last 3 steps)"),
+                         ("accuracy", "reward accuracy (mean of first / last 3 steps)")):
+        if f"{curve}_first" in summary:
+            rows.append((label, f"{_num(summary[f'{curve}_first'], '.3f')} → "
+                                f"{_num(summary.get(f'{curve}_last'), '.3f')}"))
+    for key in sorted(k for k in summary if k.startswith("eval_") and k.endswith("_first")):
+        name = key.removeprefix("eval_").removesuffix("_first").replace("_", " ")
+        rows.append((f"eval {name} (first / last evaluation)", f"{_num(summary[key], '.3f')} → "
+                                                                f"{_num(summary.get(key[:-6] + '_last'), '.3f')}"))
+    if "loss_last" in summary:
+        rows.append(("loss (last step)", _num(summary["loss_last"], ".4g")))
+    if "step_s" in summary:
+        rows.append(("step time (mean)", f"{_num(summary['step_s'], '.3g')} s"))
+    toks = [f"{_num(summary[k], '.0f')} {what}" for k, what in
+            (("gen_tokens_per_s", "generated"), ("train_tokens_per_s", "trained")) if k in summary]
+    if toks:
+        rows.append(("tokens / s (mean)", ", ".join(toks)))
+    from .meters import PHASES
+
+    peaks = [(p, summary[f"max_{p}_peak_mib"]) for p in PHASES if f"max_{p}_peak_mib" in summary]  # step order
+    if peaks:
+        rows.append(("peak memory, MiB", "  ".join(f"{p} {_num(v, '.0f')}" for p, v in peaks)))
+    width = max((len(k) for k, _ in rows), default=0)
+    head = f"rlrun: run finished ({steps} steps)" if steps is not None else "rlrun: run finished"
+    return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def results_hint(cfg, tracker) -> str:
+    """How to open the results: the `mlflow ui` command for a sqlite store (absolute path, so it works from any
+    folder) and the run's page, or the run's URL on a server (opened on MLflow's model-training view); and the
+    run's output folder."""
+    lines = []
+    run_id = getattr(tracker, "run_id", None)
+    if run_id and cfg.tracking.name == "mlflow":
+        uri = cfg.tracking.uri
+        try:
+            exp = tracker.client.get_run(run_id).info.experiment_id
+            page = f"/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning"
+        except Exception:  # noqa: BLE001 - a hint only
+            page = None
+        if uri.startswith("sqlite:///"):
+            path = os.path.abspath(uri[len("sqlite:///") :])
+            lines.append(f"  results: mlflow ui --backend-store-uri sqlite:///{path}")
+            lines.append(f"           then http://127.0.0.1:5000{page}" if page else f"           run {run_id}")
+        elif uri.startswith(("http://", "https://")) and page:
+            lines.append(f"  results: {uri.rstrip('/')}{page}")
+        else:
+            lines.append(f"  results: {uri}   (run {run_id})")
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        lines.append(f"  output:  {HydraConfig.get().runtime.output_dir}")
+    return "\n".join(lines)
+
+
+class PlainProgress:
+    """Progress for logs that are not a terminal (SLURM, `> file`): one plain line every `every` steps and at the
+    last step, instead of a bar redrawn every step. Iterates like tqdm over `range(start, total)` and takes
+    `set_postfix` like it."""
+
+    def __init__(self, start: int, total: int, desc: str, every: int | None = None, enabled: bool = True, out=None):
+        import sys
+
+        self.start, self.total, self.desc = start, total, desc
+        self.every = every or max(1, round(total / 40))  # ~40 lines per run
+        self.enabled, self.out = enabled, out or sys.stderr
+        self.postfix: dict = {}
+        self.t0 = None
+
+    def set_postfix(self, **postfix) -> None:
+        self.postfix = postfix
+
+    def __iter__(self):
+        import time
+
+        self.t0 = time.perf_counter()
+        for step in range(self.start, self.total):
+            yield step
+            done = step + 1
+            if self.enabled and (done % self.every == 0 or done == self.total):
+                rate = (done - self.start) / max(time.perf_counter() - self.t0, 1e-9)
+                extra = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+                print(f"{self.desc}: step {done}/{self.total} ({rate:.2f} steps/s) {extra}".rstrip(),
+                      file=self.out, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress(start: int, total: int, desc: str, enabled: bool, every: int | None = None):
+    """The step iterator of `Frame.steps`: tqdm's bar on a terminal, `PlainProgress` lines otherwise."""
+    import sys
+
+    if enabled and not sys.stderr.isatty():
+        return PlainProgress(start, total, desc, every)
+    return tqdm(range(start, total), desc=desc, unit="step", dynamic_ncols=True, initial=start, total=total,
+                disable=not enabled)

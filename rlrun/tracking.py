@@ -11,8 +11,10 @@ mlflow is imported inside them, so importing this module stays cheap.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import time
 from urllib.parse import urlparse
 
@@ -52,6 +54,45 @@ def check_uri(uri: str, key: str = "tracking.uri", off: str = "tracking=none") -
             raise TrackingError(f"{key}={uri!r}: folder {folder!r} is not writable; choose another path.")
 
 
+def interrupt_on_signals() -> dict:
+    """From process start: SIGTERM (like Ctrl-C) raises KeyboardInterrupt, so whatever is running (config, model
+    build, MLflow run creation, a step) unwinds through the code that marks the run KILLED instead of dying with it
+    RUNNING. The loop replaces this with its deferred handler while it steps (checkpoint.deferred_interrupts)."""
+
+    def handler(signum, frame):
+        interrupt_on_signals.received = signum
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+    return previous  # {signal: the handler it replaced}, for the caller to restore
+
+
+interrupt_on_signals.received = None
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Ctrl-C / SIGTERM wait until the block is done (marking a run's final status), then take effect."""
+    held, previous = [], {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, lambda signum, frame: held.append(signum))
+        except ValueError:  # not the main thread: signals are handled there
+            pass
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+        if held:
+            signal.raise_signal(held[0])
+
+
 class Null:
     """tracking=none: records nothing."""
 
@@ -78,14 +119,46 @@ class Null:
     def finish(self, status):
         pass
 
+    def describe(self, text):
+        pass
+
 
 def open_client(uri: str):
-    """An MlflowClient that fails fast on an unreachable server instead of retrying for minutes."""
+    """An MlflowClient that fails fast on an unreachable server instead of retrying for minutes. On a sqlite
+    store the first use (which creates the database and runs MLflow's schema migrations) happens under a file lock
+    (`<db>.lock`): two processes that start together on a new store would otherwise race in the migration."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    if urlparse(uri).scheme != "sqlite":
+        return MlflowClient(tracking_uri=uri)
+    with store_lock(uri):  # the client creates / migrates the store: one process at a time
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)
+    return client
+
+
+@contextlib.contextmanager
+def store_lock(uri: str):
+    """An exclusive fcntl lock on `<db>.lock` beside a sqlite store's file (none where it cannot be made: a
+    read-only folder, a platform without fcntl, an in-memory database)."""
+    path = uri[len("sqlite:///"):].split("?")[0]
+    if not path or path == ":memory:":
+        yield
+        return
+    try:
+        import fcntl
+
+        fd = os.open(os.path.abspath(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def experiment_id(client, name: str) -> str:
@@ -147,6 +220,21 @@ class MLflow:
     def __init__(self, cfg, config: dict, run_name: str | None, resume_run_id: str | None = None):
         self.client, exp_id = connect(cfg.uri, cfg.experiment)
         self.first_step = 0  # steps below this were logged before a resume: recomputed, not logged twice
+        self.run_id = None
+        try:
+            self._open(cfg, exp_id, config, run_name, resume_run_id)
+        except BaseException as e:  # the run exists but the caller never gets it: end it here, never RUNNING
+            if self.run_id:
+                with signals_held():
+                    with contextlib.suppress(Exception):
+                        error = f"{type(e).__name__}: {e}"
+                        if isinstance(e, KeyboardInterrupt):
+                            error = f"interrupted ({error})"
+                        self.client.set_tag(self.run_id, "error", error[:5000])
+                    self.client.set_terminated(self.run_id, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+            raise
+
+    def _open(self, cfg, exp_id, config: dict, run_name: str | None, resume_run_id: str | None):
         if resume_run_id:  # the same run continues: RUNNING again, params as first logged
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
@@ -156,6 +244,9 @@ class MLflow:
         tags = {"mlflow.runName": run_name} if run_name else {}
         if cfg.parent_run_id:
             tags["mlflow.parentRunId"] = cfg.parent_run_id
+        mark_experiment_kind(self.client, exp_id)
+        self.about = describe_run(config)
+        tags.update({**standard_tags(), "mlflow.note.content": self.about})
         self.run = self.client.create_run(exp_id, tags=tags, run_name=run_name)
         self.run_id = self.run.info.run_id
         log_params(self.client, self.run_id, flatten(config))
@@ -184,6 +275,13 @@ class MLflow:
 
     def finish(self, status: str):
         self.client.set_terminated(self.run_id, status=status)
+
+    def describe(self, text: str):
+        """Append `text` (e.g. `headline(summary)`) to the run's description (`mlflow.note.content`)."""
+        about = getattr(self, "about", None)
+        if about is None:  # a resumed run: keep what its description says, replace an earlier result
+            about = self.client.get_run(self.run_id).data.tags.get("mlflow.note.content", "").split(" Result: ")[0]
+        self.client.set_tag(self.run_id, "mlflow.note.content", f"{about} {text}" if about else text)
 
 
 def is_run_id(text: str) -> bool:
@@ -223,3 +321,92 @@ def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | Non
     if cfg.name == "none":
         return Null()
     return MLflow(cfg, OmegaConf.to_container(config_obj, resolve=True), run_name, resume_run_id)
+
+
+# --- Experiment kind, standard run tags and the run description (MLflow.__init__ and the sweep callback) ---
+
+EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's UI then opens on model training, not GenAI traces
+
+
+def mark_experiment_kind(client, exp_id: str) -> None:
+    """Tag the experiment `mlflow.experimentKind=custom_model_development` unless it already says a kind."""
+    try:
+        if "mlflow.experimentKind" not in client.get_experiment(exp_id).tags:
+            client.set_experiment_tag(exp_id, "mlflow.experimentKind", EXPERIMENT_KIND)
+    except Exception:  # noqa: BLE001 - a UI hint: never worth failing a run for
+        pass
+
+
+def git_commit(folder: str | None = None) -> str | None:
+    """HEAD of the git checkout holding `folder` (default: the rlrun package), None outside one."""
+    import subprocess
+
+    folder = folder or os.path.dirname(os.path.abspath(__file__))
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, timeout=3)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sha = r.stdout.strip()
+    return sha if r.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", sha) else None
+
+
+def standard_tags() -> dict[str, str]:
+    """MLflow's source tags (shown as the run's Source) and who ran what, where: user, host, version, command."""
+    import getpass
+    import socket
+    import sys
+
+    from . import __version__
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name in some containers
+        user = "unknown"
+    argv = sys.argv or ["rlrun"]
+    tags = {"mlflow.source.name": os.path.basename(argv[0]) or "rlrun", "mlflow.source.type": "LOCAL",
+            "mlflow.user": user, "rlrun.host": socket.gethostname(), "rlrun.version": __version__,
+            "rlrun.command": " ".join(argv)[:5000]}
+    commit = git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
+def describe_run(config: dict) -> str:
+    """One sentence saying what the run trains, from the resolved config (the start of `mlflow.note.content`)."""
+    def name(group):
+        part = config.get(group)
+        return str(part.get("name", "?")) if isinstance(part, dict) else "?"
+
+    loss = name("loss")
+    recipe = "DPO" if loss == "dpo" else f"GRPO-family RL ({loss} loss)"
+    steps = (config.get("train") or {}).get("steps", "?")
+    return (f"{recipe} with the {name('head')} head, logprob policy {name('logprob_policy')}, optimizer offload "
+            f"{name('offload')}, {name('rollout')} rollouts, engine {name('engine')}; model {name('model')}, "
+            f"task {name('task')}, {steps} steps.")
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "–"
+    v = float(v)
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def headline(summary: dict[str, float]) -> str:
+    """The run's headline numbers as one sentence (the end of `mlflow.note.content`), from `Summary.result()`."""
+    parts = []
+    for curve, label in (("reward", "Reward"), ("accuracy", "Accuracy")):
+        if f"{curve}_first" in summary:
+            parts.append(f"{label} {_fmt(summary[f'{curve}_first'])} → {_fmt(summary.get(f'{curve}_last'))} "
+                         "(mean of the first / last 3 steps)")
+    if "eval_accuracy_first" in summary:
+        parts.append(f"eval accuracy {_fmt(summary['eval_accuracy_first'])} → "
+                     f"{_fmt(summary.get('eval_accuracy_last'))}")
+    if "step_s" in summary:
+        parts.append(f"{_fmt(summary['step_s'])} s per step")
+    toks = [f"{_fmt(summary[k])} {what} tokens/s" for k, what in
+            (("gen_tokens_per_s", "generated"), ("train_tokens_per_s", "trained")) if k in summary]
+    parts += toks
+    return ("Result: " + "; ".join(parts) + ".") if parts else ""
+

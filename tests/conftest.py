@@ -1,5 +1,16 @@
+"""Shared fixtures. Every test runs isolated from the others (`_isolated`): in a fresh empty working directory
+(nothing lands in the repository: MLflow's default ./mlruns artifact root, Hydra's outputs/, a default
+sqlite:///mlflow.db), with the counting rewards of helpers.py reset, and with the process state rlrun can change
+(environment, SIGINT/SIGTERM handlers, torch's default dtype and threads, an active MLflow run) put back after it.
+Such a change is reported as a warning naming the test, so a leak is seen instead of silently making the next test
+depend on the order."""
+
 import os
+import shutil
+import signal
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -8,6 +19,22 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parent.parent
 CONF = str(ROOT / "conf")
 sys.path.insert(0, str(ROOT / "tests"))  # helpers.py: reward functions used through task.reward
+
+import helpers  # noqa: E402
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# warm starts of the embedded default are cached; keep the tests' cache out of ~/.cache
+os.environ.setdefault("RLRUN_CACHE", tempfile.mkdtemp(prefix="rlrun-test-cache-"))
+
+# The environment rlrun, its launchers and its tests read (others, e.g. KMP_* that libraries set once when first
+# imported, are left alone). Such a variable that a test changes is put back, and reported unless EXPECTED.
+WATCHED_ENV_PREFIXES = ("RLRUN_", "MLFLOW_", "HF_", "TRANSFORMERS_", "VLLM_", "DS_", "CUDA_", "TORCH_")
+WATCHED_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH",
+               "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "GIT_PYTHON_REFRESH"}
+EXPECTED_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"}  # rlrun's setdefault, harmless
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# What a test may leave in the repository root (all ignored by git, so a leak would go unnoticed).
+ROOT_LITTER = ("mlruns", "mlflow.db", "outputs", "multirun", "mlartifacts")
 
 
 def make_cfg(*overrides: str, tmp_path=None):
@@ -26,11 +53,99 @@ def cfg_factory():
     return make_cfg
 
 
+STORE_TEMPLATE: list[Path] = []  # set once per session (_store_template): where new_store's template lives
+
+
+def new_store(folder) -> str:
+    """A new, empty sqlite MLflow store at `folder`/mlflow.db; its URI. A copy of one empty store created once per
+    session: creating a store runs MLflow's schema migrations, seconds each time. For tests that read what a run
+    records; the tests of the entry point (`rlrun` in a subprocess) still have rlrun create its own store."""
+    template = STORE_TEMPLATE[0]
+    if not template.exists():
+        from rlrun.tracking import open_client
+
+        template.parent.mkdir(parents=True, exist_ok=True)
+        open_client(f"sqlite:///{template}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    assert not (folder / "mlflow.db").exists(), f"{folder}/mlflow.db exists already"
+    shutil.copyfile(template, folder / "mlflow.db")
+    return f"sqlite:///{folder}/mlflow.db"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _store_template(tmp_path_factory):
+    STORE_TEMPLATE[:] = [tmp_path_factory.getbasetemp() / "store-template" / "mlflow.db"]
+
+
+def _torch_state():
+    torch = sys.modules.get("torch")  # never import torch here: tests that do not need it stay light
+    if torch is None:
+        return None
+    return {"default dtype": torch.get_default_dtype(), "threads": torch.get_num_threads()}
+
+
+def _restore_torch(state) -> None:
+    torch = sys.modules["torch"]
+    torch.set_default_dtype(state["default dtype"])
+    torch.set_num_threads(state["threads"])
+
+
 @pytest.fixture(autouse=True)
-def _quiet_mlflow(monkeypatch):
-    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
-    monkeypatch.setenv("GIT_PYTHON_REFRESH", "quiet")
+def _isolated(tmp_path_factory, request):
+    # its own MonkeyPatch, not the `monkeypatch` fixture: a test's monkeypatch is undone before the checks below
+    with pytest.MonkeyPatch.context() as mp:
+        helpers.reset()
+        mp.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+        mp.setenv("GIT_PYTHON_REFRESH", "quiet")
+        mp.delenv("RLRUN_PARENT_RUN_ID", raising=False)  # a sweep's parent run must not leak into a run
+        mp.chdir(tmp_path_factory.mktemp("cwd"))
+        env = dict(os.environ)
+        handlers = {s: signal.getsignal(s) for s in SIGNALS}
+        torch_state = _torch_state()
+        yield
+        _check_and_restore(request.node.nodeid, env, handlers, torch_state)
+
+
+def _check_and_restore(nodeid: str, env: dict, handlers: dict, torch_state) -> None:
+    leaks = []
+    changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)
+                     and (k in WATCHED_ENV or k.startswith(WATCHED_ENV_PREFIXES)))
+    leaks += [f"env {k}={os.environ.get(k)!r}" for k in changed if k not in EXPECTED_ENV]
+    for k in changed:
+        if k in env:
+            os.environ[k] = env[k]
+        else:
+            del os.environ[k]
+    for s, h in handlers.items():
+        if signal.getsignal(s) is not h:
+            leaks.append(f"{signal.Signals(s).name} handler {signal.getsignal(s)!r}")
+            signal.signal(s, h)
+    after = _torch_state()
+    if torch_state is not None and after != torch_state:
+        leaks.append(f"torch {after} (was {torch_state})")
+        _restore_torch(torch_state)
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None and mlflow.active_run() is not None:
+        leaks.append(f"active MLflow run {mlflow.active_run().info.run_id}")
+        mlflow.end_run()
+    if leaks:
+        warnings.warn(f"{nodeid} leaked (restored): {'; '.join(leaks)}", stacklevel=1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _repository_root_stays_clean():
+    """Fail the session if a test wrote MLflow or Hydra output into the repository root."""
+    before = {name: _listing(ROOT / name) for name in ROOT_LITTER}
     yield
+    grown = [name for name in ROOT_LITTER if _listing(ROOT / name) - before[name]]
+    assert not grown, (f"tests wrote into the repository root: {grown}; a test must write under tmp_path "
+                       "(every test already runs in a fresh working directory: pass absolute paths or none)")
 
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+def _listing(path: Path) -> set[str]:
+    if not path.exists():
+        return set()
+    if path.is_file():
+        return {str(path)}
+    return {str(p) for p in path.rglob("*")}

@@ -1,24 +1,39 @@
-"""Reward functions for tests, plugged in through `task.reward=helpers:NAME`."""
+"""Reward functions for tests, plugged in through `task.reward=helpers:NAME`, and MLflow store readers.
+
+The counting rewards keep their counts in `calls`, which conftest's autouse fixture empties before every test
+(`reset`): a test that runs one of them in-process never sees the calls of a test that ran before it. Under
+torchrun every rank imports this module afresh, so each process counts from zero there too.
+"""
 
 import math
+import os
+from collections import Counter
 
-calls = {"n": 0}
+calls: Counter = Counter()  # completions scored so far by each counting reward, in this process
+
+
+def reset() -> None:
+    calls.clear()
 
 
 def nan_reward(completion: str, answer: str) -> float:
+    """Always NaN: Task.score refuses it (TaskError naming this reward, the completion and the value)."""
     return math.nan
 
 
 def interrupt_after_two_rollouts(completion: str, answer: str) -> float:
-    calls["n"] += 1
-    if calls["n"] > 16:  # smoke rollouts have 8 completions: the third rollout is interrupted
+    calls["interrupt"] += 1
+    if calls["interrupt"] > 16:  # smoke rollouts have 8 completions: the third rollout is interrupted
         raise KeyboardInterrupt
     return 0.5
 
 
-def nan_after_two_rollouts(completion: str, answer: str) -> float:
-    calls["nan"] = calls.get("nan", 0) + 1
-    return math.nan if calls["nan"] > 16 else 0.5
+def fail_on_rank1_second_rollout(completion: str, answer: str) -> float:
+    """Rank 1 raises while scoring its second rollout (engine=deepspeed tests)."""
+    calls["rank1"] += 1
+    if os.environ.get("RANK") == "1" and calls["rank1"] > 4:  # 4 completions per rank per smoke rollout
+        raise RuntimeError("reward server unreachable (test)")
+    return 0.5
 
 
 def runs(db: str):
@@ -34,11 +49,6 @@ def history(client, run_id: str, key: str) -> list[float]:
     return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
 
 
-def fail_on_rank1_second_rollout(completion: str, answer: str) -> float:
-    """Rank 1 raises while scoring its second rollout (engine=deepspeed tests)."""
-    import os
-
-    calls["rank1"] = calls.get("rank1", 0) + 1
-    if os.environ.get("RANK") == "1" and calls["rank1"] > 4:  # 4 completions per rank per smoke rollout
-        raise RuntimeError("reward server unreachable (test)")
-    return 0.5
+def steps(client, run_id: str, key: str) -> list[int]:
+    """The steps at which `key` was logged, in order."""
+    return sorted(m.step for m in client.get_metric_history(run_id, key))

@@ -11,6 +11,7 @@ from rlrun import bench
 TINY = ["--hidden", "8", "--vocab", "64", "--tile-size", "8"]
 
 
+@pytest.mark.slow  # a fresh process importing torch
 def test_help_lists_both_benchmarks():
     r = subprocess.run([sys.executable, "-m", "rlrun.bench", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "heads" in r.stdout and "dpo" in r.stdout
@@ -19,7 +20,9 @@ def test_help_lists_both_benchmarks():
 def test_heads_table_and_mlflow_run(tmp_path):
     """The heads path in this process (children are what `heads` spawns): metered results -> rows -> table ->
     one MLflow run holding the table, the arguments and each number of each row."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    from conftest import new_store
+
+    uri = new_store(tmp_path)
     a = bench.parser().parse_args(["heads", "--tokens", "16", "--seqs", "2", "--impls", "dense,chunked",
                                    "--device", "cpu", "--tracking-uri", uri, *TINY])
     results = {}
@@ -27,7 +30,9 @@ def test_heads_table_and_mlflow_run(tmp_path):
         bench.child(name, a, tmp_path / f"{name}.pt")
         results[name] = torch.load(tmp_path / f"{name}.pt")
     rows = bench.heads_rows(["dense", "chunked"], results)
-    assert all(r["time_s"] > 0 and r["peak_extra_mib"] >= 0 for r in rows)
+    for name, row in zip(("dense", "chunked"), rows):  # the child's metered seconds and bytes, in s and MiB
+        assert row["impl"] == name and row["time_s"] == results[name]["time"] > 0
+        assert isinstance(results[name]["peak"], int) and row["peak_extra_mib"] == results[name]["peak"] / 2**20
     assert rows[1]["err_loss"] < 1e-5 and rows[1]["err_grad_w"] < 1e-4  # chunked agrees with dense
     table = bench.format_table(rows, a)
     assert table.splitlines()[2].startswith("dense") and table.splitlines()[3].startswith("chunked")
@@ -39,6 +44,8 @@ def test_heads_table_and_mlflow_run(tmp_path):
     [run] = client.search_runs([client.get_experiment_by_name(bench.BENCH_EXPERIMENT).experiment_id])
     assert run.info.status == "FINISHED" and run.data.tags["mlflow.runName"] == "bench-heads"
     assert run.data.params["tokens"] == "16" and run.data.metrics["time_s/chunked"] == rows[1]["time_s"]
+    assert run.data.metrics["peak_extra_mib/dense"] == rows[0]["peak_extra_mib"]
+    assert run.data.metrics["err_grad_w/chunked"] == rows[1]["err_grad_w"]
     assert {"heads.txt", "config.yaml"} <= {f.path for f in client.list_artifacts(run.info.run_id)}
 
 
@@ -55,11 +62,13 @@ def test_dpo_table_names_the_longest_length_within_budget():
 
 @pytest.mark.slow
 def test_dpo_child_meters_one_step(tmp_path):
-    pytest.importorskip("rlrun.recipes.dpo")
-    a = bench.parser().parse_args(["dpo", "--device", "cpu", *TINY])
-    bench.dpo_child("chunked", 8, a, tmp_path / "r.pt")
+    # dense at length 64, vocab 20000: each of the 2 x 64 response tokens' logits rows is 80 kB in fp32, so one
+    # [tokens, vocab] tensor is 10 MB, and the step holds several (logits, log-softmax, their gradients)
+    a = bench.parser().parse_args(["dpo", "--device", "cpu", "--hidden", "8", "--vocab", "20000", "--tile-size", "8"])
+    bench.dpo_child("dense", 64, a, tmp_path / "r.pt")
     r = torch.load(tmp_path / "r.pt")
-    assert r["time"] > 0 and r["peak"] >= 0 and r["loss"] == pytest.approx(0.6931, abs=0.05)  # -log sigmoid(~0)
+    assert r["time"] > 0 and r["loss"] == pytest.approx(0.6931, abs=0.05)  # -log sigmoid(~0)
+    assert r["peak"] >= 2 * 64 * 20000 * 4, r["peak"]  # bytes: the peak saw at least one full logits tensor
 
 
 @pytest.mark.slow

@@ -11,12 +11,12 @@ MAX_FUNCTION_LINES = 80
 # Layers, lowest first: a module may import modules of its own layer or lower, never higher ("no upward imports").
 # The config package, errors and the registry must stay importable without torch (the CLI validates in a second).
 LAYERS = [
-    {"errors", "config", "registry"},
+    {"__init__", "errors", "config", "registry"},  # __init__: the version only
     {"losses", "heads", "logprobs", "offload", "meters", "models", "tasks", "checkpoint", "tracking", "rollout",
      "engine"},
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},
-    {"cli", "sweep", "report", "bench", "__main__", "__init__"},
+    {"cli", "sweep", "report", "bench", "__main__"},
 ]
 
 
@@ -49,7 +49,9 @@ def imports(rel: str, tree: ast.Module) -> set[str]:
                 module = node.module.split(".") if node.module else []
             else:
                 continue  # inside its own subpackage, or not rlrun
-            out.update(module[:1] or [a.name for a in node.names])
+            # `from . import x`: x is a module, or else a name defined in rlrun/__init__.py
+            out.update(module[:1] or [a.name if (PKG / f"{a.name}.py").exists() or (PKG / a.name).is_dir()
+                                      else "__init__" for a in node.names])
     return out - {top(rel)}
 
 

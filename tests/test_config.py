@@ -323,7 +323,7 @@ def test_typed_values():
 # the cases of issue 18: each is refused naming its key and value
 ISSUE_18 = {"train.lr=fast": "train.lr='fast' must be a number", "train.betas=[0.9]": "train.betas=[0.9] must be "
             "a list of 2 numbers", "task.size=0": "task.size=0 must be a positive integer",
-            "model.hidden_size=63": "model.hidden_size=63 is not divisible by model.heads=2",
+            "model.hidden_size=63 model.heads=2": "model.hidden_size=63 is not divisible by model.heads=2",
             "engine.device=tpu": "engine.device='tpu' must be auto, cpu, cuda or cuda:N",
             "seed=abc": "seed='abc' must be an integer", "train.grad_clip=-1": "train.grad_clip=-1 must be > 0",
             "train.warmup_steps=-5": "train.warmup_steps=-5 must be an integer >= 0"}
@@ -331,7 +331,7 @@ ISSUE_18 = {"train.lr=fast": "train.lr='fast' must be a number", "train.betas=[0
 
 @pytest.mark.parametrize("override", ISSUE_18)
 def test_issue_18_values_are_refused_naming_the_key(override):
-    e = refused(composed(override))
+    e = refused(composed(*override.split()))
     assert len(e.problems) == 1 and e.problems[0].startswith(ISSUE_18[override]), e.problems
 
 
@@ -341,8 +341,8 @@ def test_issue_18_values_are_refused_naming_the_key(override):
     ("train.betas=[0.9,1.0]", "train.betas[1]=1.0 must be in [0, 1)"),
     ("train.betas=[0.9,x]", "train.betas[1]='x' must be a number"),
     ("task.max_operand=-1", "task.max_operand=-1 must be an integer >= 0"),
-    ("model.heads=3", "model.hidden_size=64 is not divisible by model.heads=3"),
-    ("model.kv_heads=3", "model.heads=2 is not divisible by model.kv_heads=3"),
+    ("model.heads=3", "model.hidden_size=32 is not divisible by model.heads=3"),
+    ("model.kv_heads=3", "model.heads=1 is not divisible by model.kv_heads=3"),
     ("model.layers=0", "model.layers=0 must be a positive integer"),
     ("train.steps=true", "train.steps=True must be an integer"),  # a bool is not an int
     ("train.steps=2.0", "train.steps=2.0 must be an integer"),

@@ -6,7 +6,7 @@ curves of the same global batch up to float reduction order (tolerance below).
 """
 
 import pytest
-from conftest import make_cfg
+from conftest import make_cfg, new_store
 from distributed import rlrun
 from helpers import history, runs
 
@@ -32,6 +32,7 @@ def curves(db, run=None):
 
 
 def single_process(tmp_path, *overrides):
+    new_store(tmp_path)
     cli.run(make_cfg(*EQUIV, *overrides, tmp_path=tmp_path), "single")
     return curves(tmp_path / "mlflow.db")[1]
 
@@ -76,7 +77,7 @@ def test_heads_under_zero3_match_dense_and_one_process(tmp_path, tied):
     ids = torch.randint(3, 50, (8, 10), generator=gen)
     adv = torch.randn(8, generator=gen)
     backbone, weight = models.split(policy)
-    hidden = models.hidden_states(backbone, ids, torch.ones_like(ids))[:, :-1].reshape(-1, 64)
+    hidden = models.hidden_states(backbone, ids, torch.ones_like(ids))[:, :-1].flatten(0, 1)
     targets = ids[:, 1:].reshape(-1)
     a = adv[:, None].expand(-1, 9).reshape(-1)
     old = torch.full_like(a, -4.0)
@@ -123,6 +124,7 @@ def test_offload_round_trips_under_zero(tmp_path):
 
 def test_dpo_two_ranks_match_one(tmp_path):
     dpo = ["loss=dpo", "head=chunked", "train.steps=3", "train.batch_size=8", "train.micro_batch=2"]
+    new_store(tmp_path / "one")
     cli.run(make_cfg(*dpo, tmp_path=tmp_path / "one"), "one")
     client, (ref,) = runs(tmp_path / "one" / "mlflow.db")
     out = rlrun(2, tmp_path, *dpo, "engine=deepspeed", "engine.zero_stage=3")
@@ -138,11 +140,12 @@ def test_dpo_two_ranks_match_one(tmp_path):
 def test_sigkill_two_ranks_then_resume_gives_the_same_curve(tmp_path, loss, stage):
     """Checkpoints are DeepSpeed's own (save_checkpoint/load_checkpoint) plus each rank's loop state and RNG."""
     import os
-    import random
     import signal
     import time
 
-    from test_checkpoint import curve, logged_steps
+    from test_checkpoint import KILL_SEED, curve, kill_point, logged_steps
+
+    from rlrun import checkpoint
 
     args = ["experiment=smoke", f"loss={loss}", "train.steps=12", "engine=deepspeed", f"engine.zero_stage={stage}",
             "checkpoint.every=2"]
@@ -150,22 +153,26 @@ def test_sigkill_two_ranks_then_resume_gives_the_same_curve(tmp_path, loss, stag
     (tmp_path / "run").mkdir()
     base = rlrun(2, tmp_path / "base", *args)
     assert base.returncode == 0, base.stderr[-3000:]
-    at = random.Random().randint(3, 9)  # >= 3: the first checkpoint (after step 2) exists
+    at = kill_point(f"sigkill-2ranks-{loss}-{stage}", 3, 9)  # >= 3: the first checkpoint (after step 2) exists
     p = rlrun(2, tmp_path / "run", *args, f"checkpoint.dir={tmp_path}/run/ckpt", wait=False)
     deadline = time.time() + 300
     while p.poll() is None and logged_steps(tmp_path / "run" / "mlflow.db") < at and time.time() < deadline:
         time.sleep(0.02)
-    assert p.poll() is None, "the run ended before it could be killed"
+    assert p.poll() is None, f"the run ended before it could be killed after step {at}: " + p.stderr.read()[-2000:]
     os.killpg(p.pid, signal.SIGKILL)  # every rank and the launcher, at once
     p.wait(timeout=60)
-    assert sorted(os.listdir(tmp_path / "run" / "ckpt"))  # at least one sealed checkpoint to resume from
+    logged = logged_steps(tmp_path / "run" / "mlflow.db")
+    where = f"SIGKILL once {at} steps were logged (RLRUN_TEST_KILL_SEED={KILL_SEED}), {logged} logged by then"
+    # a sealed checkpoint (its manifest written last) to resume from: a periodic one, at or before the last step
+    saved = checkpoint.load_latest(str(tmp_path / "run" / "ckpt"))[0]["step"]
+    assert saved % 2 == 0 and 2 <= saved <= logged, f"{where}: newest sealed checkpoint after step {saved}"
     r = rlrun(2, tmp_path / "run", *args, f"checkpoint.dir={tmp_path}/run/ckpt", "resume=true")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, f"{where}: " + r.stderr[-3000:]
     run_, steps, values = curve(tmp_path / "run" / "mlflow.db")
     _, base_steps, base_values = curve(tmp_path / "base" / "mlflow.db")
-    assert run_.info.status == "FINISHED"
-    assert steps == base_steps == list(range(12))  # no missing, no duplicated step
-    assert values == base_values, f"killed after step {at}"  # bit for bit
+    assert run_.info.status == "FINISHED", where
+    assert steps == base_steps == list(range(12)), where  # no missing, no duplicated step
+    assert values == base_values, f"{where}, resumed from the checkpoint after step {saved}"  # bit for bit
 
 
 def test_resume_refuses_another_number_of_ranks(tmp_path):

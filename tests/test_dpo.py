@@ -67,8 +67,11 @@ def test_chunked_equals_dense_for_dpo_loss_and_gradients(average):
         results[name] = (loss.detach(), metrics, {k: p.grad.clone() for k, p in model.named_parameters()}, rc, rr)
     (ld, md, gd, rcd, rrd), (lc, mc, gc, rcc, rrc) = results["dense"], results["chunked"]
     assert torch.allclose(lc, ld, rtol=1e-5) and torch.allclose(rcc, rcd, rtol=1e-5) and torch.allclose(rrc, rrd)
+    # rewards/* are beta x differences of sequence logprobs (here down to -108, whose fp32 ulp is 7.6e-6): they
+    # agree to a few ulps of the largest sequence logprob, not to a relative 1e-5 of their own small value
+    scale = max(t.abs().max().item() for t in (rcd, rrd))
     for k in md:
-        assert mc[k] == pytest.approx(md[k], rel=1e-5, abs=1e-7), k
+        assert mc[k] == pytest.approx(md[k], rel=1e-5, abs=1e-6 * scale), k
     for k in gd:
         err = ((gc[k] - gd[k]).abs().max() / gd[k].abs().max()).item()
         assert err < 1e-5, (k, err)
@@ -84,16 +87,18 @@ def test_synthetic_pairs_and_jsonl_pairs(tmp_path):
 
 
 def dpo_run(tmp_path, *overrides):
-    from conftest import make_cfg
+    from conftest import make_cfg, new_store
 
     from rlrun.cli import run
 
+    new_store(tmp_path)
     summary = run(make_cfg("loss=dpo", "experiment=smoke", "train.steps=6", "train.lr=1e-2", *overrides,
                            tmp_path=tmp_path))
     client, (r,) = runs(tmp_path / "mlflow.db")
     return summary, {k: history(client, r.info.run_id, k) for k in ("loss", "grad_norm", "rewards/accuracy")}
 
 
+@pytest.mark.slow
 def test_seeded_dpo_runs_dense_chunked_window_give_the_same_curve(tmp_path):
     s_dense, dense = dpo_run(tmp_path / "dense")
     assert len(dense["loss"]) == 6 and min(dense["grad_norm"]) > 1e-4
@@ -108,16 +113,19 @@ def test_seeded_dpo_runs_dense_chunked_window_give_the_same_curve(tmp_path):
     assert s_window["passes_ref_skipped"] == 32
 
 
+@pytest.mark.slow
 def test_dpo_reward_accuracy_rises_on_the_synthetic_task(tmp_path):
-    from conftest import make_cfg
+    from conftest import make_cfg, new_store
 
     from rlrun.cli import run
 
+    new_store(tmp_path)
     summary = run(make_cfg("loss=dpo", "train.steps=60", "train.batch_size=32", "train.micro_batch=32",
                            tmp_path=tmp_path))
     assert summary["accuracy_first"] < 0.6 and summary["accuracy_last"] > 0.85
 
 
+@pytest.mark.slow
 def test_rlrun_loss_dpo_as_typed(tmp_path):
     env = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
     r = subprocess.run(["rlrun", "loss=dpo", "head=chunked", "experiment=smoke", "progress=false"], cwd=tmp_path,

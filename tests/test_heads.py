@@ -196,6 +196,7 @@ class MaxVocabTensor(TorchDispatchMode):
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["dapo", "dpo"])
 def test_no_step_of_a_training_run_builds_full_logits(cfg_factory, loss):
     """Whole training steps (generation, old / reference passes, training) with tiled or chunked never create

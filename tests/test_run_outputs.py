@@ -40,13 +40,13 @@ def test_eval_samples_and_export_land_in_mlflow_and_the_export_trains_on(tmp_pat
     assert cont.info.status == "FINISHED" and cont.data.params["model.path"] == str(export)
 
 
-def test_eval_without_held_out_rows_is_refused_up_front(tmp_path, cfg_factory):
-    from rlrun.tasks import TaskError
-
-    with pytest.raises(TaskError, match=r"eval.every=2 evaluates on held-out rows.*task.eval_size"):
-        run(cfg_factory("experiment=smoke", "eval.every=2", "export.enabled=false", tmp_path=tmp_path))
+def test_eval_without_held_out_rows_warns_and_runs_without_it(tmp_path, cfg_factory):
+    run(cfg_factory("experiment=smoke", "eval.every=2", "task.eval_size=0", "export.enabled=false",
+                    tmp_path=tmp_path))
     _, (r,) = runs(tmp_path / "mlflow.db")
-    assert r.info.status == "FAILED"
+    assert r.info.status == "FINISHED" and "eval/accuracy" not in r.data.metrics
+    assert "eval.every=2 evaluates on held-out rows" in r.data.tags["rlrun.warnings"]
+    assert "task.eval_size=N" in r.data.tags["rlrun.warnings"]
 
 
 def test_dpo_evaluates_held_out_pairs(tmp_path, cfg_factory):

@@ -7,7 +7,9 @@ from rlrun import tracking
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    uri = f"sqlite:///{tmp_path_factory.mktemp('store')}/mlflow.db"
+    from conftest import new_store
+
+    uri = new_store(tmp_path_factory.mktemp("store"))
     return uri, tracking.open_client(uri)
 
 

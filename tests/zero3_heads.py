@@ -24,7 +24,7 @@ def main(out: str, tied: str):
         engine = ds_engine.Engine(cfg, policy, None, grad_accum=1)
         rows = slice(4 * engine.rank, 4 * engine.rank + 4)
         backbone, weight = models.split(engine.model)
-        hidden = models.hidden_states(backbone, ids[rows], torch.ones_like(ids[rows]))[:, :-1].reshape(-1, 64)
+        hidden = models.hidden_states(backbone, ids[rows], torch.ones_like(ids[rows]))[:, :-1].flatten(0, 1)
         targets = ids[rows, 1:].reshape(-1)
         mask = torch.ones_like(targets, dtype=torch.bool)
         a = adv[rows, None].expand(-1, 9).reshape(-1)

@@ -312,6 +312,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    enabled: Literal["auto", True, False]  # auto: model=tiny only
+    cache: bool
+    steps: NonNegInt
+    batch_size: PosInt
+    lr: Positive
+    weight_decay: NonNeg
+    wrong_prob: Annotated[float, Check(lambda v: 0 <= v <= 1, "in [0, 1]")]
+    offsets: Annotated[list[int], Check(lambda v: len(v) >= 1 and 0 not in v, "a non-empty list of non-zero ints")]
+
+
+@dataclass
 class EvalConfig:
     every: NonNegInt  # 0: never
     size: PosInt | None  # null: every held-out row
@@ -322,6 +334,7 @@ class EvalConfig:
 
 @dataclass
 class LogConfig:
+    every: PosInt | None  # progress lines when stderr is not a terminal; null: about 40 per run
     samples_every: NonNegInt  # 0: never
     samples: PosInt
 
@@ -339,6 +352,7 @@ class RunConfig:
     progress: bool
     resume: bool | PathStr
     checkpoint: CheckpointConfig
+    warm_start: WarmStartConfig
     eval: EvalConfig
     log: LogConfig
     export: ExportConfig

@@ -86,11 +86,13 @@ class ReferenceCache:
 def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     t, lcfg = cfg.train, cfg.loss
     world = registry.get("engine", cfg.engine.name).world_size()
-    frame = Frame(cfg, raw, tracker, grad_accum=t.batch_size // (t.micro_batch * world), with_reference=True,
-                  curve="rewards/accuracy", reference_path=lcfg.reference_path)
-    engine = frame.engine
+    frame = Frame(cfg, raw, tracker, curve="rewards/accuracy")
     train_pairs, eval_pairs = tasks.load_pairs(cfg.task, cfg.seed, frame.tokenizer)
-    frame.warn(tasks.check_lengths(train_pairs, frame.tokenizer, None, models.context_size(engine.model)))
+    frame.warn(tasks.check_lengths(train_pairs, frame.tokenizer, None, models.context_size(frame.policy)))
+    frame.start(grad_accum=t.batch_size // (t.micro_batch * world), with_reference=True,
+                reference_path=lcfg.reference_path, warm_rows=[{"prompt": p["prompt"], "answer": p["chosen"]}
+                                                               for p in train_pairs])
+    engine = frame.engine
     pairs = [dict(p, id=i) for i, p in enumerate(train_pairs)]
     stream = tasks.prompt_stream(pairs, cfg.seed)  # the same stream on every rank; each takes its slice
     per_rank = t.batch_size // world
@@ -129,15 +131,17 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
 
 
 def held_out(cfg, frame, pairs: list[dict]):
-    """Reward accuracy and margin on held-out pairs (None when eval.every is 0); refused when there are none."""
+    """Reward accuracy and margin on held-out pairs (None when eval.every is 0, or with a warning when none)."""
     if not cfg.eval.every:
         return None
-    if not pairs:
-        raise tasks.TaskError(f"eval.every={cfg.eval.every} evaluates on held-out pairs, but task={cfg.task.name} has "
-                              "none: set task.eval_size=N (pairs held out of training) or, for task=dataset, "
-                              "task.eval_split=SPLIT; or eval.every=0.")
+    if not pairs:  # warn, not refuse: eval.every is on by default, and not every data set holds rows out
+        frame.warn([f"eval.every={cfg.eval.every} evaluates on held-out pairs, but task={cfg.task.name} has none, so "
+                    "there is no evaluation: set task.eval_size=N (pairs held out of training) or, for task=dataset, "
+                    "task.eval_split=SPLIT."])
+        return None
     rows, head = pairs[: cfg.eval.size] if cfg.eval.size else pairs, registry.get("head", cfg.head.name)
     return lambda: evaluate.evaluate_pairs(frame.engine.model, frame.engine.reference, frame.tokenizer, rows,
+                                           encode_pairs=encode_pairs, pair_logprobs=pair_logprobs,
                                            beta=cfg.loss.beta, average=cfg.loss.average_logprobs, head=head,
                                            size=cfg.head.size, batch_size=cfg.train.micro_batch, show=cfg.log.samples)
 

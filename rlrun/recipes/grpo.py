@@ -159,12 +159,13 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     world = registry.get("engine", cfg.engine.name).world_size()
     grad_accum = t.batch_size // (t.micro_batch * world)  # micro-batches per rank per optimizer step
     window = (t.rollout_batch // world // t.micro_batch) * t.num_iterations  # a rollout's micro-steps per rank
-    frame = Frame(cfg, raw, tracker, grad_accum=grad_accum, curve="reward_mean",
-                  with_reference=logprobs.needs_reference_model(cfg.logprob_policy.name, lcfg.kl_coef))
-    engine = frame.engine
+    frame = Frame(cfg, raw, tracker, curve="reward_mean")
     task = tasks.load(cfg.task, cfg.seed, frame.tokenizer)
     frame.warn(tasks.check_lengths(task, frame.tokenizer, cfg.rollout.max_new_tokens,
-                                   models.context_size(engine.model)))
+                                   models.context_size(frame.policy)))
+    frame.start(grad_accum=grad_accum, warm_rows=task.train,
+                with_reference=logprobs.needs_reference_model(cfg.logprob_policy.name, lcfg.kl_coef))
+    engine = frame.engine
     prompts = tasks.prompt_stream(task.train, cfg.seed)  # the same stream on every rank; each takes its slice
     buffer, passes = RolloutBuffer(window), PassCounter()
     head = registry.get("head", cfg.head.name)
@@ -201,13 +202,14 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
 
 
 def held_out(cfg, frame, task):
-    """The evaluation of the held-out rows (None when eval.every is 0); refused up front when there are none."""
+    """The evaluation of the held-out rows (None when eval.every is 0, or with a warning when there are none)."""
     if not cfg.eval.every:
         return None
-    if not task.eval:
-        raise tasks.TaskError(f"eval.every={cfg.eval.every} evaluates on held-out rows, but task={cfg.task.name} has "
-                              "none: set task.eval_size=N (prompts held out of training) or, for task=dataset, "
-                              "task.eval_split=SPLIT; or eval.every=0.")
+    if not task.eval:  # warn, not refuse: eval.every is on by default, and not every data set holds rows out
+        frame.warn([f"eval.every={cfg.eval.every} evaluates on held-out rows, but task={cfg.task.name} has none, so "
+                    "there is no evaluation: set task.eval_size=N (rows held out of training) or, for task=dataset, "
+                    "task.eval_split=SPLIT."])
+        return None
     rows = task.eval[: cfg.eval.size] if cfg.eval.size else task.eval
     r = cfg.rollout
     return lambda: evaluate.evaluate(frame.engine.model, frame.tokenizer, rows, task.score,
