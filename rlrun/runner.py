@@ -170,6 +170,7 @@ class Frame:
         self.last_samples: list[dict] = []  # the last samples table, printed at the end of the run
         self.exported: str | None = None
         self.grad_watch: dict = {}  # consecutive dead-gradient steps (watch_gradients)
+        self.warnings: list[str] = []  # about the data and settings, all in the run tag rlrun.warnings
 
     def start(self, *, grad_accum: int, with_reference: bool, warm_rows: list[dict],
               reference_path: str | None = None) -> None:
@@ -290,7 +291,8 @@ class Frame:
         for w in warnings:
             log.warning("%s", w)
         if warnings:
-            self.tracker.tags({"rlrun.warnings": "\n".join(warnings)})
+            self.warnings += warnings
+            self.tracker.tags({"rlrun.warnings": "\n".join(self.warnings)})
 
     def reduce(self, part: dict) -> list[dict]:
         """This rank's small per-step numbers -> every rank's (sums, counts, min/max and per-sequence values only)."""
