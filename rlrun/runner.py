@@ -257,7 +257,7 @@ class Frame:
     def evaluate(self, step: int, evaluate) -> None:
         """Held-out evaluation, timed and metered as its own phase (outside the step's `time/step_s`)."""
         meter = Meter(self.engine.device)
-        with meter.phase("eval"), self.engine.generation():
+        with meter.phase("eval"):
             result = evaluate()
         m = {**result.metrics, **meter.metrics()}
         m.pop("time/step_s")

@@ -3,7 +3,10 @@
 sqlite:///mlflow.db), with the counting rewards of helpers.py reset, and with the process state rlrun can change
 (environment, SIGINT/SIGTERM handlers, torch's default dtype and threads, an active MLflow run) put back after it.
 Such a change is reported as a warning naming the test, so a leak is seen instead of silently making the next test
-depend on the order."""
+depend on the order. The warm-start cache is a folder of the session (pytest_configure), not ~/.cache.
+
+`new_store(folder)` gives a test a new MLflow store in seconds less than creating one (a copy of an empty store).
+"""
 
 import os
 import shutil
@@ -23,8 +26,24 @@ sys.path.insert(0, str(ROOT / "tests"))  # helpers.py: reward functions used thr
 import helpers  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# warm starts of the embedded default are cached; keep the tests' cache out of ~/.cache
-os.environ.setdefault("RLRUN_CACHE", tempfile.mkdtemp(prefix="rlrun-test-cache-"))
+
+
+def pytest_configure(config):
+    """The warm-start cache (rlrun/warmstart.py, default ~/.cache/rlrun) lives in a folder of this session, unless
+    RLRUN_CACHE is set: results never depend on what earlier sessions (or other rlrun versions) left there. Set
+    here, before test modules are imported, so that the environments they build for subprocesses carry it."""
+    if not os.environ.get("RLRUN_CACHE"):
+        config._rlrun_cache = tempfile.mkdtemp(prefix="rlrun-test-cache-")
+        os.environ["RLRUN_CACHE"] = config._rlrun_cache
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_rlrun_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        if os.environ.get("RLRUN_CACHE") == folder:
+            del os.environ["RLRUN_CACHE"]
+
 
 # The environment rlrun, its launchers and its tests read (others, e.g. KMP_* that libraries set once when first
 # imported, are left alone). Such a variable that a test changes is put back, and reported unless EXPECTED.

@@ -73,7 +73,8 @@ def kill_after(tmp, args, at_step, sig):
     deadline = time.time() + 240
     while p.poll() is None and logged_steps(tmp / "mlflow.db") < at_step and time.time() < deadline:
         time.sleep(0.02)
-    assert p.poll() is None, f"the run ended before it could be interrupted after step {at_step}"
+    assert p.poll() is None, f"the run ended before it could be interrupted after step {at_step}: " + \
+        p.stderr.read()[-2000:]
     assert logged_steps(tmp / "mlflow.db") >= at_step, f"no step {at_step} within 240 s"
     p.send_signal(sig)
     p.wait(timeout=120)

@@ -103,8 +103,9 @@ def test_seeded_dpo_runs_dense_chunked_window_give_the_same_curve(tmp_path):
     s_dense, dense = dpo_run(tmp_path / "dense")
     assert len(dense["loss"]) == 6 and min(dense["grad_norm"]) > 1e-4
     _, chunked = dpo_run(tmp_path / "chunked", "head=chunked")
-    s_window, window = dpo_run(tmp_path / "window", "logprob_policy=window", "task.size=16")
-    s_always, always = dpo_run(tmp_path / "always", "task.size=16")
+    pairs_16 = ("task.size=16", "task.eval_size=0")  # all 16 pairs train
+    s_window, window = dpo_run(tmp_path / "window", "logprob_policy=window", *pairs_16)
+    s_always, always = dpo_run(tmp_path / "always", *pairs_16)
     for got, ref in ((chunked, dense), (window, always)):
         for k in ("loss", "grad_norm"):
             assert torch.allclose(torch.tensor(got[k]), torch.tensor(ref[k]), rtol=1e-4, atol=1e-6), k

@@ -212,10 +212,15 @@ def held_out(cfg, frame, task):
         return None
     rows = task.eval[: cfg.eval.size] if cfg.eval.size else task.eval
     r = cfg.rollout
-    return lambda: evaluate.evaluate(frame.engine.model, frame.tokenizer, rows, task.score,
+
+    def run():
+        with frame.engine.generation():  # ZeRO-3: whole weights for generate (the heads gather their own)
+            return evaluate.evaluate(frame.engine.model, frame.tokenizer, rows, task.score,
                                      max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                      greedy=cfg.eval.greedy, samples=cfg.eval.samples, temperature=r.temperature,
                                      top_p=r.top_p, seed=cfg.seed, show=cfg.log.samples)
+
+    return run
 
 
 def refill(cfg, frame, rollout, head, prompts, task, buffer: RolloutBuffer, grad_accum: int, got: dict):
