@@ -67,7 +67,7 @@ def test_prompt_stream_covers_each_epoch():
 
 
 def test_arith_through_load_is_build_bit_for_bit(cfg_factory):
-    cfg = cfg_factory("task.ops=[+,-,*]", "task.max_operand=9")
+    cfg = cfg_factory("task.ops=[+,-,*]", "task.max_operand=9", "task.eval_size=0")  # build() holds nothing out
     old, reward = tasks.build(cfg.task, 3)
     task = tasks.load(cfg.task, 3, None)
     assert task.train == old and task.eval == [] and task.reward_names == ["partial_credit"]

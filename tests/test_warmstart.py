@@ -89,7 +89,7 @@ def test_cache_key_changes_with_every_input():
     assert key(rows=ROWS[:-1]) != base
     assert key(rows=[dict(r, answer="9") if i == 0 else r for i, r in enumerate(ROWS)]) != base
     assert key(model=tiny(seed=1)[0]) != base  # other initial weights
-    assert key(model=tiny(hidden_size=32, heads=1)[0]) != base  # other model config
+    assert key(model=tiny(hidden_size=64, heads=2)[0]) != base  # other model config
 
 
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
