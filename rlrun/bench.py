@@ -30,7 +30,7 @@ from .heads.common import chunked_logprobs_nograd
 from .losses import objective
 from .losses.dapo import token_loss as dapo_token_loss
 from .meters import MIB, Meter, proc_bytes
-from .tracking import MLflow, TrackingError, check_uri
+from .tracking import MLflow, TrackingError, check_uri, log_metrics
 
 PEERS = ("deepspeed", "liger")
 CLIP = dict(clip_low=0.2, clip_high=0.28)
@@ -196,7 +196,9 @@ def log_mlflow(a, rows, table, kind):
         return
     cfg = argparse.Namespace(uri=a.tracking_uri, experiment=BENCH_EXPERIMENT, parent_run_id=None)
     tracker = MLflow(cfg, {k: v for k, v in vars(a).items() if k != "func"}, f"bench-{kind}")
-    tracker.log(0, {f"{k}/{r['impl']}": v for r in rows for k, v in r.items() if isinstance(v, float)})
+    # A benchmark's columns, not a training run's metrics: logged under their own names (no train/ or system/).
+    log_metrics(tracker.client, tracker.run_id,
+                {f"{k}/{r['impl']}": v for r in rows for k, v in r.items() if isinstance(v, float)})
     tracker.text(table, f"{kind}.txt")
     tracker.finish("FINISHED")
     print(f"logged to MLflow run {tracker.run_id} ({a.tracking_uri}, experiment {BENCH_EXPERIMENT})")

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .meters import PHASES, growth_key, peak_key, time_key  # noqa: E402
-from .tracking import log_figures, open_client  # noqa: E402
+from .tracking import log_figures, metric_key, open_client  # noqa: E402
 
 STYLES = ["-", "--", ":", "-."]
 EFFICIENCY_AXES = ("head.", "logprob_policy.", "offload.")
@@ -45,9 +45,13 @@ def labels(runs) -> list[str]:
 
 
 def histories(client, run, keys):
+    """{key: (steps, values)} for each of `keys` (the code's names) the run logged: under its MLflow name
+    (`metric_key`), or under the key itself for runs logged before the names were namespaced."""
     out = {}
     for key in keys:
-        hist = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        hist = (client.get_metric_history(run.info.run_id, metric_key(key))
+                or client.get_metric_history(run.info.run_id, key))
+        hist = sorted(hist, key=lambda m: m.step)
         if hist:
             out[key] = (np.array([m.step for m in hist]), np.array([m.value for m in hist]))
     return out

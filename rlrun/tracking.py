@@ -7,6 +7,12 @@ parent run (passed explicitly, never through MLFLOW_RUN_ID, which would make sta
 The functions below the trackers are the one place that opens a client, gets or creates an experiment and logs
 params, metrics and figures: the loop's tracker, the sweep callback, `rlrun.bench` and `rlrun-report` share them.
 mlflow is imported inside them, so importing this module stays cheap.
+
+Metric names in MLflow (`metric_key`, the one place they are mapped): the code computes short names (`loss`,
+`time/step_s`); a run logs the learning curves as `train/...`, held-out evaluation as `eval/...` (the two sections
+of MLflow's "Model metrics" tab) and the measurements of the machine (time, memory, throughput, pass counts,
+logprob mismatch, the run's performance summary) as `system/...`, which MLflow shows on its "System metrics" tab.
+`rlrun-report` also reads runs logged before the names were namespaced.
 """
 
 from __future__ import annotations
@@ -200,6 +206,20 @@ def log_params(client, run_id: str, params: dict) -> None:
         client.log_batch(run_id, params=batch[i : i + 100])
 
 
+# Measurements of the machine rather than of learning: logged under system/ (MLflow's "System metrics" tab).
+SYSTEM_PREFIXES = ("time/", "mem/", "throughput/", "passes/", "mismatch/", "summary/")
+
+
+def metric_key(name: str) -> str:
+    """The MLflow name of a metric the code calls `name`: `loss` -> `train/loss`, `eval/accuracy` unchanged,
+    `time/step_s` -> `system/time/step_s` (names already namespaced stay as they are)."""
+    if name.startswith(("train/", "eval/", "system/")):
+        return name
+    if name.startswith(SYSTEM_PREFIXES):
+        return "system/" + name
+    return "train/" + name
+
+
 def log_metrics(client, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
     """Metrics at one step, in batches of 500 (under MLflow's 1000 per request)."""
     from mlflow.entities import Metric
@@ -238,7 +258,7 @@ class MLflow:
         if resume_run_id:  # the same run continues: RUNNING again, params as first logged
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
-            logged = self.client.get_metric_history(resume_run_id, "loss")
+            logged = self.client.get_metric_history(resume_run_id, metric_key("loss"))
             self.first_step = max((m.step for m in logged), default=-1) + 1
             return
         tags = {"mlflow.runName": run_name} if run_name else {}
@@ -254,14 +274,18 @@ class MLflow:
 
     def log(self, step: int, metrics: dict[str, float]):
         if step >= self.first_step:
-            log_metrics(self.client, self.run_id, metrics, step)
+            log_metrics(self.client, self.run_id, {metric_key(k): v for k, v in metrics.items()}, step)
 
     def tags(self, tags: dict[str, str]):
         for k, v in tags.items():
             self.client.set_tag(self.run_id, k, str(v)[:5000])
 
     def summary(self, metrics: dict[str, float]):
-        log_metrics(self.client, self.run_id, {f"summary/{k}": v for k, v in metrics.items()})
+        """The run's performance summary (mean step time and tokens/s, peak memory per phase) as
+        `system/summary/*`. Its learning numbers (first / last reward, evaluations, last loss) are not logged again:
+        they are the curves' first and latest values, and the run description states them."""
+        perf = {k: v for k, v in metrics.items() if not k.endswith(("_first", "_last")) and not k.startswith("passes_")}
+        log_metrics(self.client, self.run_id, {metric_key(f"summary/{k}"): v for k, v in perf.items()})
 
     def text(self, text: str, name: str):
         self.client.log_text(self.run_id, text, name)

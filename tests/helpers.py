@@ -46,9 +46,14 @@ def runs(db: str):
 
 
 def history(client, run_id: str, key: str) -> list[float]:
-    return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+    """The values of the metric the code calls `key` (`loss`; MLflow: `train/loss`), in step order."""
+    from rlrun.tracking import metric_key
+
+    return [m.value for m in sorted(client.get_metric_history(run_id, metric_key(key)), key=lambda m: m.step)]
 
 
 def steps(client, run_id: str, key: str) -> list[int]:
-    """The steps at which `key` was logged, in order."""
-    return sorted(m.step for m in client.get_metric_history(run_id, key))
+    """The steps at which the metric the code calls `key` was logged, in order."""
+    from rlrun.tracking import metric_key
+
+    return sorted(m.step for m in client.get_metric_history(run_id, metric_key(key)))

@@ -62,7 +62,7 @@ def logged_steps(db):
         return 0
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as con:
-            return con.execute("SELECT COUNT(DISTINCT step) FROM metrics WHERE key = 'loss'").fetchone()[0]
+            return con.execute("SELECT COUNT(DISTINCT step) FROM metrics WHERE key = 'train/loss'").fetchone()[0]
     except sqlite3.Error:  # tables not created yet
         return 0
 
@@ -83,7 +83,7 @@ def kill_after(tmp, args, at_step, sig):
 
 def curve(db):
     client, (r,) = runs(db)
-    hist = sorted(client.get_metric_history(r.info.run_id, "loss"), key=lambda m: m.step)
+    hist = sorted(client.get_metric_history(r.info.run_id, "train/loss"), key=lambda m: m.step)
     return r, [m.step for m in hist], [m.value for m in hist]
 
 

@@ -54,7 +54,7 @@ def test_two_ranks_match_one(tmp_path, stage):
     assert run.data.tags["rlrun.world_size"] == "2"
     assert_close(two, one)
     # per-rank peak memory is gathered: the max and each rank's
-    assert {"mem/train_peak_mib", "mem/rank0/train_peak_mib", "mem/rank1/train_peak_mib"} <= set(run.data.metrics)
+    assert {"system/mem/train_peak_mib", "system/mem/rank0/train_peak_mib", "system/mem/rank1/train_peak_mib"} <= set(run.data.metrics)
 
 
 @pytest.mark.parametrize("tied", [False, True])  # tied: the lm-head weight is also the embedding ZeRO-3 gathers
@@ -118,7 +118,7 @@ def test_offload_round_trips_under_zero(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     run, two = curves(tmp_path / "mlflow.db")
     assert_close(two, one)
-    assert {"time/offload_s", "time/onload_s"} <= set(run.data.metrics)
+    assert {"system/time/offload_s", "system/time/onload_s"} <= set(run.data.metrics)
     assert run.data.tags["offload.effective"] == "false"
 
 

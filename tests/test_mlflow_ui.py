@@ -103,6 +103,20 @@ def test_runs_say_where_they_come_from_and_what_they_are(swept):
         "logprob_policy=always", "logprob_policy=skip", "logprob_policy=window"]  # what differs, in full
 
 
+def test_metrics_are_namespaced_learning_apart_from_the_machine(swept):
+    """Learning curves under train/ and held-out evaluation under eval/ (the two sections of the "Model metrics"
+    tab), measurements of the machine under system/ (MLflow's "System metrics" tab): no catch-all section."""
+    client, _, _, children, _ = swept
+    for child in children:
+        keys = set(child.data.metrics)
+        assert {"train/loss", "train/reward_mean", "train/grad_norm", "train/lr", "system/time/step_s",
+                "system/mem/train_peak_mib", "system/throughput/gen_tokens_per_s", "system/passes/old_run_total",
+                "system/summary/step_s"} <= keys, sorted(keys)
+        assert {k.split("/")[0] for k in keys} == {"train", "eval", "system"}, sorted(keys)
+        steps = [m.step for m in client.get_metric_history(child.info.run_id, "train/loss")]
+        assert steps == [0, 1, 2]
+
+
 def test_sweep_parent_description_holds_the_comparison_table(swept):
     client, _, parent, children, _ = swept
     note = parent.data.tags["mlflow.note.content"]

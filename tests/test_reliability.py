@@ -164,7 +164,7 @@ def loss_steps(db) -> int:
 
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as con:
-            return con.execute("SELECT COUNT(DISTINCT step) FROM metrics WHERE key = 'loss'").fetchone()[0]
+            return con.execute("SELECT COUNT(DISTINCT step) FROM metrics WHERE key = 'train/loss'").fetchone()[0]
     except sqlite3.Error:
         return 0
 

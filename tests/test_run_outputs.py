@@ -17,10 +17,10 @@ def test_eval_samples_and_export_land_in_mlflow_and_the_export_trains_on(tmp_pat
                       "log.samples=3", f"export.dir={export}", tmp_path=tmp_path)
     summary = run(cfg, "outputs")
     client, (r,) = runs(tmp_path / "mlflow.db")
-    steps = {k: [m.step for m in client.get_metric_history(r.info.run_id, k)] for k in ("eval/accuracy", "loss")}
-    assert steps == {"eval/accuracy": [0, 2, 4], "loss": [0, 1, 2, 3]}  # before steps 0 and 2, after the last
-    assert {"eval/reward_mean", "eval/response_len_mean", "time/eval_s"} <= set(r.data.metrics)
-    assert "eval_accuracy_last" in summary and "summary/eval_accuracy_first" in r.data.metrics
+    steps = {k: [m.step for m in client.get_metric_history(r.info.run_id, k)] for k in ("eval/accuracy", "train/loss")}
+    assert steps == {"eval/accuracy": [0, 2, 4], "train/loss": [0, 1, 2, 3]}  # before steps 0 and 2, after the last
+    assert {"eval/reward_mean", "eval/response_len_mean", "system/time/eval_s"} <= set(r.data.metrics)
+    assert "eval_accuracy_last" in summary and "system/summary/step_s" in r.data.metrics
     tables = [a.path for a in client.list_artifacts(r.info.run_id, "samples")]
     assert tables == ["samples/eval_step_000000.json", "samples/eval_step_000002.json",
                       "samples/eval_step_000004.json", "samples/train_step_000000.json",
@@ -70,7 +70,7 @@ def test_resume_by_mlflow_run_id(tmp_path, cfg_factory):
     run(again)
     client, found = runs(tmp_path / "mlflow.db")
     assert [x.info.run_id for x in found] == [r.info.run_id]  # the same run continued
-    assert [m.step for m in client.get_metric_history(r.info.run_id, "loss")] == [0, 1, 2, 3]
+    assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")] == [0, 1, 2, 3]
 
     from rlrun.errors import TrackingError
 

@@ -54,7 +54,7 @@ def test_smoke_through_the_real_entry_point(tmp_path):
                             history(client, run_.info.run_id, "mem/train_growth_mib")):
         assert 100 < peak < total_mib and 0 <= growth < peak - 100, (peak, growth)
     assert history(client, run_.info.run_id, "mismatch/token_mult_prob_error")[0] == pytest.approx(1.0, abs=1e-4)
-    assert "summary/train_tokens_per_s" in run_.data.metrics
+    assert "system/summary/train_tokens_per_s" in run_.data.metrics
     artifacts = [a.path for a in client.list_artifacts(run_.info.run_id)]
     assert "config.yaml" in artifacts
 
@@ -127,7 +127,7 @@ def test_window_on_a_non_aligned_schedule_reproduces_always(tmp_path):
     rollouts = s_window["passes_old_run"] + s_window["passes_old_skipped"]
     assert rollouts == s_always["passes_old_run"] == 8  # 5 steps x 12 sequences, 8 per rollout, rounded up
     assert s_window["passes_old_run"] == sum(crosses_step(2 * i, 2, 3) for i in range(rollouts)) == 3
-    assert r.data.metrics["passes/old_saved_s_est"] > 0  # seconds the skipped passes saved, from the ones run
+    assert r.data.metrics["system/passes/old_saved_s_est"] > 0  # seconds the skipped passes saved, from the ones run
 
 
 def test_skipped_pass_metrics_are_not_logged(tmp_path):
@@ -141,7 +141,7 @@ def test_offload_on_equals_off_and_says_it_moved_nothing_on_cpu(tmp_path):
     _, on, r = loss_curve(tmp_path / "on", "offload=on")
     assert on == off  # bit for bit
     assert r.data.tags["offload.effective"] == "false"
-    assert "time/offload_s" in r.data.metrics and "time/onload_s" in r.data.metrics
+    assert "system/time/offload_s" in r.data.metrics and "system/time/onload_s" in r.data.metrics
 
 
 def test_the_default_run_visibly_learns(tmp_path):
