@@ -372,7 +372,13 @@ def main(argv=None):
     p.add_argument("--uri", default="sqlite:///mlflow.db", help="tracking URI (default: %(default)s)")
     p.add_argument("--out", help="folder for the PNGs (default: report-<id or experiment>)")
     p.add_argument("--log", action="store_true", help="also log the figures on the parent run")
+    p.add_argument("--sync", metavar="FILE", help="send what a run kept while its tracking store was unreachable "
+                                                  "(the mlflow_spill.jsonl in its output folder) to that store")
     a = p.parse_args(argv)
+    if a.sync:
+        from .spill import sync
+
+        sys.exit(sync(a.sync))
     if not a.parent_run_id and not a.experiment:
         p.error("give a PARENT_RUN_ID or --experiment NAME")
     try:

@@ -27,6 +27,8 @@ from urllib.parse import urlparse
 from omegaconf import OmegaConf
 
 from .errors import TrackingError
+from .spill import FILE_NAME as SPILL_FILE
+from .spill import Spill
 
 
 def flatten(d, prefix: str = "") -> dict[str, str]:
@@ -240,7 +242,7 @@ class MLflow:
     def __init__(self, cfg, config: dict, run_name: str | None, resume_run_id: str | None = None):
         self.client, exp_id = connect(cfg.uri, cfg.experiment)
         self.first_step = 0  # steps below this were logged before a resume: recomputed, not logged twice
-        self.run_id = None
+        self.run_id, self.uri, self.spill = None, cfg.uri, None
         try:
             self._open(cfg, exp_id, config, run_name, resume_run_id)
         except BaseException as e:  # the run exists but the caller never gets it: end it here, never RUNNING
@@ -272,40 +274,56 @@ class MLflow:
         log_params(self.client, self.run_id, flatten(config))
         self.client.log_dict(self.run_id, config, "config.yaml")
 
+    def _send(self, op: str, args) -> None:
+        """Every write once the run exists: sent now, or kept in the spill file while the store is unreachable."""
+        if self.spill is None:
+            self.spill = Spill(self.client, os.path.join(output_dir(), SPILL_FILE), self.uri)
+        self.spill.write({"op": op, "run_id": self.run_id, "uri": self.uri, "args": args})
+
     def log(self, step: int, metrics: dict[str, float]):
         if step >= self.first_step:
-            log_metrics(self.client, self.run_id, {metric_key(k): v for k, v in metrics.items()}, step)
+            now = int(time.time() * 1000)  # fixed here: a resent metric is then one the store already holds
+            self._send("metrics", [[metric_key(k), float(v), now, step] for k, v in metrics.items()])
 
     def tags(self, tags: dict[str, str]):
-        for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, str(v)[:5000])
+        self._send("tags", {k: str(v)[:5000] for k, v in tags.items()})
 
     def summary(self, metrics: dict[str, float]):
         """The run's performance summary (mean step time and tokens/s, peak memory per phase) as
         `system/summary/*`. Its learning numbers (first / last reward, evaluations, last loss) are not logged again:
         they are the curves' first and latest values, and the run description states them."""
         perf = {k: v for k, v in metrics.items() if not k.endswith(("_first", "_last")) and not k.startswith("passes_")}
-        log_metrics(self.client, self.run_id, {metric_key(f"summary/{k}"): v for k, v in perf.items()})
+        now = int(time.time() * 1000)
+        self._send("metrics", [[metric_key(f"summary/{k}"), float(v), now, 0] for k, v in perf.items()])
 
     def text(self, text: str, name: str):
-        self.client.log_text(self.run_id, text, name)
+        self._send("text", {"text": text, "name": name})
 
     def table(self, rows: list[dict], name: str):
         """Rows of equal keys as an MLflow table (`name` ends in .json); the UI shows it under Artifacts."""
-        self.client.log_table(self.run_id, {k: [r.get(k) for r in rows] for k in rows[0]}, name)
+        self._send("table", {"columns": {k: [r.get(k) for r in rows] for k in rows[0]}, "name": name})
 
     def artifacts(self, folder: str, name: str):
-        self.client.log_artifacts(self.run_id, folder, name)
+        self._send("artifacts", {"folder": os.path.abspath(folder), "name": name})
 
     def finish(self, status: str):
-        self.client.set_terminated(self.run_id, status=status)
+        self._send("status", status)
+        self.spill.close()
 
     def describe(self, text: str):
         """Append `text` (e.g. `headline(summary)`) to the run's description (`mlflow.note.content`)."""
         about = getattr(self, "about", None)
         if about is None:  # a resumed run: keep what its description says, replace an earlier result
-            about = self.client.get_run(self.run_id).data.tags.get("mlflow.note.content", "").split(" Result: ")[0]
-        self.client.set_tag(self.run_id, "mlflow.note.content", f"{about} {text}" if about else text)
+            with contextlib.suppress(Exception):  # a store that went away: the result alone
+                about = self.client.get_run(self.run_id).data.tags.get("mlflow.note.content", "").split(" Result: ")[0]
+        self.tags({"mlflow.note.content": f"{about} {text}" if about else text})
+
+
+def output_dir() -> str:
+    """The run's output folder (Hydra's), or the working folder outside a Hydra run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
 
 
 def is_run_id(text: str) -> bool:

@@ -57,3 +57,51 @@ def steps(client, run_id: str, key: str) -> list[int]:
     from rlrun.tracking import metric_key
 
     return sorted(m.step for m in client.get_metric_history(run_id, metric_key(key)))
+
+
+def start_server(folder, port: int, env: dict):
+    """A real `mlflow server` on 127.0.0.1:`port` with its sqlite store and artifacts in `folder` (reused when it
+    is started again there); -> (process, url) once /health answers. Stop it with `stop_server`."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    import pytest
+
+    mlflow_bin = str(Path(sys.executable).parent / "mlflow")
+    proc = subprocess.Popen([mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{folder}/mlflow.db",
+                             "--artifacts-destination", str(Path(folder) / "artifacts")],
+                            cwd=folder, env=env, stdout=open(Path(folder) / "server.log", "a"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            stop_server(proc)
+            pytest.fail(f"mlflow server did not start:\n{(Path(folder) / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def stop_server(proc) -> None:
+    """Stop a server from `start_server`: its process group (the server and its workers), nothing else."""
+    import signal
+    import subprocess
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

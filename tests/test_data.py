@@ -3,6 +3,7 @@ rewards from the working directory and from files, length checks, and every bad 
 
 import gzip
 import json
+import re
 import shutil
 import sys
 
@@ -310,3 +311,27 @@ def test_length_warnings_have_numbers(tmp_path):
     assert tasks.check_lengths(pairs, tok, None, 9) == [
         "1 of 2 pairs are longer than the model's context of 9 positions (prompt + longer response + EOS; the "
         "longest is 10 tokens): shorten or drop them, or use a model with a longer context."]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_row_over_the_size_limit_is_refused_before_tokenizing_naming_where(tmp_path, fmt, monkeypatch):
+    from rlrun.tasks import loading
+
+    monkeypatch.setattr(loading, "MAX_ROW_BYTES", 4096)  # the same check as at 1 MiB, with a small file
+    monkeypatch.setattr(tasks.core, "MAX_ROW_BYTES", 4096)
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x" * 5000, "answer": "3"}]
+    path = write(tmp_path, rows, fmt)
+    where = f"{path}:2: this line is 0.0 MiB" if fmt == "jsonl" else f"{path} (train row 1): the prompt is 0.0 MiB"
+    with pytest.raises(tasks.TaskError, match=re.escape(where) + r".* are refused .*Shorten or drop"):
+        tasks.load(task_cfg(path), 0, char_tokenizer())
+
+
+def test_the_historic_jsonl_reader_refuses_an_oversized_line_too(tmp_path, monkeypatch):
+    from rlrun.tasks import loading
+
+    monkeypatch.setattr(loading, "MAX_ROW_BYTES", 4096)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "answer": "b"}) + "\n" + json.dumps({"prompt": "y" * 5000,
+                                                                                      "answer": "b"}) + "\n")
+    with pytest.raises(tasks.TaskError, match=re.escape(f"{path}:2: this line is")):
+        loading.read_jsonl(str(path), ("prompt", "answer"))

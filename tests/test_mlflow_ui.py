@@ -6,12 +6,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from helpers import start_server, stop_server
 from rlrun import tracking
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,39 +27,13 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A tracking server with its own sqlite store and artifact folder; stopped (by its pid) at the end."""
+    """A tracking server with its own sqlite store and artifact folder; stopped at the end."""
     tmp = tmp_path_factory.mktemp("server")
-    port = free_port()
-    mlflow_bin = str(Path(sys.executable).parent / "mlflow")
-    proc = subprocess.Popen([mlflow_bin, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db",
-                             "--artifacts-destination", str(tmp / "artifacts")],
-                            cwd=tmp, env=ENV, stdout=open(tmp / "server.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(tmp, free_port(), ENV)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail(f"mlflow server did not start:\n{(tmp / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
         yield url, tmp
     finally:
-        try:
-            os.killpg(proc.pid, 15)  # the server and its worker processes, nothing else
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from . import scoring
 from .arith import arith_examples, arith_pairs
 from .base import MISSING, TaskError, opt, short
 from .chat import Formatter, template_setting
-from .loading import Split, load_splits, read_jsonl, resolve
+from .loading import MAX_ROW_BYTES, Split, load_splits, read_jsonl, resolve
 from .scoring import load_reward
 
 NAMES = ("arith", "jsonl", "dataset")
@@ -149,6 +149,11 @@ def _rows(split: Split, o: dict, fmt: Formatter, pairs: bool) -> list[dict]:
         else:
             key = o["answer_key"]
             row = {**rec, "prompt": prompt, "answer": _text(rec[key], where, f"task.answer_key={key!r}")}
+        for name in ("prompt", "answer", "chosen", "rejected"):  # any format: parquet and csv have no lines
+            if name in row and len(row[name].encode()) > MAX_ROW_BYTES:
+                raise TaskError(f"{where}: the {name} is {len(row[name].encode()) / 2**20:.1f} MiB; texts over "
+                                f"{MAX_ROW_BYTES >> 20} MiB are refused (far longer than any model's context). "
+                                "Shorten or drop that row.")
         out.append(row)
     return out
 

@@ -15,6 +15,19 @@ from .base import MISSING, TaskError
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+# A row longer than this is refused before anything parses or tokenizes it: it is far beyond any model's context,
+# and one 10 MB line once took a run to 18 GB of memory and the kernel's OOM killer.
+MAX_ROW_BYTES = 1 << 20
+
+
+def check_line_sizes(path) -> None:
+    """TaskError naming file:line for the first line of a JSONL file longer than MAX_ROW_BYTES."""
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if len(line) > MAX_ROW_BYTES:
+                raise TaskError(f"{path}:{lineno}: this line is {len(line) / 2**20:.1f} MiB; rows over "
+                                f"{MAX_ROW_BYTES >> 20} MiB are refused (far longer than any model's context). "
+                                "Shorten or drop it.")
 
 
 def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
@@ -23,6 +36,7 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
         f = open(path, encoding="utf-8")
     except OSError as e:
         raise TaskError(f"task.path={path!r} cannot be read ({e.strerror}); point it at a JSONL file.") from e
+    check_line_sizes(path)
     out = []
     with f:
         for lineno, line in enumerate(f, 1):
@@ -154,6 +168,8 @@ def _open(p: Path, datasets, cache: str) -> dict:
 def load_splits(path, names: list[tuple[str, str]], max_rows: int | None) -> list[Split]:
     """The splits `names` ([(config key, split name)]) of the local data at `path`, each cut to `max_rows`."""
     p = resolve(path)
+    if p.is_file() and p.suffix == ".jsonl":
+        check_line_sizes(p)
     with _quiet_datasets() as (datasets, cache):
         try:
             splits = _open(p, datasets, cache)

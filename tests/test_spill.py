@@ -1,0 +1,186 @@
+"""A tracking store that goes away never ends or loses a run: writes are retried, then kept in the run's output
+folder and sent when the store is back (during the run, at its end, or with `rlrun-report --sync FILE`).
+
+The quick tests use a fake client that fails on demand; the slow ones kill a real `mlflow server` mid-run."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import start_server, stop_server
+from rlrun import spill, tracking
+
+
+class FlakyClient:
+    """Records what it was sent; raises ConnectionError while `down`."""
+
+    def __init__(self):
+        self.down = False
+        self.metrics: list[tuple] = []
+        self.status = None
+
+    def log_batch(self, run_id, metrics):
+        if self.down:
+            raise ConnectionError("connection refused (test)")
+        self.metrics += [(m.key, m.step, m.value, m.timestamp) for m in metrics]
+
+    def set_terminated(self, run_id, status):
+        if self.down:
+            raise ConnectionError("connection refused (test)")
+        self.status = status
+
+
+def metrics(step):
+    return {"op": "metrics", "run_id": "r", "uri": "http://x", "args": [["train/loss", float(step), 1000 + step, step]]}
+
+
+@pytest.fixture
+def no_waits(monkeypatch):
+    monkeypatch.setattr(spill, "DELAYS", (0.0,))
+    monkeypatch.setattr(spill, "RETRY_S", 0.0)
+    monkeypatch.setattr(spill, "END_WAIT_S", 0.0)
+
+
+def test_writes_are_kept_while_the_store_is_down_and_sent_in_order_once_it_is_back(tmp_path, no_waits, caplog):
+    client, path = FlakyClient(), str(tmp_path / "spill.jsonl")
+    s = spill.Spill(client, path, "http://x")
+    s.write(metrics(0))
+    client.down = True
+    for step in (1, 2, 3):
+        s.write(metrics(step))
+    assert s.pending == 3 and len(Path(path).read_text().splitlines()) == 3
+    assert sum("stopped answering" in r.message for r in caplog.records) == 1  # said once, not per write
+    client.down = False
+    s.write(metrics(4))  # the kept records go first, then this one
+    assert [m[1] for m in client.metrics] == [0, 1, 2, 3, 4]
+    assert not os.path.exists(path) and s.pending == 0
+
+
+def test_a_store_that_never_comes_back_keeps_everything_for_sync(tmp_path, no_waits, caplog, monkeypatch):
+    client, path = FlakyClient(), str(tmp_path / "spill.jsonl")
+    s = spill.Spill(client, path, "http://x")
+    client.down = True
+    s.write(metrics(0))
+    s.write({"op": "status", "run_id": "r", "uri": "http://x", "args": "FINISHED"})
+    s.close()
+    assert "rlrun-report --sync " + path in caplog.text
+    assert [json.loads(x)["op"] for x in Path(path).read_text().splitlines()] == ["metrics", "status"]
+    client.down = False
+    monkeypatch.setattr(tracking, "open_client", lambda uri: client)
+    assert spill.sync(path) == 0
+    assert client.metrics == [("train/loss", 0, 0.0, 1000)] and client.status == "FINISHED"
+    assert not os.path.exists(path)
+
+
+def test_a_replay_cut_short_keeps_the_rest_and_sends_nothing_twice(tmp_path, no_waits):
+    client, path = FlakyClient(), str(tmp_path / "spill.jsonl")
+    Path(path).write_text("".join(json.dumps(metrics(i)) + "\n" for i in range(4)))
+    calls = {"n": 0}
+    real = client.log_batch
+
+    def fails_third(run_id, metrics):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ConnectionError("gone again")
+        real(run_id, metrics)
+
+    client.log_batch = fails_third
+    assert spill.replay(client, path) == (2, 2)
+    assert spill.replay(client, path) == (2, 0)
+    assert [m[1] for m in client.metrics] == [0, 1, 2, 3]
+
+
+def test_sync_of_a_missing_file_says_so(tmp_path, capsys):
+    assert spill.sync(str(tmp_path / "nope.jsonl")) == 2
+    assert "does not exist" in capsys.readouterr().out
+
+
+# --- a real server, killed mid-run ---
+
+ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "RLRUN_TRACKING_RETRY_S": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def steps_logged(client, run_id):
+    return sorted(m.step for m in client.get_metric_history(run_id, "train/loss"))
+
+
+def run_with_an_outage(tmp_path, down_s, end_wait_s, restart: bool):
+    """A 20-step run against a server that is killed once 3 steps are in: restarted after `down_s` seconds (if
+    `restart`), or left down. -> (server folder, port, the run's process result, the run's output folder)."""
+    store, out, port = tmp_path / "store", tmp_path / "out", free_port()
+    store.mkdir()
+    server, url = start_server(store, port, ENV)
+    env = {**ENV, "RLRUN_TRACKING_END_WAIT_S": str(end_wait_s)}
+    p = subprocess.Popen([sys.executable, "-m", "rlrun", "experiment=smoke", "train.steps=20", "progress=false",
+                          f"tracking.uri={url}", f"hydra.run.dir={out}"], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = tracking.open_client(url)
+        deadline = time.time() + 300
+        run_id = None
+        while time.time() < deadline and p.poll() is None:
+            runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+            if runs and len(steps_logged(client, runs[0].info.run_id)) >= 3:
+                run_id = runs[0].info.run_id
+                break
+            time.sleep(0.2)
+        assert run_id, "the run logged no 3 steps: " + (p.stdout.read() if p.poll() is not None else "")
+        stop_server(server)
+        if restart:
+            time.sleep(down_s)
+            server, _ = start_server(store, port, ENV)
+        output = p.communicate(timeout=600)[0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+        stop_server(server)
+    return store, port, p.returncode, output, out, run_id
+
+
+@pytest.mark.slow
+def test_server_killed_mid_run_and_restarted_the_run_has_every_step_once(tmp_path):
+    store, port, rc, output, out, run_id = run_with_an_outage(tmp_path, down_s=10, end_wait_s=60, restart=True)
+    assert rc == 0, output[-3000:]
+    assert "stopped answering" in output and "answers again" in output
+    server, url = start_server(store, port, ENV)
+    try:
+        client = tracking.open_client(url)
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED"
+        assert steps_logged(client, run_id) == list(range(20))  # every step, exactly once
+        assert "system/summary/step_s" in run.data.metrics
+        assert not (out / spill.FILE_NAME).exists()
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.slow
+def test_server_killed_for_good_the_spill_holds_the_rest_and_sync_fills_the_run(tmp_path):
+    store, port, rc, output, out, run_id = run_with_an_outage(tmp_path, down_s=0, end_wait_s=1, restart=False)
+    assert rc == 0, output[-3000:]  # training finished although nothing could be logged after step 3
+    kept = out / spill.FILE_NAME
+    assert kept.exists() and f"rlrun-report --sync {kept}" in output
+    server, url = start_server(store, port, ENV)
+    try:
+        client = tracking.open_client(url)
+        assert client.get_run(run_id).info.status == "RUNNING"  # its final status is in the file
+        r = subprocess.run(["rlrun-report", "--sync", str(kept)], capture_output=True, text=True, env=ENV)
+        assert r.returncode == 0, r.stdout + r.stderr
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED"
+        assert steps_logged(client, run_id) == list(range(20))
+        assert not kept.exists()
+    finally:
+        stop_server(server)
