@@ -84,5 +84,16 @@ def sweep_job(cfg: DictConfig, run_name: str):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def entry():
+    """The `rlrun` command. A Ctrl-C or SIGTERM that reaches this far (a sweep waiting on its launcher's workers)
+    ends with one line and exit 130 / 143 instead of a traceback; the sweep's runs are marked KILLED on the way
+    out (sweep.SweepCallback.end_interrupted)."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("rlrun: interrupted", file=sys.stderr)
+        sys.exit(128 + (tracking.interrupt_on_signals.received or 2))
+
+
 if __name__ == "__main__":
-    main()
+    entry()

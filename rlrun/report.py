@@ -11,6 +11,7 @@ offload), equivalence.png (max difference of each curve from its dense/always/of
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -21,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from . import spill  # noqa: E402
 from .meters import PHASES, growth_key, peak_key, time_key  # noqa: E402
 from .tracking import log_figures, metric_key, open_client  # noqa: E402
 
@@ -363,6 +365,26 @@ def open_store(uri: str):
     return open_client(uri)
 
 
+def sync(path: str) -> int:
+    """`rlrun-report --sync FILE`: send a run's kept records to the store the run was logged to; exit code."""
+    if not os.path.exists(path):
+        print(f"rlrun-report --sync: {path} does not exist (nothing kept, or already sent).")
+        return 2
+    try:
+        with open(path) as f:
+            uri = json.loads(f.readline())["uri"]
+    except (ValueError, KeyError, TypeError):
+        print(f"rlrun-report --sync: {path} is not a file rlrun kept for a tracking store (mlflow_spill.jsonl).")
+        return 2
+    sent, left = spill.replay(open_client(uri), path)
+    if left:
+        print(f"sent {sent} records to {uri}; {left} left in {path}: the store is unreachable or refused one "
+              "(try again when it is back).")
+        return 1
+    print(f"sent {sent} records to {uri}; {path} removed.")
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="rlrun-report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -376,8 +398,6 @@ def main(argv=None):
                                                   "(the mlflow_spill.jsonl in its output folder) to that store")
     a = p.parse_args(argv)
     if a.sync:
-        from .spill import sync
-
         sys.exit(sync(a.sync))
     if not a.parent_run_id and not a.experiment:
         p.error("give a PARENT_RUN_ID or --experiment NAME")

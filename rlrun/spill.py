@@ -5,7 +5,7 @@ through `Spill.write`. While the store answers, each record is sent at once (ret
 a server that restarts or blips for a second costs nothing). When it stays unreachable, records are appended to
 `mlflow_spill.jsonl` in the run's output folder and training goes on; a warning says so once. Every
 `RETRY_S` seconds, and for up to `END_WAIT_S` seconds at the end of the run, the file is replayed into the run;
-what is still there after that is replayed with `rlrun-report --sync FILE`.
+what is still there after that is replayed with `rlrun-report --sync FILE` (report.sync).
 
 Nothing is sent twice: a record leaves the file only after the store accepted it, and a metric carries its own
 timestamp, so the store drops a metric it already holds (same key, step, timestamp and value) if an answer got
@@ -134,22 +134,3 @@ def replay(client, path: str) -> tuple[int, int]:
     else:
         os.remove(path)
     return sent, len(left)
-
-
-def sync(path: str) -> int:
-    """`rlrun-report --sync FILE`: send a run's kept records to the store the run was logged to; exit code."""
-    from .tracking import open_client
-
-    if not os.path.exists(path):
-        print(f"rlrun-report --sync: {path} does not exist (nothing kept, or already sent).")
-        return 2
-    with open(path) as f:
-        first = json.loads(f.readline())
-    uri = first["uri"]
-    sent, left = replay(open_client(uri), path)
-    if left:
-        print(f"sent {sent} records to {uri}; {left} left in {path}: the store is unreachable or refused one "
-              "(try again when it is back).")
-        return 1
-    print(f"sent {sent} records to {uri}; {path} removed.")
-    return 0

@@ -14,6 +14,8 @@ overrides that differ between jobs.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -31,6 +33,7 @@ class SweepCallback(Callback):
     def __init__(self):
         self.client = None
         self.parent_id = None
+        self.ended = False
 
     def on_multirun_start(self, config, config_name=None, **kwargs):
         refuse_invalid_jobs(config, config_name)
@@ -54,7 +57,25 @@ class SweepCallback(Callback):
         cfg = OmegaConf.to_container(config, resolve=False)
         self.client.log_dict(self.parent_id, cfg, "sweep_config.yaml")
         os.environ[ENV] = self.parent_id
+        # Ctrl-C or SIGTERM to the sweep (with joblib the jobs run in worker processes that the launcher kills):
+        # Python exits before on_multirun_end, and this marks what is still RUNNING as KILLED on the way out.
+        tracking.interrupt_on_signals()
+        atexit.register(self.end_interrupted)
         log.info("sweep %s: MLflow parent run %s", name, self.parent_id)
+
+    def end_interrupted(self):
+        """At exit, if the sweep never reached on_multirun_end: its RUNNING children and the parent -> KILLED."""
+        if self.parent_id is None or self.ended:
+            return
+        with tracking.signals_held(), contextlib.suppress(Exception):
+            exp = self.client.get_run(self.parent_id).info.experiment_id
+            running = self.client.search_runs([exp], f"tags.mlflow.parentRunId = '{self.parent_id}' and "
+                                                     "attributes.status = 'RUNNING'", max_results=5000)
+            for run_id in [r.info.run_id for r in running] + [self.parent_id]:
+                self.client.set_tag(run_id, "error", "interrupted: the sweep was stopped (Ctrl-C or SIGTERM)")
+                self.client.set_terminated(run_id, "KILLED")
+            print(f"rlrun: sweep interrupted; the parent run and {len(running)} running job(s) marked KILLED",
+                  file=sys.stderr)
 
     def on_multirun_end(self, config, **kwargs):
         if self.parent_id is None:
@@ -62,6 +83,7 @@ class SweepCallback(Callback):
         from . import report
 
         os.environ.pop(ENV, None)
+        self.ended = True  # the parent gets its status here: nothing left for end_interrupted
         status = "FAILED"
         try:  # Hydra only warns about exceptions in callbacks: never leave the parent RUNNING
             _, runs = report.child_runs(self.client, self.parent_id)

@@ -12,7 +12,7 @@ MAX_FUNCTION_LINES = 80
 # The config package, errors and the registry must stay importable without torch (the CLI validates in a second).
 LAYERS = [
     {"__init__", "errors", "config", "registry"},  # __init__: the version only
-    {"losses", "heads", "logprobs", "offload", "meters", "models", "tasks", "checkpoint", "tracking", "rollout",
+    {"losses", "heads", "logprobs", "offload", "meters", "models", "tasks", "checkpoint", "tracking", "spill", "rollout",
      "engine"},
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import start_server, stop_server
-from rlrun import spill, tracking
+from rlrun import report, spill, tracking
 
 
 class FlakyClient:
@@ -72,8 +72,8 @@ def test_a_store_that_never_comes_back_keeps_everything_for_sync(tmp_path, no_wa
     assert "rlrun-report --sync " + path in caplog.text
     assert [json.loads(x)["op"] for x in Path(path).read_text().splitlines()] == ["metrics", "status"]
     client.down = False
-    monkeypatch.setattr(tracking, "open_client", lambda uri: client)
-    assert spill.sync(path) == 0
+    monkeypatch.setattr(report, "open_client", lambda uri: client)
+    assert report.sync(path) == 0
     assert client.metrics == [("train/loss", 0, 0.0, 1000)] and client.status == "FINISHED"
     assert not os.path.exists(path)
 
@@ -97,7 +97,7 @@ def test_a_replay_cut_short_keeps_the_rest_and_sends_nothing_twice(tmp_path, no_
 
 
 def test_sync_of_a_missing_file_says_so(tmp_path, capsys):
-    assert spill.sync(str(tmp_path / "nope.jsonl")) == 2
+    assert report.sync(str(tmp_path / "nope.jsonl")) == 2
     assert "does not exist" in capsys.readouterr().out
 
 
