@@ -18,6 +18,7 @@ logprob mismatch, the run's performance summary) as `system/...`, which MLflow s
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -29,6 +30,8 @@ from omegaconf import OmegaConf
 from .errors import TrackingError
 from .spill import FILE_NAME as SPILL_FILE
 from .spill import Spill
+
+log = logging.getLogger("rlrun")
 
 
 def flatten(d, prefix: str = "") -> dict[str, str]:
@@ -189,14 +192,18 @@ def experiment_id(client, name: str) -> str:
 def connect(uri: str, experiment: str):
     """(client, experiment id) for writing runs; TrackingError naming the fix if the store cannot be used."""
     check_uri(uri)
-    client = open_client(uri)
     try:
+        client = open_client(uri)  # a sqlite store is opened (and created or migrated) here
         return client, experiment_id(client, experiment)
     except Exception as e:  # noqa: BLE001 - any failure here means the store is unusable
-        raise TrackingError(
-            f"tracking.uri={uri!r} cannot be reached or used ({type(e).__name__}: {str(e)[:300]}). "
-            "Start the server, fix the URI, or run with tracking=none."
-        ) from e
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        if urlparse(uri).scheme == "sqlite":
+            path = os.path.abspath(uri[len("sqlite:///"):])
+            raise TrackingError(f"tracking.uri={uri!r}: {path} cannot be used as an MLflow store ({why}). If it is "
+                                "not an MLflow database or is damaged, move it aside (a new one is created), point "
+                                "tracking.uri at another file, or run with tracking=none.") from e
+        raise TrackingError(f"tracking.uri={uri!r} cannot be reached or used ({why}). Start the server, fix the "
+                            "URI, or run with tracking=none.") from e
 
 
 def log_params(client, run_id: str, params: dict) -> None:
@@ -257,6 +264,12 @@ class MLflow:
             raise
 
     def _open(self, cfg, exp_id, config: dict, run_name: str | None, resume_run_id: str | None):
+        if resume_run_id and not self._run_exists(resume_run_id):  # the store changed since the checkpoint
+            log.warning("resume: run %s is not in tracking.uri=%s; this continues as a new run tagged "
+                        "rlrun.resumed_from=%s (its earlier steps stay in the store it was logged to; to continue "
+                        "that run itself, set tracking.uri to that store)", resume_run_id, cfg.uri, resume_run_id)
+            config = {**config, "resumed_from": resume_run_id}
+            resume_run_id = None
         if resume_run_id:  # the same run continues: RUNNING again, params as first logged
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
@@ -264,6 +277,8 @@ class MLflow:
             self.first_step = max((m.step for m in logged), default=-1) + 1
             return
         tags = {"mlflow.runName": run_name} if run_name else {}
+        if "resumed_from" in config:
+            tags["rlrun.resumed_from"] = config.pop("resumed_from")
         if cfg.parent_run_id:
             tags["mlflow.parentRunId"] = cfg.parent_run_id
         mark_experiment_kind(self.client, exp_id)
@@ -273,6 +288,17 @@ class MLflow:
         self.run_id = self.run.info.run_id
         log_params(self.client, self.run_id, flatten(config))
         self.client.log_dict(self.run_id, config, "config.yaml")
+
+    def _run_exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+            return True
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
 
     def _send(self, op: str, args) -> None:
         """Every write once the run exists: sent now, or kept in the spill file while the store is unreachable."""

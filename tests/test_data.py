@@ -335,3 +335,17 @@ def test_the_historic_jsonl_reader_refuses_an_oversized_line_too(tmp_path, monke
                                                                                       "answer": "b"}) + "\n")
     with pytest.raises(tasks.TaskError, match=re.escape(f"{path}:2: this line is")):
         loading.read_jsonl(str(path), ("prompt", "answer"))
+
+
+@pytest.mark.parametrize("reader", ["dataset", "jsonl"])
+def test_bytes_that_are_not_utf8_are_named_by_line_and_column(tmp_path, reader):
+    from rlrun.tasks import loading
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff\xfe", "answer": "3"}\n')
+    with pytest.raises(tasks.TaskError, match=re.escape(f"{path}:2: not UTF-8 text (byte 0xff at column 13); save "
+                                                        "the file as UTF-8.")):
+        if reader == "dataset":
+            tasks.load(task_cfg(path), 0, char_tokenizer())
+        else:
+            loading.read_jsonl(str(path), ("prompt", "answer"))

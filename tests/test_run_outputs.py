@@ -76,3 +76,20 @@ def test_resume_by_mlflow_run_id(tmp_path, cfg_factory):
 
     with pytest.raises(TrackingError, match="no such MLflow run"):
         run(cfg_factory("experiment=smoke", f"resume={'0' * 32}", tmp_path=tmp_path))
+
+
+def test_resume_into_another_store_continues_as_a_new_run_linked_to_the_old_one(tmp_path, cfg_factory, caplog):
+    """The checkpoint names a run the new tracking.uri does not hold (the store moved, or another working folder
+    with the default relative sqlite:///mlflow.db): a new run there, tagged with the old run's id."""
+    ckpt = tmp_path / "ckpt"
+    run(cfg_factory("experiment=smoke", "train.steps=2", f"checkpoint.dir={ckpt}", "export.enabled=false",
+                    tmp_path=tmp_path))
+    _, (old,) = runs(tmp_path / "mlflow.db")
+    (tmp_path / "moved").mkdir()
+    run(cfg_factory("experiment=smoke", "train.steps=4", f"checkpoint.dir={ckpt}", "resume=true",
+                    "export.enabled=false", tmp_path=tmp_path / "moved"))
+    client, (new,) = runs(tmp_path / "moved" / "mlflow.db")
+    assert new.info.status == "FINISHED" and new.info.run_id != old.info.run_id
+    assert new.data.tags["rlrun.resumed_from"] == old.info.run_id
+    assert [m.step for m in client.get_metric_history(new.info.run_id, "train/loss")] == [2, 3]
+    assert f"run {old.info.run_id} is not in tracking.uri=" in caplog.text

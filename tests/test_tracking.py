@@ -47,6 +47,14 @@ def test_connect_names_the_fix_for_an_unusable_store(tmp_path):
         tracking.connect(f"file://{tmp_path}/mlruns", "x")
 
 
+def test_a_file_that_is_not_an_mlflow_database_is_named_with_the_fix(tmp_path):
+    db = tmp_path / "mlflow.db"
+    db.write_bytes(b"not a database " * 100)
+    with pytest.raises(tracking.TrackingError, match=rf"{db} cannot be used as an MLflow store \(DatabaseError: .*"
+                                                     r"file is not a database\). .*move it aside"):
+        tracking.connect(f"sqlite:///{db}", "x")
+
+
 def test_params_and_metrics_are_batched_and_cut_to_mlflow_limits(store):
     _, client = store
     run_id = client.create_run(tracking.experiment_id(client, "batch")).info.run_id

@@ -20,14 +20,20 @@ COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 MAX_ROW_BYTES = 1 << 20
 
 
-def check_line_sizes(path) -> None:
-    """TaskError naming file:line for the first line of a JSONL file longer than MAX_ROW_BYTES."""
+def check_lines(path) -> None:
+    """TaskError naming file:line for the first line of a JSONL file that is longer than MAX_ROW_BYTES or is not
+    UTF-8 text (read as bytes: nothing is decoded or parsed before it passed)."""
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if len(line) > MAX_ROW_BYTES:
                 raise TaskError(f"{path}:{lineno}: this line is {len(line) / 2**20:.1f} MiB; rows over "
                                 f"{MAX_ROW_BYTES >> 20} MiB are refused (far longer than any model's context). "
                                 "Shorten or drop it.")
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TaskError(f"{path}:{lineno}: not UTF-8 text (byte 0x{line[e.start]:02x} at column "
+                                f"{e.start + 1}); save the file as UTF-8.") from None
 
 
 def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
@@ -36,7 +42,7 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
         f = open(path, encoding="utf-8")
     except OSError as e:
         raise TaskError(f"task.path={path!r} cannot be read ({e.strerror}); point it at a JSONL file.") from e
-    check_line_sizes(path)
+    check_lines(path)
     out = []
     with f:
         for lineno, line in enumerate(f, 1):
@@ -169,7 +175,7 @@ def load_splits(path, names: list[tuple[str, str]], max_rows: int | None) -> lis
     """The splits `names` ([(config key, split name)]) of the local data at `path`, each cut to `max_rows`."""
     p = resolve(path)
     if p.is_file() and p.suffix == ".jsonl":
-        check_line_sizes(p)
+        check_lines(p)
     with _quiet_datasets() as (datasets, cache):
         try:
             splits = _open(p, datasets, cache)
