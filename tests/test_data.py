@@ -29,7 +29,7 @@ def task_cfg(path, **options):
     base = {"name": "dataset", "path": str(path), "split": "train", "eval_split": None, "eval_size": 0,
             "max_rows": None, "prompt_key": "prompt", "answer_key": "answer", "chosen_key": "chosen",
             "rejected_key": "rejected", "chat_template": "auto", "add_generation_prompt": True,
-            "system_prompt": None, "reward": None,
+            "system_prompt": None, "reward": None, "max_prompt_tokens": None,
             "rewards": [{"fn": "rlrun.tasks.rewards:exact_match", "weight": 1.0}]}
     return OmegaConf.create({**base, **options})
 
@@ -298,10 +298,17 @@ def test_length_warnings_have_numbers(tmp_path):
         "Completions stop at that length, so a reward that needs the whole answer in the completion can never be "
         "earned on those rows: raise rollout.max_new_tokens to at least 5 (not needed when the reward extracts part "
         "of the answer, as numeric_match does with '####')."]
-    assert tasks.check_lengths(task, tok, 8, 40) == [
+    with pytest.raises(tasks.TaskError) as e:  # one prompt past the context: refused, the cut named as a fix
+        tasks.check_lengths(task, tok, 8, 40)
+    assert str(e.value) == (
         "1 of 3 prompts do not fit the model's context: prompt + rollout.max_new_tokens=8 > 40 positions (the "
-        "longest prompt is 40 tokens). Shorten or drop them, lower rollout.max_new_tokens, or use a model with a "
-        "longer context."]
+        "longest prompt is 40 tokens). Set task.max_prompt_tokens=32 (keeps the last 32 tokens of each), shorten "
+        "or drop them, lower rollout.max_new_tokens, or use a model with a longer context.")
+    cut = tasks.load(task_cfg(write(tmp_path, rows, "jsonl", "cut"), max_prompt_tokens=32), 0, tok)
+    assert cut.train[2]["prompt"] == "x" * 32 and cut.train[1]["prompt"] == rows[1]["prompt"]  # the others stay
+    assert cut.warnings == ["1 of 3 prompts were longer than task.max_prompt_tokens=32 tokens (the longest 40) and "
+                            "keep only their last 32 tokens."]
+    assert tasks.check_lengths(cut, tok, 8, 40) == cut.warnings  # it fits now: no error, the cut said once
     with pytest.raises(tasks.TaskError, match=r"all 3 prompts are too long: the shortest is 4 tokens \+ "
                                               r"rollout.max_new_tokens=8 > the model's context of 10 positions"):
         tasks.check_lengths(task, tok, 8, 10)

@@ -182,6 +182,7 @@ class ArithTask:
     chat_template: ChatTemplate
     add_generation_prompt: bool
     system_prompt: str | None
+    max_prompt_tokens: PosInt | None  # GRPO prompts longer than this keep their last N tokens
 
 
 @dataclass
@@ -194,6 +195,7 @@ class JsonlTask:
     chat_template: ChatTemplate
     add_generation_prompt: bool
     system_prompt: str | None
+    max_prompt_tokens: PosInt | None  # GRPO prompts longer than this keep their last N tokens
 
 
 @dataclass
@@ -211,6 +213,7 @@ class DatasetTask:
     chat_template: ChatTemplate
     add_generation_prompt: bool
     system_prompt: str | None
+    max_prompt_tokens: PosInt | None  # GRPO prompts longer than this keep their last N tokens
     reward: ImportPath | None
     rewards: list[RewardEntry] | None
 

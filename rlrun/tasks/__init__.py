@@ -20,9 +20,10 @@ task.eval_size (an int count or a float fraction of the distinct training prompt
 a drawn prompt leave train). task.max_rows keeps the first rows of each split. A mapped column keeps its own
 name in the row too; a column literally named `prompt` / `answer` is replaced by the mapped values.
 
-check_lengths counts tokens as the rollout encodes them (no special tokens): it warns about prompts that with
-rollout.max_new_tokens overflow max_positions, answers longer than max_new_tokens, DPO pairs longer than the
-context (the loader's own warnings come first), and raises TaskError when there are no rows or every one is too long.
+check_lengths counts tokens as the rollout encodes them (no special tokens): it refuses GRPO prompts that with
+rollout.max_new_tokens overflow max_positions (task.max_prompt_tokens=N, applied by `load`, keeps each prompt's
+last N tokens instead), warns about answers longer than max_new_tokens and DPO pairs longer than the context (the
+loader's own warnings come first), and raises TaskError when there are no rows or every pair is too long.
 
 Prompts are text or chat messages ([{role, content}]). task.chat_template: auto (apply the tokenizer's template
 when it has one; the default of task=dataset), true (a tokenizer without one is an error), false (prompts are fed

@@ -11,6 +11,7 @@ from . import scoring
 from .arith import arith_examples, arith_pairs
 from .base import MISSING, TaskError, opt, short
 from .chat import Formatter, template_setting
+from .lengths import cut_prompts
 from .loading import MAX_ROW_BYTES, Split, load_splits, read_jsonl, resolve
 from .scoring import load_reward
 
@@ -18,7 +19,7 @@ NAMES = ("arith", "jsonl", "dataset")
 DEFAULTS = {
     "split": "train", "eval_split": None, "eval_size": 0, "max_rows": None,
     "prompt_key": "prompt", "answer_key": "answer", "chosen_key": "chosen", "rejected_key": "rejected",
-    "add_generation_prompt": True, "system_prompt": None, "reward": None, "rewards": None,
+    "add_generation_prompt": True, "system_prompt": None, "reward": None, "rewards": None, "max_prompt_tokens": None,
 }  # chat_template: 'auto' for dataset; false for arith and jsonl, whose prompts were always fed as they are
 
 
@@ -57,6 +58,9 @@ def _options(cfg) -> tuple[dict, list[str]]:
         p.append(f"task.add_generation_prompt={o['add_generation_prompt']!r} must be true or false.")
     if o["system_prompt"] is not None and not (isinstance(o["system_prompt"], str) and o["system_prompt"].strip()):
         p.append(f"task.system_prompt={o['system_prompt']!r} must be a non-empty string or null.")
+    n = o["max_prompt_tokens"]
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        p.append(f"task.max_prompt_tokens={n!r} must be a positive integer or null.")
     e = o["eval_size"]
     if isinstance(e, bool) or not (isinstance(e, int) and e >= 0 or isinstance(e, float) and 0 <= e < 1):
         p.append(f"task.eval_size={e!r} must be a count (int >= 0) or a fraction in [0, 1) of the training rows.")
@@ -214,7 +218,10 @@ def load(cfg, seed: int, tokenizer=None) -> Task:
     train, held, warnings = _held_out(rows, eval_rows, o["eval_size"], seed, "training")
     fields = set().union(*(r.keys() for r in (train[:1] + held[:1])))
     rewards = scoring.load_rewards(o["reward"], o["rewards"], fields)
-    return Task(o["name"], train, held, rewards, warnings)
+    task = Task(o["name"], train, held, rewards, warnings)
+    if o["max_prompt_tokens"] is not None and tokenizer is not None:
+        cut_prompts(task, tokenizer, o["max_prompt_tokens"])
+    return task
 
 
 def load_pairs(cfg, seed: int, tokenizer=None) -> tuple[list[dict], list[dict]]:

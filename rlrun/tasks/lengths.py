@@ -13,10 +13,25 @@ def _lengths(tokenizer, texts: list[str]) -> list[int]:
     return [n[t] for t in texts]
 
 
+def cut_prompts(task, tokenizer, n: int) -> None:
+    """task.max_prompt_tokens=n: each prompt (train and eval) longer than n tokens keeps its last n (the end holds
+    the question and, with a chat template, the assistant header); a warning counts them."""
+    rows = list(task.train) + list(task.eval)
+    ids = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
+    cut = [(r, i) for r, i in zip(rows, ids) if len(i) > n]
+    for row, i in cut:
+        row["prompt"] = tokenizer.decode(i[-n:])
+    if cut:
+        longest = max(len(i) for _, i in cut)
+        task.warnings.append(f"{len(cut)} of {len(rows)} prompts were longer than task.max_prompt_tokens={n} tokens "
+                             f"(the longest {longest}) and keep only their last {n} tokens.")
+
+
 def check_lengths(task_or_rows, tokenizer, max_new_tokens: int | None, max_positions: int | None) -> list[str]:
-    """Warnings (sentences with counts and the key to change) about rows that cannot work: GRPO prompts that
-    with rollout.max_new_tokens overflow the model's context, answers longer than rollout.max_new_tokens; DPO
-    pairs longer than the context. Raises TaskError when there are no rows or when every row is too long.
+    """Warnings (sentences with counts and the key to change) about rows that may not work: answers longer than
+    rollout.max_new_tokens; DPO pairs longer than the context. Raises TaskError when there are no rows, when every
+    DPO pair is too long, or when any GRPO prompt with rollout.max_new_tokens overflows the model's context (the fix
+    named: task.max_prompt_tokens cuts them).
     `task_or_rows`: a Task (train and eval rows; its loading warnings come first) or a list of rows.
     None for max_new_tokens / max_positions skips that check."""
     rows = list(getattr(task_or_rows, "train", task_or_rows)) + list(getattr(task_or_rows, "eval", []))
@@ -43,14 +58,17 @@ def check_lengths(task_or_rows, tokenizer, max_new_tokens: int | None, max_posit
     if max_positions is not None:
         over = [p for p in prompts if p + budget > max_positions]
         plus = f" + rollout.max_new_tokens={max_new_tokens}" if max_new_tokens else ""
+        fit = max_positions - budget
+        fixes = [f"set task.max_prompt_tokens={fit} (keeps the last {fit} tokens of each)"] if fit >= 1 else []
+        fixes += ["shorten or drop them", "lower rollout.max_new_tokens", "use a model with a longer context"]
+        fix = ", ".join(fixes[:-1]) + ", or " + fixes[-1] + "."
+        fix = fix[0].upper() + fix[1:]
         if len(over) == m:
             raise TaskError(f"all {m} prompts are too long: the shortest is {min(prompts)} tokens{plus} > the "
-                            f"model's context of {max_positions} positions. Shorten the prompts, lower "
-                            "rollout.max_new_tokens, or use a model with a longer context.")
-        if over:
-            out.append(f"{len(over)} of {m} prompts do not fit the model's context: prompt{plus} > "
-                       f"{max_positions} positions (the longest prompt is {max(over)} tokens). Shorten or drop "
-                       "them, lower rollout.max_new_tokens, or use a model with a longer context.")
+                            f"model's context of {max_positions} positions. {fix}")
+        if over:  # refused: generating past the context uses positions the model never learned
+            raise TaskError(f"{len(over)} of {m} prompts do not fit the model's context: prompt{plus} > "
+                            f"{max_positions} positions (the longest prompt is {max(over)} tokens). {fix}")
     if max_new_tokens is not None:
         answers = _lengths(tokenizer, [r["answer"] for r in rows])
         long = [i for i, a in enumerate(answers) if a > max_new_tokens]
