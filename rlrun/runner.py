@@ -244,6 +244,7 @@ class Frame:
         c, done = self.cfg.checkpoint, step + 1
         stop = any(self.engine.gather(stop))  # a signal that reached one rank stops all of them after the same step
         if c.dir and ((c.every and done % c.every == 0) or done == self.cfg.train.steps or stop):
+            self.tracker.flush()  # every step up to here is in the store: a resume from this checkpoint logs none twice
             state = {"step": done, "rng": rng_state(), "run_id": self.tracker.run_id, "config": cfg_flat(self.raw),
                      **{name: obj.state_dict() for name, obj in stateful.items()}}
             path = self.engine.save(c.dir, done, state, c.keep)

@@ -1,8 +1,10 @@
 """What a run could not send to its tracking store: kept in a local JSON-lines file and sent later, in order.
 
 The tracker (`tracking.MLflow`) writes every metric, tag, text, table, artifact folder and the final status
-through `Spill.write`. While the store answers, each record is sent at once (retried a few times with backoff, so
-a server that restarts or blips for a second costs nothing). When it stays unreachable, records are appended to
+through `Spill.write`, which queues it for one background thread: the step never waits for the store. The thread
+sends the records in order, each retried a few times with backoff (a server that restarts or blips for a second
+costs nothing). `flush` waits until everything queued was sent or kept: the run frame calls it before writing a
+checkpoint (so a resume never misses a step logged before it) and `close` at the end. When it stays unreachable, records are appended to
 `mlflow_spill.jsonl` in the run's output folder and training goes on; a warning says so once. Every
 `RETRY_S` seconds, and for up to `END_WAIT_S` seconds at the end of the run, the file is replayed into the run;
 what is still there after that is replayed with `rlrun-report --sync FILE` (report.sync).
@@ -17,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import threading
 import time
 
 log = logging.getLogger("rlrun")
@@ -60,8 +64,32 @@ class Spill:
         self.pending = 0  # records in the file
         self.next_try = 0.0
         self.warned = False
+        self.queue: queue.Queue = queue.Queue()
+        self.thread: threading.Thread | None = None
 
     def write(self, record: dict) -> None:
+        """Queue `record` for the background sender (started on first use); returns at once."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._work, name="rlrun-tracking", daemon=True)
+            self.thread.start()
+        self.queue.put(record)
+
+    def flush(self) -> None:
+        """Wait until every queued record was sent to the store or kept in the file."""
+        if self.thread is not None:
+            self.queue.join()
+
+    def _work(self) -> None:
+        while True:
+            record = self.queue.get()
+            try:
+                self._deliver(record)
+            except BaseException as e:  # noqa: BLE001 - e.g. a full disk: say it, never hang flush()
+                log.error("tracking: a record was lost (%s: %s)", type(e).__name__, e)
+            finally:
+                self.queue.task_done()
+
+    def _deliver(self, record: dict) -> None:
         if self.pending and time.monotonic() >= self.next_try:
             self.drain()
         if self.pending:  # still unreachable: keep the order, send later
@@ -101,7 +129,9 @@ class Spill:
         return not left
 
     def close(self) -> None:
-        """At the end of the run: wait up to END_WAIT_S for the store to take what is kept, else say how to."""
+        """At the end of the run: everything queued goes out, then wait up to END_WAIT_S for the store to take
+        what is kept, else say how to send it later."""
+        self.flush()
         deadline = time.monotonic() + END_WAIT_S
         while self.pending and not self.drain() and time.monotonic() < deadline:
             time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))

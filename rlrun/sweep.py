@@ -1,6 +1,7 @@
 """Sweeps: one MLflow parent run per Hydra multirun, one child run per job, figures at the end.
 
-Registered as a Hydra callback in conf/config.yaml. The parent run id reaches the jobs as
+Registered as a Hydra callback in conf/config.yaml (it also refuses, before Hydra creates it, an output folder
+that cannot be written: `refuse_unwritable`). The parent run id reaches the jobs as
 `tracking.parent_run_id`, read from RLRUN_PARENT_RUN_ID (our own variable, inherited by launchers that run jobs
 in other processes; never MLFLOW_RUN_ID, which would make start_run resume the parent). A failed job is marked
 FAILED with its error and the sweep goes on; at the end the parent run is FINISHED only if every job finished,
@@ -29,13 +30,33 @@ ENV = "RLRUN_PARENT_RUN_ID"
 log = logging.getLogger("rlrun.sweep")
 
 
+def refuse_unwritable(folder, key: str) -> None:
+    """Exit 2 with one line, before Hydra tries to create the run's output folder, if it cannot be created (a
+    read-only working folder, say) instead of Hydra's traceback."""
+    path = os.path.abspath(str(folder))
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".rlrun-write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        print(f"rlrun: error: cannot write the run's output folder {path} ({e.strerror}); run rlrun from a "
+              f"writable folder or set {key}=/a/writable/folder", file=sys.stderr)
+        sys.exit(2)
+
+
 class SweepCallback(Callback):
     def __init__(self):
         self.client = None
         self.parent_id = None
         self.ended = False
 
+    def on_run_start(self, config, config_name=None, **kwargs):
+        refuse_unwritable(config.hydra.run.dir, "hydra.run.dir")
+
     def on_multirun_start(self, config, config_name=None, **kwargs):
+        refuse_unwritable(config.hydra.sweep.dir, "hydra.sweep.dir")
         refuse_invalid_jobs(config, config_name)
         if config.tracking.name != "mlflow":
             return

@@ -130,6 +130,9 @@ class Null:
     def finish(self, status):
         pass
 
+    def flush(self):
+        pass
+
     def describe(self, text):
         pass
 
@@ -331,6 +334,11 @@ class MLflow:
 
     def artifacts(self, folder: str, name: str):
         self._send("artifacts", {"folder": os.path.abspath(folder), "name": name})
+
+    def flush(self):
+        """Wait until everything logged so far is in the store (or kept in the spill file)."""
+        if self.spill is not None:
+            self.spill.flush()
 
     def finish(self, status: str):
         self._send("status", status)

@@ -97,7 +97,9 @@ def test_a_resumed_run_keeps_its_description_and_replaces_the_result(tmp_path):
     cfg = OmegaConf.create({"uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "rlrun", "parent_run_id": None})
     first = tracking.MLflow(cfg, {"loss": {"name": "dapo"}, "train": {"steps": 4}}, "x")
     first.describe(tracking.headline({"reward_first": 0.1, "reward_last": 0.2}))
+    first.flush()  # writes go through a background sender; the first process ends before the resume starts
     again = tracking.MLflow(cfg, {}, None, resume_run_id=first.run_id)
     again.describe(tracking.headline({"reward_first": 0.1, "reward_last": 0.3}))
+    again.flush()
     note = tracking.open_client(cfg.uri).get_run(first.run_id).data.tags["mlflow.note.content"]
     assert note.startswith("GRPO-family RL (dapo loss)") and note.count("Result:") == 1 and "0.1 → 0.3" in note

@@ -227,6 +227,22 @@ def test_an_unwritable_checkpoint_dir_is_refused_before_training(tmp_path):
                                                          for r in runs(tmp_path / "mlflow.db")[1])
 
 
+@pytest.mark.parametrize("multirun", [False, True])
+def test_an_output_folder_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, multirun):
+    """What a read-only working folder does to Hydra's outputs/ (a folder under a file fails the same way, also
+    for root, who may write in read-only folders)."""
+    (tmp_path / "a_file").write_text("not a folder")
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    out = subprocess.run([sys.executable, "-m", "rlrun", *(["-m", "seed=0,1"] if multirun else []),
+                          "experiment=smoke", f"{key}={tmp_path}/a_file/out"], cwd=tmp_path, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"rlrun: error: cannot write the run's output folder {tmp_path}/a_file/out (Not a directory); run rlrun "
+        f"from a writable folder or set {key}=/a/writable/folder")
+    assert not (tmp_path / "mlflow.db").exists()  # refused before any run was created
+
+
 def test_check_writable():
     checkpoint.check_writable(None)
     checkpoint.check_writable("")

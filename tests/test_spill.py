@@ -51,13 +51,16 @@ def test_writes_are_kept_while_the_store_is_down_and_sent_in_order_once_it_is_ba
     client, path = FlakyClient(), str(tmp_path / "spill.jsonl")
     s = spill.Spill(client, path, "http://x")
     s.write(metrics(0))
+    s.flush()
     client.down = True
     for step in (1, 2, 3):
         s.write(metrics(step))
+    s.flush()  # the writes returned at once; the background sender has kept them by now
     assert s.pending == 3 and len(Path(path).read_text().splitlines()) == 3
     assert sum("stopped answering" in r.message for r in caplog.records) == 1  # said once, not per write
     client.down = False
     s.write(metrics(4))  # the kept records go first, then this one
+    s.flush()
     assert [m[1] for m in client.metrics] == [0, 1, 2, 3, 4]
     assert not os.path.exists(path) and s.pending == 0
 
@@ -76,6 +79,28 @@ def test_a_store_that_never_comes_back_keeps_everything_for_sync(tmp_path, no_wa
     assert report.sync(path) == 0
     assert client.metrics == [("train/loss", 0, 0.0, 1000)] and client.status == "FINISHED"
     assert not os.path.exists(path)
+
+
+def test_writes_never_wait_for_a_slow_store(tmp_path, no_waits):
+    """The step returns while the store still works on what it was sent; flush waits for it."""
+    import threading
+
+    client, release = FlakyClient(), threading.Event()
+    real = client.log_batch
+
+    def slow(run_id, metrics):
+        release.wait(10)
+        real(run_id, metrics)
+
+    client.log_batch = slow
+    s = spill.Spill(client, str(tmp_path / "spill.jsonl"), "http://x")
+    started = time.monotonic()
+    for step in range(5):
+        s.write(metrics(step))
+    assert time.monotonic() - started < 1.0 and client.metrics == []  # nothing sent yet, nobody waited
+    release.set()
+    s.flush()
+    assert [m[1] for m in client.metrics] == [0, 1, 2, 3, 4]
 
 
 def test_a_replay_cut_short_keeps_the_rest_and_sends_nothing_twice(tmp_path, no_waits):
