@@ -4,7 +4,8 @@
 with the task's scorer and returns `Evaluation(metrics, samples)`:
 - `eval/reward_mean`: mean total reward over all completions;
 - `eval/accuracy`: share of completions with total reward >= 1.0 (solved; with samples > 1 this is pass@1);
-- `eval/pass@k` (samples = k > 1): share of prompts with at least one solved completion;
+- `eval/pass_at_k` (samples = k > 1): share of prompts with at least one solved completion (not `pass@k`:
+  MLflow refuses `@` in a metric name);
 - `eval/response_len_mean`: response tokens up to and including EOS, as the training metric counts them;
 - `eval/rewards/<name>/mean`: each named reward the scorer returns;
 and `samples`, the first `show` rows as {prompt, completion, answer, reward} for a samples table.
@@ -93,7 +94,7 @@ def evaluate(model, tokenizer, rows: list[dict], score_fn, *, max_new_tokens: in
     metrics = {"eval/reward_mean": float(np.mean(totals)), "eval/accuracy": solved.double().mean().item(),
                "eval/response_len_mean": float(np.mean(lengths))}
     if k > 1:
-        metrics[f"eval/pass@{k}"] = solved.any(1).double().mean().item()
+        metrics[f"eval/pass_at_{k}"] = solved.any(1).double().mean().item()
     for name, values in (per_reward or {}).items():
         metrics[f"eval/rewards/{name}/mean"] = float(np.mean(values))
     table = [{"prompt": rows[i]["prompt"], "completion": completions[n], "answer": rows[i].get("answer"),

@@ -48,7 +48,8 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
     tracker = tracking.Null()
     try:
         if main_rank:  # inside the try: a signal just after the run is created still ends it (tracking.MLflow)
-            tracker = tracking.start(cfg.tracking, raw, run_name, resume_run_id=resume_id)
+            tracker = tracking.start(cfg.tracking, raw, run_name, resume_run_id=resume_id,
+                                     previous_spill=state and state.get("spill"))
         summary = train(cfg, raw, tracker, state)
     except KeyboardInterrupt:
         end(tracker, "KILLED", "interrupted (KeyboardInterrupt)")
@@ -152,7 +153,7 @@ def check_finite(loss: torch.Tensor, step: int, fix: str) -> None:
 
 # Keys of a checkpoint that the frame (step, rng, run_id, config) and the engines (model, optimizer, scheduler,
 # reference, world_size, deepspeed_checkpoint) write; a recipe's stateful objects take other names.
-RESERVED = {"step", "rng", "run_id", "config", "model", "optimizer", "scheduler", "reference", "world_size",
+RESERVED = {"step", "rng", "run_id", "spill", "config", "model", "optimizer", "scheduler", "reference", "world_size",
             "deepspeed_checkpoint"}
 
 
@@ -245,7 +246,8 @@ class Frame:
         stop = any(self.engine.gather(stop))  # a signal that reached one rank stops all of them after the same step
         if c.dir and ((c.every and done % c.every == 0) or done == self.cfg.train.steps or stop):
             self.tracker.flush()  # every step up to here is in the store: a resume from this checkpoint logs none twice
-            state = {"step": done, "rng": rng_state(), "run_id": self.tracker.run_id, "config": cfg_flat(self.raw),
+            state = {"step": done, "rng": rng_state(), "run_id": self.tracker.run_id,
+                     "spill": getattr(self.tracker, "spill_path", None), "config": cfg_flat(self.raw),
                      **{name: obj.state_dict() for name, obj in stateful.items()}}
             path = self.engine.save(c.dir, done, state, c.keep)
             if path:

@@ -4,18 +4,26 @@ The tracker (`tracking.MLflow`) writes every metric, tag, text, table, artifact 
 through `Spill.write`, which queues it for one background thread: the step never waits for the store. The thread
 sends the records in order, each retried a few times with backoff (a server that restarts or blips for a second
 costs nothing). `flush` waits until everything queued was sent or kept: the run frame calls it before writing a
-checkpoint (so a resume never misses a step logged before it) and `close` at the end. When it stays unreachable, records are appended to
-`mlflow_spill.jsonl` in the run's output folder and training goes on; a warning says so once. Every
-`RETRY_S` seconds, and for up to `END_WAIT_S` seconds at the end of the run, the file is replayed into the run;
-what is still there after that is replayed with `rlrun-report --sync FILE` (report.sync).
+checkpoint (so a resume never misses a step logged before it) and `close` at the end.
+
+When the store stays unreachable, records are appended to `mlflow_spill.jsonl` in the run's output folder and
+training goes on; a warning says so. Every `RETRY_S` seconds, and for up to `END_WAIT_S` seconds at the end of a
+run that finished, the file is replayed into the run; what is still there after that is sent with
+`rlrun-report --sync FILE` (report.sync), or by resuming the run from a checkpoint (which replays it first).
+
+A record the store refuses for good (an invalid metric name, a deleted run) is not an outage: it is logged as an
+error and set aside in `mlflow_spill.rejected.jsonl`, and the records after it go on. Records still in the queue
+when the process is killed with SIGKILL (or the OOM killer) are lost: at most the steps since the last send or
+checkpoint; a resume from the checkpoint logs those steps again.
 
 Nothing is sent twice: a record leaves the file only after the store accepted it, and a metric carries its own
-timestamp, so the store drops a metric it already holds (same key, step, timestamp and value) if an answer got
-lost on the way back.
+timestamp, so the store drops a metric it already holds (same key, step, timestamp and value: MLflow's SQL
+stores do) if an answer got lost on the way back. The run and `--sync` take turns on the file (a lock beside it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +38,14 @@ DELAYS = (1.0, 2.0, 4.0)
 RETRY_S = float(os.environ.get("RLRUN_TRACKING_RETRY_S", 30))  # while spilling: how often to try the store again
 END_WAIT_S = float(os.environ.get("RLRUN_TRACKING_END_WAIT_S", 30))  # at the end: how long to wait for it
 FILE_NAME = "mlflow_spill.jsonl"
+# MLflow's answers that no retry changes: the record itself is refused.
+REFUSED = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "INVALID_STATE",
+           "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED"}
+
+
+def refused(e: BaseException) -> bool:
+    """True when the store answered and refused this record (retrying cannot help); False for outages."""
+    return getattr(e, "error_code", None) in REFUSED
 
 
 def apply(client, record: dict) -> None:
@@ -56,14 +72,38 @@ def apply(client, record: dict) -> None:
         raise ValueError(f"unknown spill record {op!r}")
 
 
+def _plain(value):
+    """json.dumps fallback: numpy scalars as numbers, anything else as its text."""
+    item = getattr(value, "item", None)
+    return item() if callable(item) else str(value)
+
+
+@contextlib.contextmanager
+def locked(path: str):
+    """An exclusive lock on `path`.lock: the run appending and `--sync` replaying take turns."""
+    try:
+        import fcntl
+    except ImportError:  # no fcntl (Windows): no lock
+        yield
+        return
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 class Spill:
-    """One run's writes: sent at once while the store answers, kept in `path` (and retried) while it does not."""
+    """One run's writes: sent by a background thread while the store answers, kept in `path` (and retried) while
+    it does not."""
 
     def __init__(self, client, path: str, uri: str):
         self.client, self.path, self.uri = client, path, uri
-        self.pending = 0  # records in the file
+        self.pending = count(path)  # records in the file (one left by an earlier process in this folder counts)
         self.next_try = 0.0
-        self.warned = False
+        self.hurry = False  # the run is being stopped: one attempt per record, no waiting for the store
+        self.stopping = threading.Event()
         self.queue: queue.Queue = queue.Queue()
         self.thread: threading.Thread | None = None
 
@@ -83,6 +123,8 @@ class Spill:
         while True:
             record = self.queue.get()
             try:
+                if record is None:  # close(): the run is over
+                    return
                 self._deliver(record)
             except BaseException as e:  # noqa: BLE001 - e.g. a full disk: say it, never hang flush()
                 log.error("tracking: a record was lost (%s: %s)", type(e).__name__, e)
@@ -90,7 +132,7 @@ class Spill:
                 self.queue.task_done()
 
     def _deliver(self, record: dict) -> None:
-        if self.pending and time.monotonic() >= self.next_try:
+        if self.pending and time.monotonic() >= self.next_try and not self.hurry:
             self.drain()
         if self.pending:  # still unreachable: keep the order, send later
             self._keep(record)
@@ -101,21 +143,24 @@ class Spill:
                 apply(self.client, record)
                 return
             except Exception as e:  # noqa: BLE001 - whatever the store says, training goes on
+                if refused(e):
+                    return reject(self.path, record, e)
                 error = e
-                if delay is not None:
-                    time.sleep(delay)
+                if delay is None or self.hurry:
+                    break
+                self.stopping.wait(delay)  # a sleep that close(wait=False) cuts short
         self._keep(record)
-        if not self.warned:
-            self.warned = True
-            log.warning("MLflow at %s stopped answering (%s: %s); training goes on and what it logs is kept in %s, "
-                        "sent when the store is back (or: rlrun-report --sync %s)", self.uri, type(error).__name__,
-                        str(error)[:200], self.path, self.path)
+        if self.pending == 1:  # the first record of an outage
+            log.warning("MLflow at %s does not answer (%s: %s); training goes on and what it logs is kept in %s "
+                        "and sent when the store is back (after the run: rlrun-report --sync %s)", self.uri,
+                        type(error).__name__, str(error)[:200], self.path, self.path)
 
     def _keep(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps(record, default=_plain) + "\n"
+        with locked(self.path), open(self.path, "a") as f:
+            f.write(line)
             f.flush()
-            os.fsync(f.fileno())  # a record is either in the store or on disk, also after a crash
+            os.fsync(f.fileno())  # a kept record survives the process
         self.pending += 1
         self.next_try = self.next_try or time.monotonic() + RETRY_S
 
@@ -128,11 +173,17 @@ class Spill:
             log.warning("MLflow at %s answers again: %d kept records sent", self.uri, done)
         return not left
 
-    def close(self) -> None:
-        """At the end of the run: everything queued goes out, then wait up to END_WAIT_S for the store to take
-        what is kept, else say how to send it later."""
-        self.flush()
-        deadline = time.monotonic() + END_WAIT_S
+    def close(self, wait: bool = True) -> None:
+        """At the end of the run: everything queued goes out, the sender stops. `wait` (a finished run): wait up to
+        END_WAIT_S for the store to take what is kept. Without it (a run being stopped by a signal or an error),
+        each queued record gets one attempt and nothing waits for the store. Then says how to send the rest."""
+        if not wait:
+            self.hurry = True
+            self.stopping.set()
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join()
+        deadline = time.monotonic() + (END_WAIT_S if wait else 0.0)
         while self.pending and not self.drain() and time.monotonic() < deadline:
             time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
         if self.pending:
@@ -141,26 +192,48 @@ class Spill:
                         self.uri, self.pending, self.path, self.path)
 
 
+def count(path: str) -> int:
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for line in f if line.strip())
+
+
+def reject(path: str, record: dict | str, error: BaseException) -> None:
+    """A record the store refused for good: said once, set aside beside the spill file, never retried."""
+    rejected = path.replace(".jsonl", "") + ".rejected.jsonl"
+    with open(rejected, "a") as f:
+        f.write((record if isinstance(record, str) else json.dumps(record, default=_plain) + "\n"))
+    log.error("MLflow refused a record of this run (%s: %s); it is set aside in %s and the rest goes on",
+              type(error).__name__, str(error)[:300], rejected)
+
+
 def replay(client, path: str) -> tuple[int, int]:
     """Send the records of a spill file in order; -> (sent, left). Sent records leave the file (it is removed when
-    empty); the first one the store refuses stops the replay, and it and the rest stay for the next try."""
-    if not os.path.exists(path):
-        return 0, 0
-    with open(path) as f:
-        lines = [line for line in f if line.strip()]
-    sent = 0
-    for line in lines:
-        try:
-            apply(client, json.loads(line))
-        except Exception:  # noqa: BLE001 - unreachable again: keep this one and the rest
-            break
-        sent += 1
-    left = lines[sent:]
-    if left:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(left)
-        os.replace(tmp, path)  # atomic: a crash here leaves either the old file or the new one
-    else:
-        os.remove(path)
-    return sent, len(left)
+    empty); when the store does not answer, that record and the rest stay for the next try. A record the store
+    refuses for good, or a line that is not a record, is set aside (`reject`) and the replay goes on."""
+    with locked(path):
+        if not os.path.exists(path):
+            return 0, 0
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+        sent = 0
+        for line in lines:
+            try:
+                apply(client, json.loads(line))
+            except (ValueError, KeyError, TypeError) as e:  # a torn or foreign line: never blocks the rest
+                reject(path, line, e)
+            except Exception as e:  # noqa: BLE001 - refused: set aside; unreachable again: stop here
+                if not refused(e):
+                    break
+                reject(path, line, e)
+            sent += 1
+        left = lines[sent:]
+        if left:
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(left)
+            os.replace(tmp, path)  # atomic: a crash here leaves either the old file or the new one
+        else:
+            os.remove(path)
+        return sent, len(left)

@@ -93,9 +93,10 @@ class SweepCallback(Callback):
             running = self.client.search_runs([exp], f"tags.mlflow.parentRunId = '{self.parent_id}' and "
                                                      "attributes.status = 'RUNNING'", max_results=5000)
             for run_id in [r.info.run_id for r in running] + [self.parent_id]:
-                self.client.set_tag(run_id, "error", "interrupted: the sweep was stopped (Ctrl-C or SIGTERM)")
+                self.client.set_tag(run_id, "error", "the sweep ended before its jobs did (Ctrl-C, SIGTERM or a "
+                                                     "launcher error)")
                 self.client.set_terminated(run_id, "KILLED")
-            print(f"rlrun: sweep interrupted; the parent run and {len(running)} running job(s) marked KILLED",
+            print(f"rlrun: the sweep ended early; the parent run and {len(running)} running job(s) marked KILLED",
                   file=sys.stderr)
 
     def on_multirun_end(self, config, **kwargs):

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from .errors import TrackingError
 from .spill import FILE_NAME as SPILL_FILE
-from .spill import Spill
+from .spill import Spill, replay
 
 log = logging.getLogger("rlrun")
 
@@ -249,12 +249,14 @@ def log_figures(client, run_id: str, figs: dict) -> None:
 
 
 class MLflow:
-    def __init__(self, cfg, config: dict, run_name: str | None, resume_run_id: str | None = None):
+    def __init__(self, cfg, config: dict, run_name: str | None, resume_run_id: str | None = None,
+                 previous_spill: str | None = None):
         self.client, exp_id = connect(cfg.uri, cfg.experiment)
         self.first_step = 0  # steps below this were logged before a resume: recomputed, not logged twice
         self.run_id, self.uri, self.spill = None, cfg.uri, None
+        self.spill_path = os.path.join(output_dir(), SPILL_FILE)
         try:
-            self._open(cfg, exp_id, config, run_name, resume_run_id)
+            self._open(cfg, exp_id, config, run_name, resume_run_id, previous_spill)
         except BaseException as e:  # the run exists but the caller never gets it: end it here, never RUNNING
             if self.run_id:
                 with signals_held():
@@ -266,7 +268,8 @@ class MLflow:
                     self.client.set_terminated(self.run_id, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
 
-    def _open(self, cfg, exp_id, config: dict, run_name: str | None, resume_run_id: str | None):
+    def _open(self, cfg, exp_id, config: dict, run_name: str | None, resume_run_id: str | None,
+              previous_spill: str | None):
         if resume_run_id and not self._run_exists(resume_run_id):  # the store changed since the checkpoint
             log.warning("resume: run %s is not in tracking.uri=%s; this continues as a new run tagged "
                         "rlrun.resumed_from=%s (its earlier steps stay in the store it was logged to; to continue "
@@ -274,6 +277,7 @@ class MLflow:
             config = {**config, "resumed_from": resume_run_id}
             resume_run_id = None
         if resume_run_id:  # the same run continues: RUNNING again, params as first logged
+            self._send_kept(previous_spill, resume_run_id)
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
             logged = self.client.get_metric_history(resume_run_id, metric_key("loss"))
@@ -292,6 +296,19 @@ class MLflow:
         log_params(self.client, self.run_id, flatten(config))
         self.client.log_dict(self.run_id, config, "config.yaml")
 
+    def _send_kept(self, path: str | None, run_id: str) -> None:
+        """What the interrupted process could not send goes in first: the steps it holds count as logged, and its
+        final status is overwritten by this run's. Refuses to resume while the store does not take them."""
+        if not path or not os.path.exists(path):
+            return
+        sent, left = replay(self.client, path)
+        if sent:
+            log.info("resume: sent %d records the interrupted run had kept in %s", sent, path)
+        if left:
+            raise TrackingError(f"resume: {left} records of run {run_id} are still kept in {path} and the store "
+                                f"at tracking.uri={self.uri!r} does not take them now; resume when it does, or send "
+                                f"them first: rlrun-report --sync {path}")
+
     def _run_exists(self, run_id: str) -> bool:
         from mlflow.exceptions import MlflowException
 
@@ -304,10 +321,11 @@ class MLflow:
             raise
 
     def _send(self, op: str, args) -> None:
-        """Every write once the run exists: sent now, or kept in the spill file while the store is unreachable."""
+        """Every write once the run exists: queued for the sender, kept in the spill file while the store is
+        unreachable (the record names the store absolutely, for `rlrun-report --sync` from any folder)."""
         if self.spill is None:
-            self.spill = Spill(self.client, os.path.join(output_dir(), SPILL_FILE), self.uri)
-        self.spill.write({"op": op, "run_id": self.run_id, "uri": self.uri, "args": args})
+            self.spill = Spill(self.client, self.spill_path, self.uri)
+        self.spill.write({"op": op, "run_id": self.run_id, "uri": absolute_uri(self.uri), "args": args})
 
     def log(self, step: int, metrics: dict[str, float]):
         if step >= self.first_step:
@@ -341,16 +359,27 @@ class MLflow:
             self.spill.flush()
 
     def finish(self, status: str):
+        """The final status, after everything logged before it. A run stopped by a signal or an error does not
+        wait for an unreachable store (what is left is kept in the spill file)."""
         self._send("status", status)
-        self.spill.close()
+        self.spill.close(wait=status == "FINISHED")
 
     def describe(self, text: str):
         """Append `text` (e.g. `headline(summary)`) to the run's description (`mlflow.note.content`)."""
         about = getattr(self, "about", None)
         if about is None:  # a resumed run: keep what its description says, replace an earlier result
-            with contextlib.suppress(Exception):  # a store that went away: the result alone
+            try:
                 about = self.client.get_run(self.run_id).data.tags.get("mlflow.note.content", "").split(" Result: ")[0]
+            except Exception:  # noqa: BLE001 - the store is away: leave the description as it is
+                return
         self.tags({"mlflow.note.content": f"{about} {text}" if about else text})
+
+
+def absolute_uri(uri: str) -> str:
+    """A sqlite URI with an absolute path (`sqlite:///mlflow.db` -> `sqlite:////cwd/mlflow.db`); others as given."""
+    if urlparse(uri).scheme == "sqlite" and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
+    return uri
 
 
 def output_dir() -> str:
@@ -392,11 +421,13 @@ def record_failure(config_obj, run_name: str, error: Exception) -> None:
     tracker.finish("FAILED")
 
 
-def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | None = None):
-    """A tracker for the `tracking` config group; `config_obj` is the resolved config (logged as params)."""
+def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | None = None,
+          previous_spill: str | None = None):
+    """A tracker for the `tracking` config group; `config_obj` is the resolved config (logged as params).
+    `previous_spill`: the spill file of the process that wrote the checkpoint a run resumes from."""
     if cfg.name == "none":
         return Null()
-    return MLflow(cfg, OmegaConf.to_container(config_obj, resolve=True), run_name, resume_run_id)
+    return MLflow(cfg, OmegaConf.to_container(config_obj, resolve=True), run_name, resume_run_id, previous_spill)
 
 
 # --- Experiment kind, standard run tags and the run description (MLflow.__init__ and the sweep callback) ---

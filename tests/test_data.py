@@ -328,8 +328,8 @@ def test_a_row_over_the_size_limit_is_refused_before_tokenizing_naming_where(tmp
     monkeypatch.setattr(tasks.core, "MAX_ROW_BYTES", 4096)
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x" * 5000, "answer": "3"}]
     path = write(tmp_path, rows, fmt)
-    where = f"{path}:2: this line is 0.0 MiB" if fmt == "jsonl" else f"{path} (train row 1): the prompt is 0.0 MiB"
-    with pytest.raises(tasks.TaskError, match=re.escape(where) + r".* are refused .*Shorten or drop"):
+    where = f"{path}:2: this line" if fmt == "jsonl" else f"{path} (train row 1): the prompt"
+    with pytest.raises(tasks.TaskError, match=re.escape(where) + r" is longer than 4,096 bytes; longer .* are refused .*Shorten or drop"):
         tasks.load(task_cfg(path), 0, char_tokenizer())
 
 
@@ -356,3 +356,23 @@ def test_bytes_that_are_not_utf8_are_named_by_line_and_column(tmp_path, reader):
             tasks.load(task_cfg(path), 0, char_tokenizer())
         else:
             loading.read_jsonl(str(path), ("prompt", "answer"))
+
+
+def test_a_cut_prompt_fits_its_token_budget_with_a_byte_level_tokenizer():
+    """A cut inside a multi-byte character decodes to U+FFFD, which re-encodes longer: the cut goes further."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from rlrun.tasks import lengths
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["テストの文です。", "hello world"] * 20, vocab_size=300, min_frequency=1)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+    prompt = "質問:テスト文章の最後の部分です。答えは?" * 3
+    task = tasks.Task("t", [{"prompt": prompt, "answer": "1"}], [], [])
+    for n in (5, 8, 12, 16):
+        row = {"prompt": prompt, "answer": "1"}
+        task.train, task.warnings = [row], []
+        lengths.cut_prompts(task, tok, n)
+        assert 0 < len(tok(row["prompt"], add_special_tokens=False)["input_ids"]) <= n
+        assert "\ufffd" not in row["prompt"][:1] and prompt.endswith(row["prompt"])

@@ -44,7 +44,7 @@ def test_greedy_accuracy_where_the_answer_is_known():
     assert res.metrics["eval/reward_mean"] == 0.5
     assert res.metrics["eval/rewards/exact/mean"] == 1.0
     assert res.metrics["eval/response_len_mean"] == pytest.approx(sum(lengths) / len(lengths))
-    assert "eval/pass@1" not in res.metrics
+    assert "eval/pass_at_1" not in res.metrics
     assert [s["prompt"] for s in res.samples] == PROMPTS[:4]
     assert [s["completion"] for s in res.samples] == known[:4]
     assert res.samples[0]["reward"] == 1.0 and res.samples[1]["reward"] == 0.0
@@ -87,8 +87,8 @@ def test_pass_at_k_from_the_samples():
     res = evaluate.evaluate(model, tok, rows, first_char_is_digit, max_new_tokens=3, greedy=False, samples=k, seed=0)
     solved = torch.tensor([c[:1].isdigit() for c in seen]).view(len(rows), k)  # prompt-major order
     assert res.metrics["eval/accuracy"] == pytest.approx(solved.double().mean().item())
-    assert res.metrics[f"eval/pass@{k}"] == pytest.approx(solved.any(1).double().mean().item())
-    assert 0 < res.metrics["eval/accuracy"] < res.metrics[f"eval/pass@{k}"]  # a random model: some, not all
+    assert res.metrics[f"eval/pass_at_{k}"] == pytest.approx(solved.any(1).double().mean().item())
+    assert 0 < res.metrics["eval/accuracy"] < res.metrics[f"eval/pass_at_{k}"]  # a random model: some, not all
     assert len(res.samples) == 4  # one (the first) sample per shown prompt
 
 

@@ -93,3 +93,11 @@ def test_resume_into_another_store_continues_as_a_new_run_linked_to_the_old_one(
     assert new.data.tags["rlrun.resumed_from"] == old.info.run_id
     assert [m.step for m in client.get_metric_history(new.info.run_id, "train/loss")] == [2, 3]
     assert f"run {old.info.run_id} is not in tracking.uri=" in caplog.text
+
+
+def test_sampled_evaluation_logs_pass_at_k_under_a_name_mlflow_takes(tmp_path, cfg_factory):
+    run(cfg_factory("experiment=smoke", "train.steps=1", "eval.every=1", "eval.samples=2", "eval.greedy=false",
+                    "export.enabled=false", tmp_path=tmp_path))
+    client, (r,) = runs(tmp_path / "mlflow.db")
+    assert r.info.status == "FINISHED" and "eval/pass_at_2" in r.data.metrics
+    assert [m.step for m in client.get_metric_history(r.info.run_id, "eval/pass_at_2")] == [0, 1]

@@ -17,8 +17,12 @@ from helpers import start_server, stop_server
 from rlrun import report, spill, tracking
 
 
+class Refused(Exception):
+    error_code = "INVALID_PARAMETER_VALUE"  # what MLflow answers for, e.g., a metric name it does not allow
+
+
 class FlakyClient:
-    """Records what it was sent; raises ConnectionError while `down`."""
+    """Records what it was sent; raises ConnectionError while `down`; refuses metrics named `bad`."""
 
     def __init__(self):
         self.down = False
@@ -28,6 +32,8 @@ class FlakyClient:
     def log_batch(self, run_id, metrics):
         if self.down:
             raise ConnectionError("connection refused (test)")
+        if any(m.key == "bad" for m in metrics):
+            raise Refused("Invalid metric name: 'bad'")
         self.metrics += [(m.key, m.step, m.value, m.timestamp) for m in metrics]
 
     def set_terminated(self, run_id, status):
@@ -57,12 +63,52 @@ def test_writes_are_kept_while_the_store_is_down_and_sent_in_order_once_it_is_ba
         s.write(metrics(step))
     s.flush()  # the writes returned at once; the background sender has kept them by now
     assert s.pending == 3 and len(Path(path).read_text().splitlines()) == 3
-    assert sum("stopped answering" in r.message for r in caplog.records) == 1  # said once, not per write
+    assert sum("does not answer" in r.message for r in caplog.records) == 1  # said once, not per write
     client.down = False
     s.write(metrics(4))  # the kept records go first, then this one
     s.flush()
     assert [m[1] for m in client.metrics] == [0, 1, 2, 3, 4]
     assert not os.path.exists(path) and s.pending == 0
+
+
+def test_a_record_the_store_refuses_is_set_aside_and_the_rest_goes_on(tmp_path, no_waits, caplog):
+    client, path = FlakyClient(), str(tmp_path / "spill.jsonl")
+    s = spill.Spill(client, path, "http://x")
+    bad = {**metrics(1), "args": [["bad", 1.0, 1001, 1]]}
+    for record in (metrics(0), bad, metrics(2)):
+        s.write(record)
+    s.flush()
+    assert [m[1] for m in client.metrics] == [0, 2] and s.pending == 0  # not mistaken for an outage
+    assert json.loads((tmp_path / "spill.rejected.jsonl").read_text()) == bad
+    assert "MLflow refused a record" in caplog.text
+    # the same inside a replay: a refused record or a torn line never blocks what follows
+    Path(path).write_text(json.dumps(metrics(3)) + "\n" + json.dumps(bad) + "\n" + '{"op": "metr' + "\n" +
+                          json.dumps(metrics(4)) + "\n")
+    assert spill.replay(client, path) == (4, 0)
+    assert [m[1] for m in client.metrics] == [0, 2, 3, 4]
+
+
+def test_a_file_left_in_the_folder_is_sent_first(tmp_path, no_waits):
+    client, path = FlakyClient(), str(tmp_path / "spill.jsonl")
+    Path(path).write_text(json.dumps(metrics(0)) + "\n")  # an earlier process in this output folder kept it
+    s = spill.Spill(client, path, "http://x")
+    assert s.pending == 1
+    s.write(metrics(1))
+    s.flush()
+    assert [m[1] for m in client.metrics] == [0, 1] and not os.path.exists(path)
+
+
+def test_a_run_being_stopped_does_not_wait_for_the_store(tmp_path, monkeypatch):
+    monkeypatch.setattr(spill, "DELAYS", (5.0, 5.0))
+    monkeypatch.setattr(spill, "END_WAIT_S", 60.0)
+    client, path = FlakyClient(), str(tmp_path / "spill.jsonl")
+    client.down = True
+    s = spill.Spill(client, path, "http://x")
+    s.write(metrics(0))
+    s.write({"op": "status", "run_id": "r", "uri": "http://x", "args": "KILLED"})
+    started = time.monotonic()
+    s.close(wait=False)  # a signal stopped the run: one attempt per record, straight to the file
+    assert time.monotonic() - started < 3.0 and s.pending == 2
 
 
 def test_a_store_that_never_comes_back_keeps_everything_for_sync(tmp_path, no_waits, caplog, monkeypatch):
@@ -178,7 +224,7 @@ def run_with_an_outage(tmp_path, down_s, end_wait_s, restart: bool):
 def test_server_killed_mid_run_and_restarted_the_run_has_every_step_once(tmp_path):
     store, port, rc, output, out, run_id = run_with_an_outage(tmp_path, down_s=10, end_wait_s=60, restart=True)
     assert rc == 0, output[-3000:]
-    assert "stopped answering" in output and "answers again" in output
+    assert "does not answer" in output and "answers again" in output
     server, url = start_server(store, port, ENV)
     try:
         client = tracking.open_client(url)

@@ -153,11 +153,10 @@ def _rows(split: Split, o: dict, fmt: Formatter, pairs: bool) -> list[dict]:
         else:
             key = o["answer_key"]
             row = {**rec, "prompt": prompt, "answer": _text(rec[key], where, f"task.answer_key={key!r}")}
-        for name in ("prompt", "answer", "chosen", "rejected"):  # any format: parquet and csv have no lines
-            if name in row and len(row[name].encode()) > MAX_ROW_BYTES:
-                raise TaskError(f"{where}: the {name} is {len(row[name].encode()) / 2**20:.1f} MiB; texts over "
-                                f"{MAX_ROW_BYTES >> 20} MiB are refused (far longer than any model's context). "
-                                "Shorten or drop that row.")
+        for name in ("prompt", "chosen", "rejected") if pairs else ("prompt", "answer"):  # any format (parquet,
+            if len(row[name].encode()) > MAX_ROW_BYTES:  # csv: no lines); only the texts built here
+                raise TaskError(f"{where}: the {name} is longer than {MAX_ROW_BYTES:,} bytes; longer texts are "
+                                "refused (far longer than any model's context). Shorten or drop that row.")
         out.append(row)
     return out
 

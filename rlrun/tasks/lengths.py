@@ -13,6 +13,16 @@ def _lengths(tokenizer, texts: list[str]) -> list[int]:
     return [n[t] for t in texts]
 
 
+def _last_tokens(tokenizer, ids: list[int], n: int) -> str:
+    """Text of at most `n` tokens from the end of `ids`, as the rollout will encode it again: a cut inside a
+    multi-byte character (byte-level BPE) decodes to U+FFFD and re-encodes longer, so cut further until it fits."""
+    for k in range(n, 0, -1):
+        text = tokenizer.decode(ids[-k:]).lstrip("\ufffd")
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= n:
+            return text
+    return ""
+
+
 def cut_prompts(task, tokenizer, n: int) -> None:
     """task.max_prompt_tokens=n: each prompt (train and eval) longer than n tokens keeps its last n (the end holds
     the question and, with a chat template, the assistant header); a warning counts them."""
@@ -20,7 +30,7 @@ def cut_prompts(task, tokenizer, n: int) -> None:
     ids = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
     cut = [(r, i) for r, i in zip(rows, ids) if len(i) > n]
     for row, i in cut:
-        row["prompt"] = tokenizer.decode(i[-n:])
+        row["prompt"] = _last_tokens(tokenizer, i, n)
     if cut:
         longest = max(len(i) for _, i in cut)
         task.warnings.append(f"{len(cut)} of {len(rows)} prompts were longer than task.max_prompt_tokens={n} tokens "

@@ -24,11 +24,10 @@ def check_lines(path) -> None:
     """TaskError naming file:line for the first line of a JSONL file that is longer than MAX_ROW_BYTES or is not
     UTF-8 text (read as bytes: nothing is decoded or parsed before it passed)."""
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if len(line) > MAX_ROW_BYTES:
-                raise TaskError(f"{path}:{lineno}: this line is {len(line) / 2**20:.1f} MiB; rows over "
-                                f"{MAX_ROW_BYTES >> 20} MiB are refused (far longer than any model's context). "
-                                "Shorten or drop it.")
+        for lineno, line in enumerate(iter(lambda: f.readline(MAX_ROW_BYTES + 1), b""), 1):
+            if len(line) > MAX_ROW_BYTES:  # read at most this much of a line: a file with no newline stays cheap
+                raise TaskError(f"{path}:{lineno}: this line is longer than {MAX_ROW_BYTES:,} bytes; longer rows "
+                                "are refused (far longer than any model's context). Shorten or drop it.")
             try:
                 line.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -42,9 +41,9 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
         f = open(path, encoding="utf-8")
     except OSError as e:
         raise TaskError(f"task.path={path!r} cannot be read ({e.strerror}); point it at a JSONL file.") from e
-    check_lines(path)
     out = []
     with f:
+        check_lines(path)
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -174,8 +173,9 @@ def _open(p: Path, datasets, cache: str) -> dict:
 def load_splits(path, names: list[tuple[str, str]], max_rows: int | None) -> list[Split]:
     """The splits `names` ([(config key, split name)]) of the local data at `path`, each cut to `max_rows`."""
     p = resolve(path)
-    if p.is_file() and p.suffix == ".jsonl":
-        check_lines(p)
+    for file in ([p] if p.is_file() else sorted(p.rglob("*"))):  # a folder: its JSON-lines shards too
+        if file.is_file() and file.suffix.lower() == ".jsonl":
+            check_lines(file)
     with _quiet_datasets() as (datasets, cache):
         try:
             splits = _open(p, datasets, cache)
