@@ -255,3 +255,24 @@ def test_server_killed_for_good_the_spill_holds_the_rest_and_sync_fills_the_run(
         assert not kept.exists()
     finally:
         stop_server(server)
+
+
+def test_a_resume_sends_what_the_interrupted_process_kept_first(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "rlrun", "parent_run_id": None})
+    first = tracking.MLflow(cfg, {"train": {"steps": 4}}, "x")
+    first.log(0, {"loss": 0.5})
+    first.finish("KILLED")
+    kept = tmp_path / "kept.jsonl"  # what that process could not send: step 1, then its final status
+    kept.write_text(json.dumps({"op": "metrics", "run_id": first.run_id, "uri": cfg.uri,
+                                "args": [["train/loss", 0.25, 1000, 1]]}) + "\n")
+    monkeypatch.setattr(spill, "apply", lambda client, record: (_ for _ in ()).throw(ConnectionError("down")))
+    with pytest.raises(tracking.TrackingError, match=f"still kept in {kept} .* rlrun-report --sync {kept}"):
+        tracking.MLflow(cfg, {}, None, resume_run_id=first.run_id, previous_spill=str(kept))
+    monkeypatch.undo()
+    again = tracking.MLflow(cfg, {}, None, resume_run_id=first.run_id, previous_spill=str(kept))
+    assert again.first_step == 2 and not kept.exists()  # step 1 counts as logged: the resume starts after it
+    again.finish("FINISHED")
+    client = tracking.open_client(cfg.uri)
+    assert steps_logged(client, first.run_id) == [0, 1] and client.get_run(first.run_id).info.status == "FINISHED"
