@@ -203,7 +203,7 @@ def reject(path: str, record: dict | str, error: BaseException) -> None:
     """A record the store refused for good: said once, set aside beside the spill file, never retried."""
     rejected = path.replace(".jsonl", "") + ".rejected.jsonl"
     with open(rejected, "a") as f:
-        f.write((record if isinstance(record, str) else json.dumps(record, default=_plain) + "\n"))
+        f.write(record if isinstance(record, str) else json.dumps(record, default=_plain) + "\n")
     log.error("MLflow refused a record of this run (%s: %s); it is set aside in %s and the rest goes on",
               type(error).__name__, str(error)[:300], rejected)
 

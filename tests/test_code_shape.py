@@ -12,8 +12,8 @@ MAX_FUNCTION_LINES = 80
 # The config package, errors and the registry must stay importable without torch (the CLI validates in a second).
 LAYERS = [
     {"__init__", "errors", "config", "registry"},  # __init__: the version only
-    {"losses", "heads", "logprobs", "offload", "meters", "models", "tasks", "checkpoint", "tracking", "spill", "rollout",
-     "engine"},
+    {"losses", "heads", "logprobs", "offload", "meters", "models", "tasks", "checkpoint", "tracking", "spill",
+     "rollout", "engine"},
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},
     {"cli", "sweep", "report", "bench", "__main__"},

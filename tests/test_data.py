@@ -329,7 +329,8 @@ def test_a_row_over_the_size_limit_is_refused_before_tokenizing_naming_where(tmp
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x" * 5000, "answer": "3"}]
     path = write(tmp_path, rows, fmt)
     where = f"{path}:2: this line" if fmt == "jsonl" else f"{path} (train row 1): the prompt"
-    with pytest.raises(tasks.TaskError, match=re.escape(where) + r" is longer than 4,096 bytes; longer .* are refused .*Shorten or drop"):
+    refused = r" is longer than 4,096 bytes; longer .* are refused .*Shorten or drop"
+    with pytest.raises(tasks.TaskError, match=re.escape(where) + refused):
         tasks.load(task_cfg(path), 0, char_tokenizer())
 
 

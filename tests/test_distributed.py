@@ -54,7 +54,8 @@ def test_two_ranks_match_one(tmp_path, stage):
     assert run.data.tags["rlrun.world_size"] == "2"
     assert_close(two, one)
     # per-rank peak memory is gathered: the max and each rank's
-    assert {"system/mem/train_peak_mib", "system/mem/rank0/train_peak_mib", "system/mem/rank1/train_peak_mib"} <= set(run.data.metrics)
+    assert {"system/mem/train_peak_mib", "system/mem/rank0/train_peak_mib",
+            "system/mem/rank1/train_peak_mib"} <= set(run.data.metrics)
 
 
 @pytest.mark.parametrize("tied", [False, True])  # tied: the lm-head weight is also the embedding ZeRO-3 gathers

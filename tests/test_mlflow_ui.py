@@ -5,12 +5,11 @@ tags, their descriptions, the sweep parent's comparison table, and figures legib
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import start_server, stop_server
+
 from rlrun import tracking
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,8 +11,8 @@ import sys
 import time
 
 import pytest
-
 from helpers import start_server, stop_server
+
 from rlrun import tracking
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(

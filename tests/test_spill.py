@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import start_server, stop_server
+
 from rlrun import report, spill, tracking
 
 
