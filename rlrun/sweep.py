@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import logging
 import os
 import sys
+import tempfile
 
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
@@ -32,14 +34,16 @@ log = logging.getLogger("rlrun.sweep")
 
 def refuse_unwritable(folder, key: str) -> None:
     """Exit 2 with one line, before Hydra tries to create the run's output folder, if it cannot be created (a
-    read-only working folder, say) instead of Hydra's traceback."""
+    read-only working folder, say) instead of Hydra's traceback. Creates nothing: a refused sweep leaves no trace."""
     path = os.path.abspath(str(folder))
+    existing = path
+    while not os.path.exists(existing):  # the nearest folder that exists must take a new entry
+        existing = os.path.dirname(existing)
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".rlrun-write-test")
-        with open(probe, "w"):
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.TemporaryFile(dir=existing):  # the one sure test (root, read-only mounts)
             pass
-        os.remove(probe)
     except OSError as e:
         print(f"rlrun: error: cannot write the run's output folder {path} ({e.strerror}); run rlrun from a "
               f"writable folder or set {key}=/a/writable/folder", file=sys.stderr)
