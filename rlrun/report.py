@@ -51,8 +51,9 @@ def histories(client, run, keys):
     (`metric_key`), or under the key itself for runs logged before the names were namespaced."""
     out = {}
     for key in keys:
-        hist = (client.get_metric_history(run.info.run_id, metric_key(key))
-                or client.get_metric_history(run.info.run_id, key))
+        hist = []
+        for name in dict.fromkeys((metric_key(key), key)):  # one read when both names are the same (eval/*)
+            hist = hist or client.get_metric_history(run.info.run_id, name)
         hist = sorted(hist, key=lambda m: m.step)
         if hist:
             out[key] = (np.array([m.step for m in hist]), np.array([m.value for m in hist]))

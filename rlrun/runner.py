@@ -468,8 +468,7 @@ def results_hint(cfg, tracker) -> str:
         except Exception:  # noqa: BLE001 - a hint only
             page = None
         if uri.startswith("sqlite:///"):
-            path = os.path.abspath(uri[len("sqlite:///") :])
-            lines.append(f"  results: mlflow ui --backend-store-uri sqlite:///{path}")
+            lines.append(f"  results: mlflow ui --backend-store-uri {tracking.absolute_uri(uri)}")
             lines.append(f"           then http://127.0.0.1:5000{page}" if page else f"           run {run_id}")
         elif uri.startswith(("http://", "https://")) and page:
             lines.append(f"  results: {uri.rstrip('/')}{page}")

@@ -59,6 +59,15 @@ def steps(client, run_id: str, key: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, metric_key(key)))
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_server(folder, port: int, env: dict):
     """A real `mlflow server` on 127.0.0.1:`port` with its sqlite store and artifacts in `folder` (reused when it
     is started again there); -> (process, url) once /health answers. Stop it with `stop_server`."""

@@ -3,12 +3,11 @@ then read back through the client: the experiment kind (model training, not GenA
 tags, their descriptions, the sweep parent's comparison table, and figures legible in the artifact viewer."""
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import start_server, stop_server
+from helpers import free_port, start_server, stop_server
 
 from rlrun import tracking
 
@@ -16,12 +15,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PYTHONPATH": str(ROOT / "tests")}
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

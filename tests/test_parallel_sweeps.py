@@ -4,14 +4,13 @@ child with every step, on the default sqlite store and on a tracking server; Ctr
 import importlib.util
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
 import time
 
 import pytest
-from helpers import start_server, stop_server
+from helpers import free_port, start_server, stop_server
 
 from rlrun import tracking
 
@@ -21,12 +20,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 
 ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
 JOBLIB = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sweep(tmp_path, *overrides):

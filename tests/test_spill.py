@@ -5,14 +5,13 @@ The quick tests use a fake client that fails on demand; the slow ones kill a rea
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import start_server, stop_server
+from helpers import free_port, start_server, stop_server
 
 from rlrun import report, spill, tracking
 
@@ -175,12 +174,6 @@ def test_sync_of_a_missing_file_says_so(tmp_path, capsys):
 # --- a real server, killed mid-run ---
 
 ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "RLRUN_TRACKING_RETRY_S": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def steps_logged(client, run_id):

@@ -20,9 +20,11 @@ COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 MAX_ROW_BYTES = 1 << 20
 
 
-def check_lines(path) -> None:
-    """TaskError naming file:line for the first line of a JSONL file that is longer than MAX_ROW_BYTES or is not
-    UTF-8 text (read as bytes: nothing is decoded or parsed before it passed)."""
+def check_lines(path) -> list[int]:
+    """The numbers of a JSONL file's non-blank lines (a row's file:line); TaskError naming file:line for the first
+    line that is longer than MAX_ROW_BYTES or is not UTF-8 text (read as bytes: nothing is decoded or parsed
+    before it passed)."""
+    numbers = []
     with open(path, "rb") as f:
         for lineno, line in enumerate(iter(lambda: f.readline(MAX_ROW_BYTES + 1), b""), 1):
             if len(line) > MAX_ROW_BYTES:  # read at most this much of a line: a file with no newline stays cheap
@@ -33,6 +35,9 @@ def check_lines(path) -> None:
             except UnicodeDecodeError as e:
                 raise TaskError(f"{path}:{lineno}: not UTF-8 text (byte 0x{line[e.start]:02x} at column "
                                 f"{e.start + 1}); save the file as UTF-8.") from None
+            if line.strip():
+                numbers.append(lineno)
+    return numbers
 
 
 def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
@@ -135,11 +140,6 @@ def _bad_jsonl_line(p: Path) -> str | None:
 _JSON_KINDS = {str: "string", bool: "boolean", list: "list", dict: "object"}
 
 
-def _jsonl_lines(p: Path) -> list[int]:
-    with open(p, encoding="utf-8", errors="replace") as f:
-        return [n for n, line in enumerate(f, 1) if line.strip()]
-
-
 @contextlib.contextmanager
 def _quiet_datasets():
     """No progress bars while loading, and a throwaway cache (rows are kept in memory: nothing piles up in
@@ -173,9 +173,10 @@ def _open(p: Path, datasets, cache: str) -> dict:
 def load_splits(path, names: list[tuple[str, str]], max_rows: int | None) -> list[Split]:
     """The splits `names` ([(config key, split name)]) of the local data at `path`, each cut to `max_rows`."""
     p = resolve(path)
+    line_numbers = {}  # a JSONL file's row -> file line, for error messages
     for file in ([p] if p.is_file() else sorted(p.rglob("*"))):  # a folder: its JSON-lines shards too
         if file.is_file() and file.suffix.lower() == ".jsonl":
-            check_lines(file)
+            line_numbers[file] = check_lines(file)
     with _quiet_datasets() as (datasets, cache):
         try:
             splits = _open(p, datasets, cache)
@@ -189,7 +190,7 @@ def load_splits(path, names: list[tuple[str, str]], max_rows: int | None) -> lis
                 single = "; a single file is split 'train': hold out rows with task.eval_size" if p.is_file() else ""
                 raise TaskError(f"{key}={name!r} is not a split of {p}; its splits: {sorted(splits)}{single}.")
             ds = splits[name]
-            lines = _jsonl_lines(p) if p.is_file() and p.suffix == ".jsonl" else None
+            lines = line_numbers.get(p) if p.is_file() else None
             lines = lines if lines is not None and len(lines) == len(ds) else None  # one row per non-blank line
             if max_rows is not None:
                 ds = ds.select(range(min(max_rows, len(ds))))
