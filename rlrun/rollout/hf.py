@@ -9,9 +9,13 @@ run samples exactly what a 1-rank run samples. Only the sampled token's logprob 
 
 from __future__ import annotations
 
+import inspect
+import weakref
+
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from .. import models
 from . import Rollout
 
 
@@ -48,25 +52,77 @@ class SeededSampler(LogitsProcessor):
         return logp - torch.log(exponential.clamp_(min=1e-20))
 
 
+def fast_path(model) -> bool:
+    """Whether `decode` can run `model` (a decoder-only LM with transformers' default dynamic cache); other models
+    (encoder-decoder, custom caches) go through `generate`, which handles them."""
+    return (not model.config.is_encoder_decoder and getattr(model, "_supports_default_dynamic_cache", lambda: False)()
+            and "logits_to_keep" in inspect.signature(model.forward).parameters)
+
+
+@torch.no_grad()
+def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: int, pad_token_id: int,
+           processor=None) -> torch.Tensor:
+    """The response tokens [B, <= max_new_tokens] of greedy decoding over `processor(ids, scores)` (None: raw
+    scores): the steps of transformers' `generate` (left padding, dynamic KV cache, last-position logits in fp32,
+    pad after EOS, stop when every row has ended), without its per-step configuration and validation work, which
+    dominates a small model's decode step. tests/test_rollout.py checks it token for token against `generate`."""
+    lm = models.unwrap(model)
+    if not fast_path(lm):
+        out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                          logits_processor=LogitsProcessorList([processor] if processor else []),
+                          max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        return out[:, input_ids.shape[1]:]
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=lm.config.get_text_config(decoder=True))
+    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    ids, x, unfinished, tokens = input_ids, input_ids, torch.ones_like(input_ids[:, 0], dtype=torch.bool), []
+    for _ in range(max_new_tokens):
+        out = lm(input_ids=x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+                 use_cache=True, logits_to_keep=1)
+        scores = out.logits[:, -1].to(dtype=torch.float32, copy=True)
+        del out
+        next_tokens = (processor(ids, scores) if processor else scores).argmax(-1)
+        next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
+        tokens.append(next_tokens)
+        if eos_token_id is not None:
+            unfinished &= next_tokens != eos_token_id
+        if not unfinished.any():
+            break
+        x = next_tokens[:, None]
+        ids = torch.cat([ids, x], 1)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(x.shape)], 1)
+        position_ids = position_ids[:, -1:] + 1
+    return torch.stack(tokens, 1)
+
+
+_PROMPT_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {prompt: token ids}
+
+
+def encode(tokenizer, prompts: list[str], device):
+    """Left-padded prompt ids and mask, as `tokenizer(prompts, padding=True, add_special_tokens=False)` gives, with
+    each distinct prompt tokenized once per tokenizer (a rollout repeats each prompt group_size times)."""
+    known = _PROMPT_IDS.setdefault(tokenizer, {})
+    todo = list(dict.fromkeys(p for p in prompts if p not in known))
+    if todo:
+        known.update(zip(todo, tokenizer(todo, add_special_tokens=False)["input_ids"]))
+    rows = [known[p] for p in prompts]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    return ids.to(device), mask.to(device)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int]) -> Rollout:
     """`seeds`: one sampling seed per prompt (see the module docstring)."""
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    input_ids, attention_mask = encode(tokenizer, prompts, device)
     sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p)
-    out = model.generate(
-        **enc,
-        do_sample=False,  # the sampler draws; greedy picks its argmax
-        logits_processor=LogitsProcessorList([sampler]),
-        max_new_tokens=cfg.max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        return_dict_in_generate=True,
-    )
-    prompt_len = enc.input_ids.shape[1]
-    response = out.sequences[:, prompt_len:]
+    response = decode(model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, processor=sampler)
     sampler.collect(response[:, -1])
     gen_logprobs = torch.stack(sampler.logprobs, dim=1)
-    return Rollout.from_response(enc.input_ids, enc.attention_mask, response, gen_logprobs, tokenizer)
+    return Rollout.from_response(input_ids, attention_mask, response, gen_logprobs, tokenizer)
 
 
 class HFRollout:

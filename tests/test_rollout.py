@@ -1,0 +1,101 @@
+"""rollout=hf: rlrun's own decode loop draws exactly what transformers' `generate` draws, token for token."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+from rlrun import models
+from rlrun.rollout import Rollout, hf
+
+
+def tiny(arch="llama", tie=False, seed=0):
+    cfg = SimpleNamespace(arch=arch, hidden_size=32, intermediate_size=64, layers=2, heads=2, kv_heads=1,
+                          max_positions=128, vocab_size=None, tie_embeddings=tie, dtype="float32")
+    tok = models.char_tokenizer()
+    tok.padding_side = "left"
+    return models.tiny_model(cfg, tok, seed), tok
+
+
+def with_generate(model, tok, prompts, cfg, seeds) -> Rollout:
+    """The reference: transformers' generate with the same seeded sampler as a logits processor."""
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    sampler = hf.SeededSampler(seeds, cfg.temperature, cfg.top_p)
+    out = model.generate(**enc, do_sample=False, logits_processor=LogitsProcessorList([sampler]),
+                         max_new_tokens=cfg.max_new_tokens, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    response = out[:, enc.input_ids.shape[1]:]
+    sampler.collect(response[:, -1])
+    return Rollout.from_response(enc.input_ids, enc.attention_mask, response, torch.stack(sampler.logprobs, 1), tok)
+
+
+def likely_eos(model, tok, prompts):
+    """Point the EOS row of the lm head along the mean last hidden state, so that rows end at different steps
+    (the pad-after-EOS path runs)."""
+    backbone, weight = models.split(model)
+    with torch.no_grad():
+        ids, mask = hf.encode(tok, prompts, "cpu")
+        h = models.hidden_states(backbone, ids, mask)[:, -1].mean(0)
+        weight[tok.eos_token_id] = 2.0 * h / h.norm() * weight.norm(dim=-1).mean()
+
+
+def prompts_and_seeds(n, seed):
+    rng = random.Random(seed)
+    prompts = [f"{rng.randint(0, 99)}+{rng.randint(0, 9999)}=" + "x" * rng.randint(0, 5) for _ in range(n)]
+    return prompts, [rng.randrange(2**32) for _ in prompts]
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize("temperature,top_p,new", [(1.0, 1.0, 4), (0.7, 0.9, 12), (1.5, 1.0, 20)])
+def test_decode_samples_what_generate_samples(arch, tie, temperature, top_p, new):
+    model, tok = tiny(arch, tie)
+    prompts, seeds = prompts_and_seeds(24, new)
+    likely_eos(model, tok, prompts)
+    cfg = SimpleNamespace(temperature=temperature, top_p=top_p, max_new_tokens=new)
+    ref = with_generate(model, tok, prompts, cfg, seeds)
+    got = hf.generate(model, tok, prompts, cfg, "cpu", seeds)
+    assert 0 < ref.finished.sum() < len(prompts)  # some rows stopped at EOS, some ran to the end
+    assert torch.equal(got.input_ids, ref.input_ids) and torch.equal(got.attention_mask, ref.attention_mask)
+    assert torch.equal(got.gen_logprobs, ref.gen_logprobs)  # bit for bit
+    assert got.completions == ref.completions and torch.equal(got.finished, ref.finished)
+
+
+def test_greedy_decode_matches_generate_and_stops_when_every_row_ended():
+    model, tok = tiny()
+    prompts, _ = prompts_and_seeds(16, 1)
+    ids, mask = hf.encode(tok, prompts, "cpu")
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    got = hf.decode(model, ids, mask, max_new_tokens=10, eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id)
+    assert torch.equal(got, out[:, ids.shape[1]:])
+    # every row ends at its first token: decoding stops there, as generate does
+    eos_first = lambda ids, scores: scores.index_fill(-1, torch.tensor([tok.eos_token_id]), 1e9)  # noqa: E731
+    got = hf.decode(model, ids, mask, max_new_tokens=10, eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id, processor=eos_first)
+    assert got.shape == (16, 1) and (got == tok.eos_token_id).all()
+
+
+def test_a_model_without_the_fast_path_goes_through_generate(monkeypatch):
+    model, tok = tiny()
+    prompts, seeds = prompts_and_seeds(8, 2)
+    cfg = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=6)
+    fast = hf.generate(model, tok, prompts, cfg, "cpu", seeds)
+    monkeypatch.setattr(hf, "fast_path", lambda lm: False)
+    slow = hf.generate(model, tok, prompts, cfg, "cpu", seeds)
+    assert torch.equal(fast.input_ids, slow.input_ids) and torch.equal(fast.gen_logprobs, slow.gen_logprobs)
+
+
+def test_encode_pads_on_the_left_like_the_tokenizer_and_tokenizes_each_prompt_once(monkeypatch):
+    _, tok = tiny()
+    prompts = ["12+3=", "1+1=", "12+3=", ""]
+    ids, mask = hf.encode(tok, prompts, "cpu")
+    ref = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert torch.equal(ids, ref.input_ids) and torch.equal(mask, ref.attention_mask)
+    calls = []
+    original = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
+    hf.encode(tok, ["1+1=", "7+7="], "cpu")
+    assert calls == [(["7+7="],)]  # only the prompt not seen before
