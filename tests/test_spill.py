@@ -27,6 +27,7 @@ class FlakyClient:
         self.down = False
         self.metrics: list[tuple] = []
         self.status = None
+        self.tags: dict = {}
 
     def log_batch(self, run_id, metrics):
         if self.down:
@@ -34,6 +35,9 @@ class FlakyClient:
         if any(m.key == "bad" for m in metrics):
             raise Refused("Invalid metric name: 'bad'")
         self.metrics += [(m.key, m.step, m.value, m.timestamp) for m in metrics]
+
+    def set_tag(self, run_id, key, value):
+        self.tags[key] = value
 
     def set_terminated(self, run_id, status):
         if self.down:
@@ -60,8 +64,9 @@ def test_writes_are_kept_while_the_store_is_down_and_sent_in_order_once_it_is_ba
     client.down = True
     for step in (1, 2, 3):
         s.write(metrics(step))
-    s.flush()  # the writes returned at once; the background sender has kept them by now
-    assert s.pending == 3 and len(Path(path).read_text().splitlines()) == 3
+    s.flush()  # the writes returned at once; the background sender has kept them by now (steps may share a record)
+    kept = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    assert s.pending == len(kept) and [row[3] for r in kept for row in r["args"]] == [1, 2, 3]
     assert sum("does not answer" in r.message for r in caplog.records) == 1  # said once, not per write
     client.down = False
     s.write(metrics(4))  # the kept records go first, then this one
@@ -85,6 +90,25 @@ def test_a_record_the_store_refuses_is_set_aside_and_the_rest_goes_on(tmp_path, 
                           json.dumps(metrics(4)) + "\n")
     assert spill.replay(client, path) == (4, 0)
     assert [m[1] for m in client.metrics] == [0, 2, 3, 4]
+
+
+def test_metrics_of_consecutive_steps_go_in_one_request_and_flush_does_not_wait_for_more(tmp_path, no_waits,
+                                                                                          monkeypatch):
+    monkeypatch.setattr(spill, "BATCH_S", 30.0)
+    client, requests = FlakyClient(), []
+    real = client.log_batch
+    client.log_batch = lambda run_id, metrics: requests.append(len(metrics)) or real(run_id, metrics)
+    s = spill.Spill(client, str(tmp_path / "spill.jsonl"), "http://x")
+    for step in range(10):
+        s.write(metrics(step))
+    s.write({"op": "tags", "run_id": "r", "uri": "http://x", "args": {"k": "v"}})  # ends the batch: order is kept
+    for step in range(10, 610):
+        s.write(metrics(step))
+    started = time.monotonic()
+    s.flush()  # sends what was gathered at once, not after BATCH_S
+    assert time.monotonic() - started < 10
+    assert requests == [10, spill.BATCH_METRICS, 600 - spill.BATCH_METRICS] and client.tags == {"k": "v"}
+    assert [m[1] for m in client.metrics] == list(range(610))
 
 
 def test_a_file_left_in_the_folder_is_sent_first(tmp_path, no_waits):
