@@ -2,6 +2,7 @@
 
     python -m rlrun.bench heads --tokens 2048 --hidden 512 --vocab 151936 --tile-size 256
     python -m rlrun.bench dpo --vocab 151936 --lengths 256,512,1024,2048,4096 --budget-mib 4096
+    python -m rlrun.bench trl                     # needs TRL: pip install -e '.[bench]'
 
 `heads`: one DAPO forward+backward of the lm head + loss per implementation, each in its own process (so peaks do
 not mix), on identical seeded inputs: rlrun's dense / tiled / chunked heads and the peers a user would pick
@@ -13,6 +14,8 @@ max relative error of loss and gradients against dense.
 large vocabulary, per head and response length, each in its own process; reports time and peak extra memory and
 the longest length each head fits within `--budget-mib`. Points whose dense logits alone would not fit in this
 machine's available memory are skipped rather than run into the OOM killer.
+
+`trl`: rlrun's default GRPO run and TRL's GRPOTrainer on the same work, interleaved (rlrun/bench_trl.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import tempfile
 
 import torch
 
+from . import bench_trl
 from .heads import HEADS
 from .heads.common import chunked_logprobs_nograd
 from .losses import objective
@@ -189,9 +193,10 @@ def format_table(rows, a):
     return "\n".join(lines)
 
 
-def log_mlflow(a, rows, table, kind):
+def log_mlflow(a, rows, table, kind, curves=None, files=()):
     """One run in experiment rlrun-bench, through the loop's tracker: arguments as params, each float of each row
-    as `{column}/{impl}`, the table as `{kind}.txt`."""
+    as `{column}/{impl}`, the table as `{kind}.txt`, each of `curves` ({name: values}) as a metric over steps, and
+    `files` as artifacts."""
     if a.tracking_uri == "none":
         return
     cfg = argparse.Namespace(uri=a.tracking_uri, experiment=BENCH_EXPERIMENT, parent_run_id=None)
@@ -199,6 +204,11 @@ def log_mlflow(a, rows, table, kind):
     # A benchmark's columns, not a training run's metrics: logged under their own names (no train/ or system/).
     log_metrics(tracker.client, tracker.run_id,
                 {f"{k}/{r['impl']}": v for r in rows for k, v in r.items() if isinstance(v, float)})
+    for name, values in (curves or {}).items():
+        for step, v in enumerate(values):
+            log_metrics(tracker.client, tracker.run_id, {name: v}, step=step)
+    for path in files:
+        tracker.client.log_artifact(tracker.run_id, path)
     tracker.text(table, f"{kind}.txt")
     tracker.finish("FINISHED")
     print(f"logged to MLflow run {tracker.run_id} ({a.tracking_uri}, experiment {BENCH_EXPERIMENT})")
@@ -289,6 +299,10 @@ def dpo_table(rows, heads, a) -> str:
     return "\n".join(lines)
 
 
+def trl_bench(a):
+    return bench_trl.bench(a, in_child, log_mlflow)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlrun.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -320,6 +334,18 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
     d.set_defaults(func=dpo_bench, tokens=None, seqs=None)
+    t = sub.add_parser("trl", help="rlrun's default GRPO run vs TRL's GRPOTrainer on the same work (needs .[bench])",
+                       description=bench_trl.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--steps", type=int, default=50, help="optimizer steps per run")
+    t.add_argument("--rounds", type=int, default=3, help="interleaved rounds; round r uses seed r")
+    t.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of its median")
+    t.add_argument("--last", type=int, default=10, help="steps at the end whose mean reward is compared")
+    t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--impls", default="rlrun,trl")
+    t.add_argument("--rlrun-args", nargs="*", default=[], help="extra rlrun overrides, e.g. logprob_policy=always")
+    t.add_argument("--figure", default="bench_trl.png", help="mean reward curves (PNG); '' for none")
+    t.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
+    t.set_defaults(func=trl_bench)
     return p
 
 

@@ -14,7 +14,7 @@ TINY = ["--hidden", "8", "--vocab", "64", "--tile-size", "8"]
 @pytest.mark.slow  # a fresh process importing torch
 def test_help_lists_both_benchmarks():
     r = subprocess.run([sys.executable, "-m", "rlrun.bench", "--help"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "heads" in r.stdout and "dpo" in r.stdout
+    assert r.returncode == 0 and all(name in r.stdout for name in ("heads", "dpo", "trl"))
 
 
 def test_heads_table_and_mlflow_run(tmp_path):
@@ -78,3 +78,43 @@ def test_heads_end_to_end_in_child_processes(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert [line.split()[0] for line in r.stdout.splitlines()[2:4]] == ["dense", "tiled"]
+
+
+def trl_args(*extra):
+    return bench.parser().parse_args(["trl", "--tracking-uri", "none", "--figure", "", *extra])
+
+
+def fake_run(step_s, reward, length=2.0, rss=2**30, phases=None):
+    return {"step_s": step_s, "reward": reward, "length": [length] * len(reward), "rss": rss, "phases": phases or {}}
+
+
+def test_trl_table_from_measured_runs():
+    """Rounds -> rows: each round's median step after the warm-up, medians over rounds, the mean reward over seeds
+    of the last steps, and the speed ratio in the table."""
+    from rlrun import bench_trl
+
+    a = trl_args("--rounds", "2", "--warmup", "1", "--last", "2")
+    rounds = [{"rlrun": fake_run([9.0, 0.1, 0.1, 0.3], [0.1, 0.5, 0.7, 0.9], phases={"generate": [9, 0.03, 0.03]}),
+               "trl": fake_run([9.0, 0.2, 0.2, 0.2], [0.1, 0.4, 0.8, 0.8])},
+              {"rlrun": fake_run([9.0, 0.1, 0.1, 0.1], [0.2, 0.6, 0.6, 0.8]),
+               "trl": fake_run([9.0, 0.25, 0.25, 0.25], [0.2, 0.5, 0.7, 0.9])}]
+    rows = {r["impl"]: r for r in bench_trl.summarize(rounds, a.warmup, a.last)}
+    assert rows["rlrun"]["rounds_steps_per_s"] == [10.0, 10.0]  # the slow first step is left out
+    assert rows["trl"]["steps_per_s"] == (5.0 + 4.0) / 2
+    assert rows["trl"]["reward_curve"] == pytest.approx([0.15, 0.45, 0.75, 0.85], abs=1e-12)
+    assert rows["rlrun"]["reward_last"] == pytest.approx(((0.7 + 0.9) / 2 + (0.6 + 0.8) / 2) / 2, abs=1e-12)
+    assert rows["trl"]["reward_mean"] == pytest.approx((0.15 + 0.45 + 0.75 + 0.85) / 4, abs=1e-12)
+    assert rows["rlrun"]["tokens_per_s"] == 2.0 * 128 * 10.0 and rows["rlrun"]["peak_rss_mib"] == 1024
+    text = bench_trl.table(list(rows.values()), a)
+    assert "rlrun / TRL steps/s: 2.22x" in text and "rlrun phases (median ms per step): generate 30" in text
+
+
+@pytest.mark.slow
+def test_rlrun_learns_like_trl_on_the_same_work():
+    """Learning parity with TRL's GRPOTrainer (issue 17): 3 seeds x 50 steps of the same workload; the mean reward
+    over the seeds and steps agrees within 0.02. Skipped without TRL (pip install -e '.[bench]')."""
+    pytest.importorskip("trl", reason="TRL is not installed: pip install -e '.[bench]'")
+    rows = {r["impl"]: r for r in bench.trl_bench(trl_args("--steps", "50", "--rounds", "3"))}
+    assert abs(rows["rlrun"]["reward_mean"] - rows["trl"]["reward_mean"]) <= 0.02, rows
+    for r in rows.values():  # both learned: the curve rose from the warm start
+        assert r["reward_last"] > r["reward_curve"][0] + 0.1

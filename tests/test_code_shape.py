@@ -16,7 +16,7 @@ LAYERS = [
      "rollout", "engine"},
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},
-    {"cli", "sweep", "report", "bench", "__main__"},
+    {"cli", "sweep", "report", "bench", "bench_trl", "__main__"},
 ]
 
 

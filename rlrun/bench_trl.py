@@ -1,0 +1,276 @@
+"""`python -m rlrun.bench trl`: rlrun's default GRPO run and TRL's GRPOTrainer on the same work, side by side.
+
+The workload (README, "rlrun and TRL side by side"): the embedded tiny Llama after its warm start, saved with
+save_pretrained and loaded by both; the arith task's training prompts in rlrun's order (TRL reads them unshuffled);
+rlrun's partial-credit reward; DAPO, clip 0.2 / 0.28, no KL; 8 prompts x 16 completions = 128 sequences per
+optimizer step, micro-batches of 64; lr 1e-3 constant, Adam betas (0.9, 0.99), grad clip 1.0; fp32; 4 new tokens.
+rlrun runs with its defaults otherwise (only evaluation and export are off, as TRL does neither here); TRL with
+the arguments that make its run the same work.
+
+Each round runs both, one after the other, each in its own process (so peaks do not mix) with `--threads`
+threads, and alternates which goes first. A round's speed is the median wall time of its steps after the first
+`--warmup`, from one step's end to the next (generation, scoring, logprob passes, update and logging included).
+Round r uses seed r, so the rounds also give the mean reward curve over seeds (learning parity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import statistics
+import tempfile
+import time
+
+import torch
+
+from .meters import MIB
+
+PROMPTS_PER_STEP, GROUP, MICRO, NEW_TOKENS, LR = 8, 16, 64, 4, 1e-3
+IMPLS = ("rlrun", "trl")
+
+
+def available() -> bool:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from .cli import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose("config", overrides=overrides)
+
+
+def prepare(folder: str, seed: int, steps: int) -> list[dict]:
+    """Write the warm-started embedded model to `folder` (save_pretrained) and return the first `steps` steps'
+    prompt rows in the order rlrun draws them with `seed`."""
+    from . import export, models, tasks
+    from .config import validate
+    from .warmstart import warm_start
+
+    cfg = validate(compose(["tracking=none", f"seed={seed}"]))
+    policy, tokenizer = models.build(cfg.model, seed)
+    task = tasks.load(cfg.task, seed, tokenizer)
+    warm_start(policy, tokenizer, task.train, dataclasses.asdict(cfg.warm_start), seed, cache=cfg.warm_start.cache)
+    export.export(policy, tokenizer, folder)
+    stream = tasks.prompt_stream(task.train, seed)
+    return [dict(next(stream)) for _ in range(steps * PROMPTS_PER_STEP)]
+
+
+def rlrun_overrides(model_dir: str, steps: int, seed: int, uri: str, extra: list[str]) -> list[str]:
+    """rlrun's default run on the workload: only what the workload fixes, and what TRL does not do here."""
+    return ["model=hf", f"model.path={model_dir}", f"train.steps={steps}", f"seed={seed}",
+            f"train.rollout_batch={PROMPTS_PER_STEP * GROUP}", f"train.batch_size={PROMPTS_PER_STEP * GROUP}",
+            f"train.group_size={GROUP}", f"train.micro_batch={MICRO}", f"train.lr={LR}",
+            "train.lr_schedule=constant", f"rollout.max_new_tokens={NEW_TOKENS}", "loss=dapo", "loss.kl_coef=0",
+            "eval.every=0", "export.enabled=false", "progress=false", f"tracking.uri={uri}", *extra]
+
+
+def quiet(log_path: str) -> None:
+    """This child's output goes to `log_path` (shown if it fails): the table is what the bench prints."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+
+
+def rlrun_child(a, model_dir: str, seed: int, log_path: str, out_path: str) -> None:
+    """One rlrun run of the workload in this (fresh) process; saves per-step wall times, rewards and lengths."""
+    quiet(log_path)
+    torch.set_num_threads(a.threads)
+    from . import cli
+    from .tracking import metric_key, open_client
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)  # the run's spill file and any output stay in the temporary folder
+        uri = f"sqlite:///{tmp}/mlflow.db"
+        cli.run(compose(rlrun_overrides(model_dir, a.steps, seed, uri, a.rlrun_args)), "bench-trl-rlrun")
+        client = open_client(uri)
+        [run] = client.search_runs([client.get_experiment_by_name("rlrun").experiment_id])
+
+        def history(name):
+            return sorted(client.get_metric_history(run.info.run_id, metric_key(name)), key=lambda m: m.step)
+
+        # a step's metrics are logged as it ends: consecutive timestamps (ms) bound each step's wall time
+        ends = [m.timestamp / 1000 for m in history("loss")]
+        phases = {k: [m.value for m in history(f"time/{k}_s")] for k in
+                  ("generate", "old_logprobs", "ref_logprobs", "train")}
+        result = {"step_s": [b - e for e, b in zip(ends, ends[1:])],
+                  "reward": [m.value for m in history("reward_mean")],
+                  "length": [m.value for m in history("response_len_mean")],
+                  "phases": {k: v for k, v in phases.items() if v}}
+    torch.save({**result, "rss": peak_rss()}, out_path)
+
+
+def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, out_path: str) -> None:
+    """One TRL GRPOTrainer run of the workload in this (fresh) process."""
+    quiet(log_path)
+    torch.set_num_threads(a.threads)
+    import datasets
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from . import tasks
+    from .config import validate
+
+    task = tasks.load(validate(compose(["tracking=none", f"seed={seed}"])).task, seed)
+
+    def reward(completions, answer, **_):  # rlrun's reward on the same rows
+        return task.score(completions, [{"answer": x} for x in answer])[0]
+
+    class Record(TrainerCallback):
+        def __init__(self):
+            self.ends, self.logs = [], []
+
+        def on_step_end(self, args, state, control, **kw):
+            self.ends.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                self.logs.append(logs)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            output_dir=tmp, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=True,
+            seed=seed, max_steps=a.steps, per_device_train_batch_size=MICRO,
+            gradient_accumulation_steps=PROMPTS_PER_STEP * GROUP // MICRO, num_generations=GROUP,
+            max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0, shuffle_dataset=False,
+            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.99,
+            weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
+            scale_rewards="group", bf16=False, fp16=False, model_init_kwargs={"dtype": torch.float32},
+        )
+        record = Record()
+        data = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=data,
+                              processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[record])
+        trainer.train()
+    torch.save({"step_s": [b - e for e, b in zip(record.ends, record.ends[1:])],
+                "reward": [x["reward"] for x in record.logs],
+                "length": [x["completions/mean_length"] for x in record.logs], "phases": {}, "rss": peak_rss()},
+               out_path)
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def round_row(impl: str, r: dict, warmup: int) -> dict:
+    """A run's speed: median step wall time after `warmup` steps, and what follows from it."""
+    step_s = statistics.median(r["step_s"][warmup:])
+    tokens = statistics.mean(r["length"]) * PROMPTS_PER_STEP * GROUP  # completion tokens per step
+    return {"impl": impl, "step_s": step_s, "steps_per_s": 1 / step_s, "tokens_per_s": tokens / step_s,
+            "peak_rss_mib": r["rss"] / MIB, **{f"{k}_s": statistics.median(v[warmup:])
+                                                 for k, v in r["phases"].items()}}
+
+
+def summarize(rounds: list[dict[str, dict]], warmup: int, last: int) -> list[dict]:
+    """One row per implementation: medians over rounds of each round's numbers, each round's steps/s, the mean
+    reward curve over rounds (seeds), its mean over all steps and over the last `last` steps."""
+    rows = []
+    for impl in IMPLS:
+        runs = [rnd[impl] for rnd in rounds if impl in rnd]
+        if not runs:
+            continue
+        per_round = [round_row(impl, r, warmup) for r in runs]
+        keys = dict.fromkeys(k for p in per_round for k in p if k != "impl")
+        row = {k: statistics.median(p[k] for p in per_round if k in p) for k in keys}
+        curve = mean_curve([r["reward"] for r in runs])
+        row.update(impl=impl, rounds_steps_per_s=[p["steps_per_s"] for p in per_round], reward_curve=curve,
+                   reward_mean=statistics.mean(curve), reward_last=statistics.mean(curve[-last:]))
+        rows.append(row)
+    return rows
+
+
+def mean_curve(curves: list[list[float]]) -> list[float]:
+    n = min(len(c) for c in curves)
+    return [statistics.mean(c[i] for c in curves) for i in range(n)]
+
+
+def table(rows: list[dict], a) -> str:
+    lines = [f"GRPO (DAPO) on the embedded model, {PROMPTS_PER_STEP} prompts x {GROUP} completions per step, micro "
+             f"{MICRO}, {NEW_TOKENS} new tokens, fp32, {a.threads} thread(s); {a.rounds} interleaved round(s) of "
+             f"{a.steps} steps; medians over rounds of the median step after {a.warmup}",
+             f"{'impl':<6} {'steps/s':>8} {'rounds':>18} {'step ms':>8} {'compl tok/s':>12} {'peak RSS MiB':>13} "
+             f"{'reward, all steps':>18} {f'last {a.last}':>8}"]
+    for r in rows:
+        rounds = ",".join(f"{x:.2f}" for x in r["rounds_steps_per_s"])
+        lines.append(f"{r['impl']:<6} {r['steps_per_s']:>8.2f} {rounds:>18} {r['step_s'] * 1000:>8.0f} "
+                     f"{r['tokens_per_s']:>12.0f} {r['peak_rss_mib']:>13.0f} {r['reward_mean']:>18.3f} "
+                     f"{r['reward_last']:>8.3f}")
+    by = {r["impl"]: r for r in rows}
+    if len(by) == 2:
+        diff = {k: by["rlrun"][k] - by["trl"][k] for k in ("reward_mean", "reward_last")}
+        speed = by["rlrun"]["steps_per_s"] / by["trl"]["steps_per_s"]
+        lines.append(f"rlrun / TRL steps/s: {speed:.2f}x; mean reward (over seeds), rlrun - TRL: "
+                     f"{diff['reward_mean']:+.3f} over all steps, {diff['reward_last']:+.3f} over the last {a.last}")
+    phases = [k for k in ("generate_s", "old_logprobs_s", "ref_logprobs_s", "train_s") if k in by.get("rlrun", {})]
+    if phases:
+        lines.append("rlrun phases (median ms per step): " + ", ".join(
+            f"{k[:-2]} {by['rlrun'][k] * 1000:.0f}" for k in phases))
+    return "\n".join(lines)
+
+
+def figure(rows: list[dict], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        ax.plot(range(len(r["reward_curve"])), r["reward_curve"], label=f"{r['impl']} ({r['steps_per_s']:.2f} steps/s)")
+    ax.set(xlabel="optimizer step", ylabel="mean reward (mean over seeds)", title="rlrun vs TRL GRPOTrainer: same work")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def bench(a, in_child, log_mlflow) -> list[dict]:
+    """The benchmark; `in_child(target, *args)` runs a child process, `log_mlflow` logs the result (rlrun.bench's
+    own, passed in so that this module does not import the one that imports it)."""
+    from tqdm import tqdm
+
+    impls = [i for i in a.impls.split(",") if i]
+    if "trl" in impls and not available():
+        print("(skipped trl: not installed; pip install -e '.[bench]')")
+        impls.remove("trl")
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [(r, impl) for r in range(a.rounds) for impl in (impls if r % 2 == 0 else impls[::-1])]
+        bar = tqdm(total=len(runs), desc="trl bench", unit="run")
+        for r in range(a.rounds):
+            model_dir = os.path.join(tmp, f"model-seed{r}")
+            rows = prepare(model_dir, r, a.steps)
+            rounds.append({})
+            for impl in impls if r % 2 == 0 else impls[::-1]:  # alternate who goes first
+                bar.set_postfix(round=r, impl=impl)
+                log_path = os.path.join(tmp, f"{impl}-{r}.log")
+                res = (in_child(rlrun_child, a, model_dir, r, log_path) if impl == "rlrun"
+                       else in_child(trl_child, a, model_dir, rows, r, log_path))
+                if "error" in res:
+                    with open(log_path) as f:
+                        tail = f.read()[-3000:]
+                    raise SystemExit(f"{tail}\ntrl bench: the {impl} run of round {r} failed ({res['error']}); the "
+                                     "end of its output is above")
+                rounds[-1][impl] = res
+                bar.update()
+        bar.close()
+    rows = summarize(rounds, a.warmup, a.last)
+    text = table(rows, a)
+    print(text)
+    if a.figure:
+        print(f"figure: {figure(rows, a.figure)}")
+    log_mlflow(a, [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows], text, "trl",
+               curves={f"reward_mean/{r['impl']}": r["reward_curve"] for r in rows},
+               files=[a.figure] if a.figure else [])
+    return rows
