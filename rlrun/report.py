@@ -61,7 +61,8 @@ def histories(client, run, keys):
 
 
 CURVES = (("loss", "loss"), ("reward_mean", "mean reward (GRPO)"), ("rewards/accuracy", "reward accuracy (DPO)"),
-          ("rewards/margin", "reward margin (DPO)"), ("eval/accuracy", "held-out accuracy"))
+          ("rewards/margin", "reward margin (DPO)"), ("entropy", "token entropy (policy)"),
+          ("eval/accuracy", "held-out accuracy"))
 # Figures are drawn 8 inches wide at 100 dpi: 800 px, so the artifact viewer shows them at (about) their own size
 # (shrunk at most ~15% beside MLflow's assistant panel) and 10-12 pt text stays >= 12 px; one panel per row.
 DPI = 100
@@ -185,8 +186,8 @@ def throughput_figure(names, data):
 
 
 def curves_figure(names, data):
-    """One panel per curve that any run logged (loss, GRPO reward, DPO accuracy and margin, held-out accuracy),
-    one colour per run shared by all panels, and one legend for the figure listing every run."""
+    """One panel per curve that any run logged (loss, GRPO reward, DPO accuracy and margin, token entropy,
+    held-out accuracy), one colour per run shared by all panels, and one legend for the figure listing every run."""
     present = [(k, label) for k, label in CURVES if any(k in h for h in data)] or [CURVES[0]]
     ncol = 1 if max((len(n) for n in names), default=0) > 45 else 2
     legend_h = 0.3 + 0.24 * -(-len(names) // ncol)

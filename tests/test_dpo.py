@@ -95,7 +95,8 @@ def dpo_run(tmp_path, *overrides):
     summary = run(make_cfg("loss=dpo", "experiment=smoke", "train.steps=6", "train.lr=1e-2", *overrides,
                            tmp_path=tmp_path))
     client, (r,) = runs(tmp_path / "mlflow.db")
-    return summary, {k: history(client, r.info.run_id, k) for k in ("loss", "grad_norm", "rewards/accuracy")}
+    return summary, {k: history(client, r.info.run_id, k) for k in ("loss", "grad_norm", "rewards/accuracy",
+                                                                    "entropy")}
 
 
 @pytest.mark.slow
@@ -105,9 +106,10 @@ def test_seeded_dpo_runs_dense_chunked_window_give_the_same_curve(tmp_path):
     _, chunked = dpo_run(tmp_path / "chunked", "head=chunked")
     pairs_16 = ("task.size=16", "task.eval_size=0")  # all 16 pairs train
     s_window, window = dpo_run(tmp_path / "window", "logprob_policy=window", *pairs_16)
-    s_always, always = dpo_run(tmp_path / "always", *pairs_16)
+    s_always, always = dpo_run(tmp_path / "always", "logprob_policy=always", *pairs_16)
+    assert len(dense["entropy"]) == 6 and min(dense["entropy"]) > 0  # the policy's token entropy, every step
     for got, ref in ((chunked, dense), (window, always)):
-        for k in ("loss", "grad_norm"):
+        for k in ("loss", "grad_norm", "entropy"):
             assert torch.allclose(torch.tensor(got[k]), torch.tensor(ref[k]), rtol=1e-4, atol=1e-6), k
     # 16 pairs, 8 per step: the reference pass runs for the first epoch (2 steps) only under window
     assert s_always["passes_ref_run"] == 48 and s_window["passes_ref_run"] == 16

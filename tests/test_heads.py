@@ -67,6 +67,40 @@ def test_heads_match_dense(loss_name, kl_est, temperature, tis, size):
             assert got[3][k] == pytest.approx(dense[3][k], rel=1e-5, abs=1e-7), f"{name} metric {k}"
 
 
+@pytest.mark.parametrize("loss_name,entropy_coef,temperature", [("dapo", 0.01, 1.0), ("cispo", 0.3, 0.7),
+                                                                  ("dapo", -0.2, 1.3)])
+@pytest.mark.parametrize("size", [8, 5, 1000])
+def test_entropy_bonus_matches_dense_autograd(loss_name, entropy_coef, temperature, size):
+    """loss - entropy_coef * entropy: tiled and chunked carry the entropy's gradient by hand; dense is autograd."""
+    hidden, weight, targets, mask, adv, noise = inputs(3, masked_tile=True)
+
+    def make_objective():
+        return objective(loss_name, adv, None, clip_low=0.2 if loss_name == "dapo" else None, clip_high=0.28,
+                         entropy_coef=entropy_coef)
+
+    dense = run_head("dense", hidden, weight, targets, mask, make_objective, temperature, size)
+    plain = run_head("dense", hidden, weight, targets, mask,
+                     lambda: objective(loss_name, adv, None, clip_low=0.2 if loss_name == "dapo" else None),
+                     temperature, size)
+    assert (dense[2] - plain[2]).abs().max() > 1e-3 * plain[2].abs().max()  # the bonus moves the gradient
+    for name in ("tiled", "chunked"):
+        got = run_head(name, hidden, weight, targets, mask, make_objective, temperature, size)
+        assert_close(got[0], dense[0], f"{name} loss")
+        assert_close(got[1], dense[1], f"{name} grad hidden")
+        assert_close(got[2], dense[2], f"{name} grad weight")
+        assert got[3]["entropy"] == pytest.approx(dense[3]["entropy"], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["dense", "tiled", "chunked"])
+def test_entropy_metric_is_the_tempered_distributions_entropy(name):
+    hidden, weight, targets, mask, adv, _ = inputs(4)
+    logits = (hidden @ weight.T) / 0.8
+    expected = torch.distributions.Categorical(logits=logits).entropy()[mask].mean().item()
+    f = objective("dapo", adv, None)
+    _, stats = HEADS[name].loss(hidden, weight, targets, mask, f, int(mask.sum()), 0.8, 6)
+    assert summarize(stats, mask)["entropy"] == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.mark.parametrize("name", ["tiled", "chunked"])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_logprobs_match_dense_with_and_without_grad(name, temperature):

@@ -33,7 +33,8 @@ def run_in(tmp_path, *overrides):
 
 def test_smoke_through_the_real_entry_point(tmp_path):
     env = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
-    r = subprocess.run(["rlrun", SMOKE, "loss=cispo", "progress=false"], cwd=tmp_path, env=env,
+    # logprob_policy=always: every pass runs, so every metric of the loop is logged
+    r = subprocess.run(["rlrun", SMOKE, "loss=cispo", "logprob_policy=always", "progress=false"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     client, rs = runs(tmp_path / "mlflow.db")  # default store: sqlite:///mlflow.db in the working directory
@@ -41,7 +42,8 @@ def test_smoke_through_the_real_entry_point(tmp_path):
     assert run_.info.status == "FINISHED"
     params = run_.data.params
     assert params["loss.name"] == "cispo" and params["train.steps"] == "3" and params["head.name"] == "dense"
-    assert run_.data.tags["mlflow.runName"] == "experiment=smoke,loss=cispo"  # progress, tracking.uri excluded
+    # progress, tracking.uri excluded
+    assert run_.data.tags["mlflow.runName"] == "experiment=smoke,logprob_policy=always,loss=cispo"
     for key in ("loss", "reward_mean", "clipfrac", "kl", "ratio_mean", "ratio_min", "ratio_max", "pg_loss",
                 "throughput/gen_tokens_per_s", "throughput/train_tokens_per_s", "time/generate_s", "time/train_s",
                 "time/old_logprobs_s", "time/ref_logprobs_s", "mem/train_peak_mib", "mem/generate_peak_mib",
@@ -93,8 +95,28 @@ def test_heads_give_the_same_curve(tmp_path, loss):
         assert_same_curves(got, dense)
 
 
+def test_entropy_is_logged_and_its_bonus_trains_the_same_in_every_head(tmp_path):
+    """loss.entropy_coef: the token entropy is a metric of every step and, with a coefficient, part of the loss
+    whose gradient tiled and chunked carry by hand: their curves equal dense's (autograd)."""
+    _, plain, r = loss_curve(tmp_path / "plain")
+    client, _ = runs(tmp_path / "plain" / "mlflow.db")
+    assert len(history(client, r.info.run_id, "entropy")) == 5
+    curves = {}
+    for head in ("dense", "tiled", "chunked"):
+        _, curves[head], r = loss_curve(tmp_path / head, f"head={head}", "loss.entropy_coef=0.5")
+        client, _ = runs(tmp_path / head / "mlflow.db")
+        curves[head]["entropy"] = history(client, r.info.run_id, "entropy")
+    # the same first rollout: the bonus is exactly -coef x the step's mean token entropy
+    assert curves["dense"]["loss"][0] == pytest.approx(plain["loss"][0] - 0.5 * curves["dense"]["entropy"][0],
+                                                       rel=1e-5)
+    assert curves["dense"]["grad_norm"] != plain["grad_norm"]
+    for head in ("tiled", "chunked"):
+        assert_same_curves(curves[head], curves["dense"])
+        assert curves[head]["entropy"] == pytest.approx(curves["dense"]["entropy"], rel=1e-5)
+
+
 def test_skip_and_window_reproduce_always_and_count_skipped_passes(tmp_path):
-    s_always, always, _ = loss_curve(tmp_path / "always")
+    s_always, always, _ = loss_curve(tmp_path / "always", "logprob_policy=always")
     s_skip, skip, _ = loss_curve(tmp_path / "skip", "logprob_policy=skip")
     s_window, window, _ = loss_curve(tmp_path / "window", "logprob_policy=window")
     for got in (skip, window):
@@ -121,7 +143,7 @@ def test_window_on_a_non_aligned_schedule_reproduces_always(tmp_path):
     from rlrun.logprobs import crosses_step
 
     sizes = ("train.rollout_batch=8", "train.batch_size=12", "train.micro_batch=4")  # 5 steps
-    s_always, always, _ = loss_curve(tmp_path / "always", *sizes)
+    s_always, always, _ = loss_curve(tmp_path / "always", *sizes, "logprob_policy=always")
     s_window, window, r = loss_curve(tmp_path / "window", *sizes, "logprob_policy=window")
     assert_same_curves(window, always)
     rollouts = s_window["passes_old_run"] + s_window["passes_old_skipped"]

@@ -118,6 +118,13 @@ def tis_cap(c, world):
         yield f"loss.tis.cap={c.loss.tis.cap!r} must be > 0 when loss.tis.enabled=true."
 
 
+@rule("loss.name", "loss.entropy_coef")
+def dpo_has_no_entropy_bonus(c, world):
+    if c.loss.name == "dpo" and c.loss.entropy_coef:
+        yield (f"loss.entropy_coef={c.loss.entropy_coef} is an entropy bonus for the GRPO losses (dapo, cispo); DPO "
+               "has none (its policy's token entropy is logged as entropy). Set loss.entropy_coef=0.")
+
+
 @rule("logprob_policy.name", "loss.name", "loss.kl_coef")
 def skip_needs_no_kl(c, world):
     if c.logprob_policy.name == "skip" and c.loss.name in FUSABLE and c.loss.kl_coef:

@@ -81,6 +81,7 @@ class DapoLoss:
     kl_coef: NonNeg
     kl_estimator: KlEstimator
     tis: TisConfig
+    entropy_coef: float  # loss - entropy_coef * token entropy (exact gradient in every head); 0: entropy logged only
 
 
 @dataclass
@@ -91,6 +92,7 @@ class CispoLoss:
     kl_coef: NonNeg
     kl_estimator: KlEstimator
     tis: TisConfig
+    entropy_coef: float  # loss - entropy_coef * token entropy (exact gradient in every head); 0: entropy logged only
 
 
 @dataclass
@@ -102,6 +104,7 @@ class DpoLoss:
     average_logprobs: bool
     reference_path: PathStr | None
     kl_coef: float  # unused by DPO; kept so `loss.kl_coef=...` overrides compose across the loss axis
+    entropy_coef: float  # 0 for DPO (rules.py); kept so `loss.entropy_coef=...` overrides compose across the axis
 
 
 # -- logprob_policy, offload --------------------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """Heads: hidden states + lm-head weight -> per-token logprobs, or the whole objective. Same contract each:
 
     logprobs(hidden [N, H], weight [V, H], targets [N], temperature, size) -> logprobs [N]
+    logprobs(..., with_entropy=True) -> (logprobs [N], entropies [N]: the entropy as a metric, no gradient)
     loss(hidden, weight, targets, mask [N], objective, num_tokens, temperature, size) -> (loss, stats)
 
-`objective(logprobs, sl) -> (per-token loss, per-token stats)` comes from `rlrun.losses.objective`; `sl` says
-which tokens the logprobs belong to. `size` is the tile / chunk size in tokens (ignored by dense).
+`objective(logprobs, sl, entropy) -> (per-token loss, per-token stats)` comes from `rlrun.losses.objective`; `sl`
+says which tokens the logprobs belong to; `entropy` is each token's entropy of the tempered distribution, with
+its gradient when `objective.entropy_coef` is non-zero. `size` is the tile / chunk size in tokens (ignored by
+dense).
 """
 
 from . import chunked, dense, tiled

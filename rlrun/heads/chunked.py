@@ -2,7 +2,7 @@
 
 The autograd function saves only hidden states, weight and targets; backward recomputes each chunk's logits.
 Only one [chunk, vocab] buffer exists at a time, in forward and in backward. Any loss sits on top, because the
-function's output is just the per-token logprobs.
+function's outputs are just the per-token logprobs and (for the loss) entropies.
 """
 
 import contextlib
@@ -13,6 +13,7 @@ from ..losses import masked_total
 from .common import (
     accumulate_grads,
     chunked_logprobs_nograd,
+    entropy,
     gathered,
     logit_grad_,
     ready_for_grad,
@@ -23,15 +24,22 @@ from .common import (
 
 
 class ChunkedLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, size):
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.temperature, ctx.size = temperature, size
-        return chunked_logprobs_nograd(hidden, weight, targets, temperature, size)
+    """(logprobs, entropies) with `with_entropy`, else (logprobs, an empty tensor)."""
 
     @staticmethod
-    def backward(ctx, grad_lp):
+    def forward(ctx, hidden, weight, targets, temperature, size, with_entropy=False):
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature, ctx.size = temperature, size
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no entropy term to recompute
+        if with_entropy:
+            return chunked_logprobs_nograd(hidden, weight, targets, temperature, size, with_entropy=True)
+        return chunked_logprobs_nograd(hidden, weight, targets, temperature, size), hidden.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
         hidden, weight, targets = ctx.saved_tensors
+        if grad_lp is None:
+            grad_lp = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         if need_w:
@@ -41,19 +49,32 @@ class ChunkedLogprobs(torch.autograd.Function):
             for sl in tiles(targets.shape[0], ctx.size):
                 z = tile_logits(hidden[sl], weight, ctx.temperature)
                 _, sums = softmax_stats_(z, targets[sl])
-                dz = logit_grad_(z, sums, targets[sl], grad_lp[sl], ctx.temperature)
+                g_ent, ent = (None, None) if grad_ent is None else (grad_ent[sl], entropy(z, sums))
+                dz = logit_grad_(z, sums, targets[sl], grad_lp[sl], ctx.temperature, g_ent, ent)
                 accumulate_grads(dz, hidden[sl], weight, grad_h[sl] if need_h else None, grad_w)
                 del z, dz
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
-def logprobs(hidden, weight, targets, temperature: float, size: int):
+def _logprobs(hidden, weight, targets, temperature: float, size: int, with_entropy: bool):
+    """(logprobs, entropies or an empty tensor), through the autograd function when a gradient is wanted."""
     with gathered(weight):
-        if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
-            return chunked_logprobs_nograd(hidden, weight, targets, temperature, size)
-        return ChunkedLogprobs.apply(hidden, weight, targets, temperature, size)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return ChunkedLogprobs.apply(hidden, weight, targets, temperature, size, with_entropy)
+        if with_entropy:
+            return chunked_logprobs_nograd(hidden, weight, targets, temperature, size, with_entropy=True)
+        return chunked_logprobs_nograd(hidden, weight, targets, temperature, size), hidden.new_empty(0)
+
+
+def logprobs(hidden, weight, targets, temperature: float, size: int, with_entropy: bool = False):
+    """Per-token logprobs; with `with_entropy`, (logprobs, entropies), the entropies without gradient."""
+    lp, ent = _logprobs(hidden, weight, targets, temperature, size, with_entropy)
+    return (lp, ent.detach()) if with_entropy else lp
 
 
 def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float, size: int):
-    loss_tokens, stats = objective(logprobs(hidden, weight, targets, temperature, size), slice(None))
+    lp, ent = _logprobs(hidden, weight, targets, temperature, size, with_entropy=True)
+    if not getattr(objective, "entropy_coef", 0.0):
+        ent = ent.detach()  # a metric only: backward skips the entropy term
+    loss_tokens, stats = objective(lp, slice(None), ent)
     return masked_total(loss_tokens, mask, num_tokens), stats

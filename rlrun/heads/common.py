@@ -4,6 +4,11 @@ For one tile of tokens: z = (h @ W.T) / T in fp32, logprob = z[target] - logsume
 w.r.t. the tile's pre-temperature logits is g * (onehot(target) - softmax(z)) / T, where g = dloss/dlogprob.
 Everything happens in place in the one [tile, vocab] fp32 buffer: `softmax_stats_` turns z into exp(z - max)
 (logsumexp would allocate a second tile-sized temporary), and `logit_grad_` turns that into the gradient.
+
+Entropy of the tempered distribution comes from the same buffer: with e = exp(z - max) and s = sum(e),
+H = log s - sum(e log e) / s. Its gradient w.r.t. z is -p (log p + H); `logit_grad_` adds it, times
+dloss/dH, when the loss uses the entropy (loss.entropy_coef). The e log e terms are formed a block of rows at a
+time, so the extra temporary is a fraction of a tile.
 """
 
 from __future__ import annotations
@@ -91,10 +96,32 @@ def softmax_stats_(z: torch.Tensor, targets: torch.Tensor):
     return picked - rowmax - sums.log(), sums
 
 
-def logit_grad_(e: torch.Tensor, sums: torch.Tensor, targets: torch.Tensor, g: torch.Tensor, temperature: float):
-    """Turn `e` = exp(z - rowmax) in place into dloss/d(h @ W.T) = g * (onehot - softmax(z)) / T."""
+ROWS = 16  # rows per block of the e log e temporary
+
+
+def entropy(e: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy from `e` = exp(z - rowmax) and its row sums (see the module docstring)."""
+    e_log_e = torch.empty_like(sums)
+    for r in range(0, e.shape[0], ROWS):
+        block = e[r : r + ROWS]
+        e_log_e[r : r + ROWS] = torch.xlogy(block, block).sum(-1)
+    return sums.log() - e_log_e / sums
+
+
+def logit_grad_(e: torch.Tensor, sums: torch.Tensor, targets: torch.Tensor, g: torch.Tensor, temperature: float,
+                g_ent: torch.Tensor | None = None, ent: torch.Tensor | None = None):
+    """Turn `e` = exp(z - rowmax) in place into dloss/d(h @ W.T) = g * (onehot - softmax(z)) / T, plus, with
+    `g_ent` = dloss/dH and `ent` = H, g_ent * dH/dz / T = -g_ent * p (log p + H) / T."""
     scale = g.float() / temperature
-    e.mul_((-scale / sums)[:, None])
+    if g_ent is None:
+        e.mul_((-scale / sums)[:, None])
+    else:  # -p * (g + g_ent (log p + H)) with log p = log e - log s: a per-row factor of e, and one of e log e
+        g_ent = g_ent.float() / temperature
+        factor, factor_log = -(scale + g_ent * (ent - sums.log())) / sums, -g_ent / sums
+        for r in range(0, e.shape[0], ROWS):
+            block = e[r : r + ROWS]
+            e_log_e = torch.xlogy(block, block).mul_(factor_log[r : r + ROWS, None])
+            block.mul_(factor[r : r + ROWS, None]).add_(e_log_e)
     e.scatter_add_(-1, targets[:, None], scale[:, None])
     return e
 
@@ -107,9 +134,14 @@ def accumulate_grads(dz, h, weight, grad_h_out, grad_w):
         grad_w.addmm_(dz.T, h.float())
 
 
-def chunked_logprobs_nograd(hidden, weight, targets, temperature: float, size: int) -> torch.Tensor:
+def chunked_logprobs_nograd(hidden, weight, targets, temperature: float, size: int, with_entropy: bool = False):
+    """Per-token logprobs, tile by tile; with `with_entropy`, (logprobs, entropies)."""
     out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    ent = torch.empty_like(out) if with_entropy else None
     with torch.no_grad():
         for sl in tiles(targets.shape[0], size):
-            out[sl] = softmax_stats_(tile_logits(hidden[sl], weight, temperature), targets[sl])[0]
-    return out
+            z = tile_logits(hidden[sl], weight, temperature)
+            out[sl], sums = softmax_stats_(z, targets[sl])
+            if with_entropy:
+                ent[sl] = entropy(z, sums)
+    return (out, ent) if with_entropy else out

@@ -6,11 +6,29 @@ from ..losses import masked_total
 from .common import full_weight
 
 
-def logprobs(hidden, weight, targets, temperature: float = 1.0, size: int | None = None):
-    logits = (hidden @ full_weight(weight).T).float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+def log_softmax(hidden, weight, temperature: float):
+    return torch.log_softmax((hidden @ full_weight(weight).T).float() / temperature, dim=-1)
+
+
+def entropy(logp, grad: bool):
+    """Per-token entropy from the log-softmax. Without gradient a block of rows at a time, so that the metric adds
+    no [tokens, vocab] temporary to dense's peak."""
+    if grad:
+        return -(logp.exp() * logp).sum(-1)
+    with torch.no_grad():
+        return torch.cat([-(block.exp() * block).sum(-1) for block in logp.split(128)] or [logp.new_zeros(0)])
+
+
+def logprobs(hidden, weight, targets, temperature: float = 1.0, size: int | None = None, with_entropy: bool = False):
+    """Per-token logprobs; with `with_entropy`, (logprobs, entropies), the entropies without gradient."""
+    logp = log_softmax(hidden, weight, temperature)
+    lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    return (lp, entropy(logp, grad=False)) if with_entropy else lp
 
 
 def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float = 1.0, size: int | None = None):
-    loss_tokens, stats = objective(logprobs(hidden, weight, targets, temperature), slice(None))
+    logp = log_softmax(hidden, weight, temperature)
+    # through autograd only when the loss uses it (loss.entropy_coef): as a metric it adds nothing to backward
+    ent = entropy(logp, grad=torch.is_grad_enabled() and bool(getattr(objective, "entropy_coef", 0.0)))
+    loss_tokens, stats = objective(logp.gather(-1, targets[:, None]).squeeze(-1), slice(None), ent)
     return masked_total(loss_tokens, mask, num_tokens), stats

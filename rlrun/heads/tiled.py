@@ -11,13 +11,23 @@ import torch
 
 from ..losses import masked_total
 from .chunked import logprobs as _chunked_logprobs
-from .common import accumulate_grads, gathered, logit_grad_, ready_for_grad, softmax_stats_, tile_logits, tiles
+from .common import (
+    accumulate_grads,
+    entropy,
+    gathered,
+    logit_grad_,
+    ready_for_grad,
+    softmax_stats_,
+    tile_logits,
+    tiles,
+)
 
 
 class TiledLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, mask, num_tokens, objective, temperature, size, stats_out):
         need_h, need_w = hidden.requires_grad, weight.requires_grad
+        need_ent = bool(getattr(objective, "entropy_coef", 0.0))  # the loss uses the entropy: its gradient too
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -25,15 +35,16 @@ class TiledLoss(torch.autograd.Function):
         for sl in tiles(targets.shape[0], size):
             z = tile_logits(hidden[sl], weight, temperature)
             lp, sums = softmax_stats_(z, targets[sl])
+            ent = entropy(z, sums)
             with torch.enable_grad():
-                leaf = lp.detach().requires_grad_(True)
-                loss_tokens, stats = objective(leaf, sl)
+                leaf, ent_leaf = lp.detach().requires_grad_(True), ent.detach().requires_grad_(need_ent)
+                loss_tokens, stats = objective(leaf, sl, ent_leaf)
                 part = masked_total(loss_tokens, mask[sl], num_tokens)
-                (g,) = torch.autograd.grad(part, leaf)
+                g, g_ent = (*torch.autograd.grad(part, [leaf, ent_leaf] if need_ent else [leaf]), None)[:2]
             total += part.detach()
             for k, v in stats.items():
                 parts.setdefault(k, []).append(v.detach())
-            dz = logit_grad_(z, sums, targets[sl], g, temperature)
+            dz = logit_grad_(z, sums, targets[sl], g, temperature, g_ent, ent)
             accumulate_grads(dz, hidden[sl], weight, grad_h[sl] if need_h else None, grad_w)
             del z, dz
         stats_out.update({k: torch.cat(v) for k, v in parts.items()})
@@ -53,10 +64,10 @@ class TiledLoss(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None
 
 
-def logprobs(hidden, weight, targets, temperature: float, size: int):
+def logprobs(hidden, weight, targets, temperature: float, size: int, with_entropy: bool = False):
     # Logprob-only passes (old policy, reference) need no fused loss: the chunked function computes them tile by
     # tile too, so no path of a tiled run builds the full logits.
-    return _chunked_logprobs(hidden, weight, targets, temperature, size)
+    return _chunked_logprobs(hidden, weight, targets, temperature, size, with_entropy)
 
 
 def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float, size: int):

@@ -28,16 +28,20 @@ def objective(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     tis_cap: float | None = None,
+    entropy_coef: float = 0.0,
 ):
-    """A per-token objective `f(logprobs, sl) -> (loss_tokens, stats)` over flat [tokens] inputs.
+    """A per-token objective `f(logprobs, sl, entropy=None) -> (loss_tokens, stats)` over flat [tokens] inputs.
 
     `sl` selects the tokens `logprobs` belongs to. `old_logprobs=None` means the old-policy pass was skipped: the
     ratio is taken against `logprobs.detach()` (value 1, gradient intact). `tis_cap` turns on truncated importance
-    sampling: the policy-gradient term is weighted by min(exp(old - gen), tis_cap), detached.
+    sampling: the policy-gradient term is weighted by min(exp(old - gen), tis_cap), detached. `entropy`: the
+    per-token entropy of the tempered distribution (the heads compute it), reported as the `entropy` stat and, with
+    `entropy_coef`, rewarded: loss - entropy_coef * entropy. `f.entropy_coef` tells the heads whether the loss
+    depends on the entropy (then they carry its gradient).
     """
     token_loss = POLICY_LOSSES[name]
 
-    def f(logprobs: torch.Tensor, sl=slice(None)):
+    def f(logprobs: torch.Tensor, sl=slice(None), entropy: torch.Tensor | None = None):
         old = logprobs.detach() if old_logprobs is None else old_logprobs[sl]
         loss, stats = token_loss(logprobs, old, advantages[sl], clip_low=clip_low, clip_high=clip_high)
         stats["pg_loss"] = loss.detach()
@@ -50,13 +54,19 @@ def objective(
             stats["kl"] = k.detach()
             if kl_coef:
                 loss = loss + kl_coef * k
+        if entropy is not None:
+            stats["entropy"] = entropy.detach()
+            if entropy_coef:
+                loss = loss - entropy_coef * entropy
         return loss, stats
 
+    f.entropy_coef = entropy_coef
     return f
 
 
 # How each per-token stat becomes metrics: token-weighted mean, and for some also min / max.
-MEAN = {"pg_loss": "pg_loss", "clipped": "clipfrac", "kl": "kl", "ratio": "ratio_mean", "is_weight": "is_weight_mean"}
+MEAN = {"pg_loss": "pg_loss", "clipped": "clipfrac", "kl": "kl", "ratio": "ratio_mean", "is_weight": "is_weight_mean",
+        "entropy": "entropy"}
 RANGE = {"ratio": "ratio", "is_weight": "is_weight"}
 
 

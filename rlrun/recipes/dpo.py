@@ -58,11 +58,16 @@ def encode_pairs(tokenizer, pairs: list[dict], device) -> Pairs:
     )
 
 
-def pair_logprobs(model, batch: Pairs, head, size, average: bool):
-    """(chosen, rejected) sequence logprobs [B] each, through the head (grad if enabled)."""
+def pair_logprobs(model, batch: Pairs, head, size, average: bool, entropy: list | None = None):
+    """(chosen, rejected) sequence logprobs [B] each, through the head (grad if enabled). `entropy`: a list to
+    append this batch's (sum of token entropies, token count) to."""
     backbone, weight = models.split(model)
     hidden = models.hidden_states(backbone, batch.input_ids, batch.attention_mask)[:, :-1][batch.predicts]
-    token_lp = head.logprobs(hidden, weight, batch.targets, 1.0, size)
+    if entropy is None:
+        token_lp = head.logprobs(hidden, weight, batch.targets, 1.0, size)
+    else:
+        token_lp, ent = head.logprobs(hidden, weight, batch.targets, 1.0, size, with_entropy=True)
+        entropy.append((ent.double().sum().item(), ent.numel()))
     seq = sequence_logprobs(token_lp, batch.seq_index, len(batch.lengths), batch.lengths, average)
     b = len(batch.ids)
     return seq[:b], seq[b:]
@@ -109,16 +114,17 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
             known, counts = reference_logprobs(cfg, frame, head, cache, batch)
 
             # 2. Train: one optimizer step over the batch; each micro-batch's loss is its share of the batch mean.
-            parts, tokens = train_step(cfg, frame, head, batch, known, step)
+            parts, tokens, entropy = train_step(cfg, frame, head, batch, known, step)
             grad_norm = engine.step()
 
             # 3. Metrics over all ranks.
-            ranks = frame.reduce({"parts": parts, "tokens": tokens, "counts": counts})
-            parts = [part for p in ranks for part in p["parts"]]
+            ranks = frame.reduce({"parts": parts, "tokens": tokens, "counts": counts, "entropy": entropy})
+            parts, entropy = [part for p in ranks for part in p["parts"]], [e for p in ranks for e in p["entropy"]]
             tokens, counts = sum(p["tokens"] for p in ranks), sum((p["counts"] for p in ranks), Counter())
             m = {k: sum(n * mt[k] for n, mt in parts) / t.batch_size for k in parts[0][1] if k != "loss"}
             m.update({"loss": sum(mt["loss"] for _, mt in parts), "grad_norm": grad_norm,
-                      "lr": engine.lr(), "train_tokens": tokens})
+                      "lr": engine.lr(), "train_tokens": tokens,
+                      "entropy": sum(s for s, _ in entropy) / max(sum(n for _, n in entropy), 1)})
             cache.totals.update(counts)
             for key in ("ref_run", "ref_skipped"):
                 m[f"passes/{key}"] = counts[key]
@@ -166,14 +172,15 @@ def reference_logprobs(cfg, frame, head, cache: ReferenceCache, batch: list[dict
 
 
 def train_step(cfg, frame, head, batch: list[dict], known: dict, step: int):
-    """Forward and backward of this rank's micro-batches: [(pairs, metrics)] per micro-batch and the token count."""
+    """Forward and backward of this rank's micro-batches: [(pairs, metrics)] per micro-batch, the token count and
+    [(entropy sum, tokens)] per micro-batch of the policy pass."""
     t, lcfg, engine = cfg.train, cfg.loss, frame.engine
-    parts, tokens = [], 0
+    parts, tokens, entropy = [], 0, []
     with frame.meter.phase("train"):
         for i in range(0, len(batch), t.micro_batch):
             chunk_pairs = batch[i : i + t.micro_batch]
             mb = encode_pairs(frame.tokenizer, chunk_pairs, engine.device)
-            chosen, rejected = pair_logprobs(engine.model, mb, head, cfg.head.size, lcfg.average_logprobs)
+            chosen, rejected = pair_logprobs(engine.model, mb, head, cfg.head.size, lcfg.average_logprobs, entropy)
             ref = torch.tensor([known[pid] for pid in mb.ids], device=engine.device, dtype=chosen.dtype)
             nll = None
             if lcfg.sft_coef:  # per-token NLL of the chosen response
@@ -186,4 +193,4 @@ def train_step(cfg, frame, head, batch: list[dict], known: dict, step: int):
             engine.backward(loss)
             parts.append((len(chunk_pairs), metrics))
             tokens += int(mb.lengths.sum())
-    return parts, tokens
+    return parts, tokens, entropy

@@ -273,7 +273,8 @@ def train_step(cfg, frame, head, micros: list[Micro], step: int):
     lcfg, engine = cfg.loss, frame.engine
     backbone, weight = models.split(engine.model)
     loss_kwargs = dict(clip_low=lcfg.clip_low, clip_high=lcfg.clip_high, kl_coef=lcfg.kl_coef,
-                       kl_estimator=lcfg.kl_estimator, tis_cap=lcfg.tis.cap if lcfg.tis.enabled else None)
+                       kl_estimator=lcfg.kl_estimator, tis_cap=lcfg.tis.cap if lcfg.tis.enabled else None,
+                       entropy_coef=lcfg.entropy_coef)
     num_tokens = max(sum(engine.gather(sum(int(mb.mask.sum()) for mb in micros))), 1)  # over all ranks
     stats_parts, masks, loss_total = [], [], 0.0
     with frame.meter.phase("train"):
