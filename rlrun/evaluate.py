@@ -17,6 +17,7 @@ batch size. Under ZeRO-3 call it inside `engine.generation()` (the weights must 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -112,12 +113,15 @@ def evaluate_pairs(policy, reference, tokenizer, pairs: list[dict], *, encode_pa
     `encode_pairs(tokenizer, pairs, device)` and `pair_logprobs(model, batch, head, size, average)` are the DPO
     recipe's own (rlrun.recipes.dpo passes them), so evaluation scores sequences exactly as training does; they
     are arguments because this module sits below the recipes (tests/test_code_shape.py: no upward imports).
-    `head`: the head module (default dense), `size` its tile size."""
+    `head`: the head module (default dense), `size` its tile size. `reference`: a model, or a function returning a
+    context that yields one (rlrun.models.reference: LoRA's adapters-off reference is the policy itself, so the
+    policy's pass must run outside that context)."""
     if not pairs:
         raise ValueError("evaluate_pairs: no pairs to evaluate on")
     if head is None:
         from .heads import dense as head
     device = next(policy.parameters()).device
+    reference_of = (lambda: contextlib.nullcontext(reference)) if isinstance(reference, torch.nn.Module) else reference
     was_training = policy.training
     policy.eval()
     margins = []
@@ -126,7 +130,8 @@ def evaluate_pairs(policy, reference, tokenizer, pairs: list[dict], *, encode_pa
             chunk = [dict(p, id=b + i) for i, p in enumerate(pairs[b : b + batch_size])]
             batch = encode_pairs(tokenizer, chunk, device)
             pc, pr = pair_logprobs(policy, batch, head, size, average)
-            rc, rr = pair_logprobs(reference, batch, head, size, average)
+            with reference_of() as ref:
+                rc, rr = pair_logprobs(ref, batch, head, size, average)
             margins.append((beta * ((pc - rc) - (pr - rr))).double().cpu())
     finally:
         policy.train(was_training)

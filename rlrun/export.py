@@ -11,6 +11,7 @@ barrier. With ZeRO-1/2 every rank already holds the full weights; rank 0 writes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -69,14 +70,19 @@ def _replace_folder(tmp: str, folder: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def export(model, tokenizer, folder: str, *, engine=None) -> str | None:
+def export(model, tokenizer, folder: str, *, engine=None, lora: str = "merged") -> str | None:
     """Write `model` (unwrapped from DeepSpeed/DDP/PEFT wrappers) and `tokenizer` to `folder`; returns the folder
     on the rank that wrote it, None on the others. `engine`: the run's engine (rlrun.engine.*), for ZeRO-3
-    gathering and the rank; None means one process."""
+    gathering and the rank; None means one process. A model with LoRA adapters is written with the adapters merged
+    into its weights (`lora="merged"`: a plain transformers folder) or as peft's adapter folder (`"adapter"`:
+    `PeftModel.from_pretrained(base, folder)` loads it onto the base model)."""
+    wrapped = models.peft_model(model)
     lm = models.unwrap(model)
     rank = getattr(engine, "rank", 0) if engine is not None else 0
     folder = os.path.abspath(folder)
     with _gathered(lm, engine):  # collective: every rank enters, whoever writes
+        if rank == 0 and wrapped is not None and lora == "merged":
+            lm = copy.deepcopy(wrapped).merge_and_unload()  # a copy: training goes on with the adapters
         state = cpu_state_dict(lm) if rank == 0 else None
     if rank == 0:
         tmp = f"{folder}.tmp"
@@ -86,7 +92,10 @@ def export(model, tokenizer, folder: str, *, engine=None) -> str | None:
 
         hf_logging.disable_progress_bar()  # one shard of a small model: no bar in rlrun's console
         try:
-            lm.save_pretrained(tmp, state_dict=state)
+            if wrapped is not None and lora == "adapter":
+                wrapped.save_pretrained(tmp)
+            else:
+                lm.save_pretrained(tmp, state_dict=state)
         finally:
             hf_logging.enable_progress_bar()
         tokenizer.save_pretrained(tmp)

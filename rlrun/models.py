@@ -6,6 +6,7 @@ build [tokens, vocab] logits); `split` returns both for any causal LM whose last
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -89,6 +90,46 @@ def build(cfg, seed: int):
     tokenizer.padding_side = "left"  # generation appends on the right
     split(model)  # fail now, not mid-run, if the model has no usable lm head
     return model, tokenizer
+
+
+def add_lora(model, cfg):
+    """`model` with LoRA adapters (peft) on `cfg.target_modules`: only the adapters train; the lm head and the
+    (tied) embeddings stay frozen."""
+    try:
+        import peft
+    except ImportError as e:
+        raise ModelError("model.lora.enabled=true needs peft: pip install -e '.[lora]'") from e
+    targets = list(cfg.target_modules)
+    config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
+                             target_modules="all-linear" if targets == ["all-linear"] else targets,
+                             task_type="CAUSAL_LM")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as e:  # e.g. target modules the model does not have
+        raise ModelError(f"model.lora.target_modules={targets}: {e}") from e
+
+
+def peft_model(model):
+    """The PeftModel inside engine wrappers (DeepSpeed, DDP), or None for a model without adapters."""
+    while not hasattr(model, "disable_adapter"):
+        model = getattr(model, "module", None)
+        if not isinstance(model, torch.nn.Module):
+            return None
+    return model
+
+
+@contextlib.contextmanager
+def reference(engine):
+    """The model of a reference pass: the engine's frozen reference, or (model.lora.reference=adapters_off) the
+    policy itself with its adapters disabled, which is the initial policy without a second copy in memory."""
+    if engine.reference is not None:
+        yield engine.reference
+        return
+    wrapped = peft_model(engine.model)
+    if wrapped is None:
+        raise RuntimeError("a reference pass without a reference model or LoRA adapters to disable")
+    with wrapped.disable_adapter():
+        yield engine.model
 
 
 def unwrap(model):

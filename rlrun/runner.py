@@ -184,7 +184,14 @@ class Frame:
             with self.meter_once("warm_start"):
                 warm_start(policy, self.tokenizer, warm_rows, dataclasses.asdict(cfg.warm_start), cfg.seed,
                            cache=cfg.warm_start.cache)
-        reference = frozen_reference(policy, reference_path, cfg.model.dtype) if with_reference else None
+        lora = cfg.model.lora
+        # LoRA: the reference pass can run the policy with its adapters disabled (models.reference), no copy
+        adapters_off = lora.enabled and lora.reference == "adapters_off" and reference_path is None
+        reference = None
+        if with_reference and not adapters_off:
+            reference = frozen_reference(policy, reference_path, cfg.model.dtype)
+        if lora.enabled:  # after the warm start and the reference copy: both are of the base model
+            policy = models.add_lora(policy, lora)
         self.engine = registry.get("engine", cfg.engine.name).Engine(cfg, policy, reference, grad_accum)
         del self.policy  # the engine owns it now (wrapped, moved, maybe partitioned)
         tracker.tags({"rlrun.device": self.engine.device.type, "rlrun.torch": torch.__version__,
@@ -281,7 +288,7 @@ class Frame:
         folder = folder or (self.cfg.export.enabled and export_dir(self.cfg))
         if not folder:
             return
-        path = export(self.engine.model, self.tokenizer, folder, engine=self.engine)
+        path = export(self.engine.model, self.tokenizer, folder, engine=self.engine, lora=self.cfg.model.lora.export)
         if path:
             self.exported = path
             log.info("exported the policy to %s", path)

@@ -118,6 +118,13 @@ def tis_cap(c, world):
         yield f"loss.tis.cap={c.loss.tis.cap!r} must be > 0 when loss.tis.enabled=true."
 
 
+@rule("model.lora.enabled", "rollout.name")
+def lora_generates_with_hf(c, world):
+    if c.model.lora.enabled and c.rollout.name == "vllm":
+        yield ("model.lora.enabled=true trains adapters that rollout=vllm's engine would not see (its weight sync "
+               "copies plain weights); use rollout=hf with LoRA.")
+
+
 @rule("loss.name", "loss.entropy_coef")
 def dpo_has_no_entropy_bonus(c, world):
     if c.loss.name == "dpo" and c.loss.entropy_coef:

@@ -137,6 +137,19 @@ class OnOffload:
 
 # -- model --------------------------------------------------------------------------------------------------------
 @dataclass
+class LoraConfig:
+    enabled: bool
+    rank: PosInt
+    alpha: Positive
+    dropout: Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1)")]
+    target_modules: Annotated[list[str], Check(lambda v: len(v) >= 1, "a non-empty list")]  # module names, or
+    # [all-linear]: every linear layer but the lm head
+    reference: Literal["adapters_off", "copy"]  # the reference pass: the base model with adapters disabled, or a
+    # frozen copy of the initial policy (one more model in memory)
+    export: Literal["merged", "adapter"]  # the exported model: weights with the adapters merged, or the adapters
+
+
+@dataclass
 class TinyModel:
     name: Literal["tiny"]
     arch: Literal["llama", "qwen2"]
@@ -149,6 +162,7 @@ class TinyModel:
     vocab_size: PosInt | None  # null: the tokenizer's size
     tie_embeddings: bool
     dtype: Dtype
+    lora: LoraConfig
 
 
 @dataclass
@@ -156,6 +170,7 @@ class HFModel:
     name: Literal["hf"]
     path: PathStr = needs("DIR (a local transformers checkpoint folder)")
     dtype: Dtype
+    lora: LoraConfig
 
 
 # -- task ---------------------------------------------------------------------------------------------------------

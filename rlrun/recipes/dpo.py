@@ -146,7 +146,8 @@ def held_out(cfg, frame, pairs: list[dict]):
                     "task.eval_split=SPLIT."])
         return None
     rows, head = pairs[: cfg.eval.size] if cfg.eval.size else pairs, registry.get("head", cfg.head.name)
-    return lambda: evaluate.evaluate_pairs(frame.engine.model, frame.engine.reference, frame.tokenizer, rows,
+    engine = frame.engine
+    return lambda: evaluate.evaluate_pairs(engine.model, lambda: models.reference(engine), frame.tokenizer, rows,
                                            encode_pairs=encode_pairs, pair_logprobs=pair_logprobs,
                                            beta=cfg.loss.beta, average=cfg.loss.average_logprobs, head=head,
                                            size=cfg.head.size, batch_size=cfg.train.micro_batch, show=cfg.log.samples)
@@ -160,10 +161,10 @@ def reference_logprobs(cfg, frame, head, cache: ReferenceCache, batch: list[dict
     with frame.meter.phase("offload"):
         engine.offload()
     fresh = {}
-    with frame.meter.phase("ref_logprobs"), torch.no_grad():
+    with frame.meter.phase("ref_logprobs"), torch.no_grad(), models.reference(engine) as reference:
         for i in range(0, len(todo), t.micro_batch):
             chunk = encode_pairs(frame.tokenizer, todo[i : i + t.micro_batch], engine.device)
-            chosen, rejected = pair_logprobs(engine.reference, chunk, head, cfg.head.size, cfg.loss.average_logprobs)
+            chosen, rejected = pair_logprobs(reference, chunk, head, cfg.head.size, cfg.loss.average_logprobs)
             fresh.update({pid: (c, r) for pid, c, r in zip(chunk.ids, chosen.tolist(), rejected.tolist())})
     known.update(fresh)
     with frame.meter.phase("onload"):

@@ -253,8 +253,9 @@ def refill(cfg, frame, rollout, head, prompts, task, buffer: RolloutBuffer, grad
         got["mismatch"] += mismatch(micros)
     if need.ref:
         with meter.phase("ref_logprobs"):
-            for mb, lp in zip(micros, logprob_pass(engine.reference, micros, head, size, temperature)):
-                mb.ref_logprobs = lp
+            with models.reference(engine) as reference:
+                for mb, lp in zip(micros, logprob_pass(reference, micros, head, size, temperature)):
+                    mb.ref_logprobs = lp
     with meter.phase("onload"):
         engine.onload()
     got["rewards"].append(reward)
