@@ -55,12 +55,10 @@ def complete(model, tokenizer, prompts: list[str], *, max_new_tokens: int, seeds
         cfg = SimpleNamespace(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
         roll = hf.generate(model, tokenizer, prompts, cfg, device, seeds)
     else:
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        response = out[:, enc.input_ids.shape[1]:]
-        roll = Rollout.from_response(enc.input_ids, enc.attention_mask, response,
-                                     torch.zeros(response.shape, device=device), tokenizer)
+        ids, mask = hf.encode(tokenizer, prompts, device)
+        response = hf.decode(model, ids, mask, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
+        roll = Rollout.from_response(ids, mask, response, torch.zeros(response.shape, device=device), tokenizer)
     return roll.completions, roll.response_mask.sum(1).tolist()
 
 

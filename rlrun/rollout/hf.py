@@ -1,4 +1,8 @@
-"""Generation with transformers' `generate`: sampled completions plus the sampler's own logprobs.
+"""Generation on the policy itself (rollout=hf): sampled completions plus the sampler's own logprobs.
+
+`decode` is transformers' `generate` loop for decoder-only models (KV cache, left padding, pad after EOS) without
+its per-call and per-step overhead, which dominated the embedded model's step; it draws the same tokens bit for bit
+(tests/test_rollout.py). Models it does not cover still go through `generate`.
 
 Sampling is Gumbel-max with one seeded generator per sequence: token = argmax(logits/T (top-p filtered) + Gumbel
 noise), which is an exact draw from the tempered, filtered distribution. Because each sequence's noise depends
