@@ -341,6 +341,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of its median")
     t.add_argument("--last", type=int, default=10, help="steps at the end whose mean reward is compared")
     t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--jobs", type=int, default=1, help="runs at a time; > 1 for learning parity only (the runs "
+                   "overlap, so their speeds are not measured)")
     t.add_argument("--impls", default="rlrun,trl")
     t.add_argument("--rlrun-args", nargs="*", default=[], help="extra rlrun overrides, e.g. logprob_policy=always")
     t.add_argument("--figure", default="bench_trl.png", help="mean reward curves (PNG); '' for none")

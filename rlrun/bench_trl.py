@@ -196,7 +196,9 @@ def mean_curve(curves: list[list[float]]) -> list[float]:
 def table(rows: list[dict], a) -> str:
     lines = [f"GRPO (DAPO) on the embedded model, {PROMPTS_PER_STEP} prompts x {GROUP} completions per step, micro "
              f"{MICRO}, {NEW_TOKENS} new tokens, fp32, {a.threads} thread(s); {a.rounds} interleaved round(s) of "
-             f"{a.steps} steps; medians over rounds of the median step after {a.warmup}",
+             f"{a.steps} steps; medians over rounds of the median step after {a.warmup}"
+             + (f"\n(--jobs {a.jobs}: the runs overlapped, so the speed columns are not measurements)"
+                if a.jobs > 1 else ""),
              f"{'impl':<6} {'steps/s':>8} {'rounds':>18} {'step ms':>8} {'compl tok/s':>12} {'peak RSS MiB':>13} "
              f"{'reward, all steps':>18} {f'last {a.last}':>8}"]
     for r in rows:
@@ -235,36 +237,46 @@ def figure(rows: list[dict], path: str) -> str:
     return path
 
 
+def run_children(todo: list[tuple], in_child, jobs: int) -> dict:
+    """{(round, impl): result} of each child in `todo` [(round, impl, log path, (target, *args))], `jobs` at a
+    time (more than one: the runs overlap, so their speeds are not measured)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    def one(item):
+        r, impl, log_path, call = item
+        res = in_child(*call)
+        if "error" in res:
+            with open(log_path) as f:
+                tail = f.read()[-3000:]
+            raise SystemExit(f"{tail}\ntrl bench: the {impl} run of round {r} failed ({res['error']}); the end of "
+                             "its output is above")
+        return (r, impl), res
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return dict(tqdm(pool.map(one, todo), total=len(todo), desc="trl bench", unit="run"))
+
+
 def bench(a, in_child, log_mlflow) -> list[dict]:
     """The benchmark; `in_child(target, *args)` runs a child process, `log_mlflow` logs the result (rlrun.bench's
     own, passed in so that this module does not import the one that imports it)."""
-    from tqdm import tqdm
-
     impls = [i for i in a.impls.split(",") if i]
     if "trl" in impls and not available():
         print("(skipped trl: not installed; pip install -e '.[bench]')")
         impls.remove("trl")
-    rounds = []
+    todo = []
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [(r, impl) for r in range(a.rounds) for impl in (impls if r % 2 == 0 else impls[::-1])]
-        bar = tqdm(total=len(runs), desc="trl bench", unit="run")
         for r in range(a.rounds):
             model_dir = os.path.join(tmp, f"model-seed{r}")
             rows = prepare(model_dir, r, a.steps)
-            rounds.append({})
             for impl in impls if r % 2 == 0 else impls[::-1]:  # alternate who goes first
-                bar.set_postfix(round=r, impl=impl)
                 log_path = os.path.join(tmp, f"{impl}-{r}.log")
-                res = (in_child(rlrun_child, a, model_dir, r, log_path) if impl == "rlrun"
-                       else in_child(trl_child, a, model_dir, rows, r, log_path))
-                if "error" in res:
-                    with open(log_path) as f:
-                        tail = f.read()[-3000:]
-                    raise SystemExit(f"{tail}\ntrl bench: the {impl} run of round {r} failed ({res['error']}); the "
-                                     "end of its output is above")
-                rounds[-1][impl] = res
-                bar.update()
-        bar.close()
+                call = ((rlrun_child, a, model_dir, r, log_path) if impl == "rlrun"
+                        else (trl_child, a, model_dir, rows, r, log_path))
+                todo.append((r, impl, log_path, call))
+        results = run_children(todo, in_child, a.jobs)
+    rounds = [{impl: results[r, impl] for impl in impls} for r in range(a.rounds)]
     rows = summarize(rounds, a.warmup, a.last)
     text = table(rows, a)
     print(text)
