@@ -5,10 +5,10 @@ w.r.t. the tile's pre-temperature logits is g * (onehot(target) - softmax(z)) / 
 Everything happens in place in the one [tile, vocab] fp32 buffer: `softmax_stats_` turns z into exp(z - max)
 (logsumexp would allocate a second tile-sized temporary), and `logit_grad_` turns that into the gradient.
 
-Entropy of the tempered distribution comes from the same buffer: with e = exp(z - max) and s = sum(e),
-H = log s - sum(e log e) / s. Its gradient w.r.t. z is -p (log p + H); `logit_grad_` adds it, times
-dloss/dH, when the loss uses the entropy (loss.entropy_coef). The e log e terms are formed a block of rows at a
-time, so the extra temporary is a fraction of a tile.
+Entropy of the tempered distribution comes from the same buffer: with y = z - max, e = exp(y) and s = sum(e),
+H = log s - sum(e y) / s, formed while exponentiating, a block of rows at a time (the extra temporaries are a
+fraction of a tile). Its gradient w.r.t. z is -p (log p + H); `logit_grad_` adds it, times dloss/dH, when the
+loss uses the entropy (loss.entropy_coef).
 """
 
 from __future__ import annotations
@@ -87,20 +87,35 @@ def tile_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> to
     return z
 
 
-def softmax_stats_(z: torch.Tensor, targets: torch.Tensor):
-    """Logprobs of `targets` and row sums; `z` becomes exp(z - rowmax) in place (fp32 throughout)."""
+ROWS = 16  # rows per block of the entropy's temporaries
+
+
+def softmax_stats_(z: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False):
+    """Logprobs of `targets` and row sums (and, `with_entropy`, each row's entropy); `z` becomes exp(z - rowmax) in
+    place (fp32 throughout). The entropy needs sum(e * (z - rowmax)): formed while exponentiating, a block of rows
+    at a time, so it costs a multiply-add per logit and no [tile, vocab] temporary."""
     picked = z.gather(-1, targets[:, None]).squeeze(-1)
     rowmax = z.amax(-1)
-    z.sub_(rowmax[:, None]).exp_()
+    z.sub_(rowmax[:, None])
+    if with_entropy:  # one block buffer, reused: the allocator keeps no trail of block-sized temporaries
+        e_y, e = torch.empty_like(rowmax), z.new_empty((min(ROWS, z.shape[0]), z.shape[1]))
+        for r in range(0, z.shape[0], ROWS):
+            y = z[r : r + ROWS]
+            block = torch.exp(y, out=e[: y.shape[0]])
+            e_y[r : r + ROWS] = (block[:, None, :] @ y[:, :, None]).view(-1)  # row dot products, no temporary
+            y.copy_(block)
+    else:
+        z.exp_()
     sums = z.sum(-1)
-    return picked - rowmax - sums.log(), sums
-
-
-ROWS = 16  # rows per block of the e log e temporary
+    logprobs = picked - rowmax - sums.log()
+    if not with_entropy:
+        return logprobs, sums
+    return logprobs, sums, sums.log() - e_y / sums
 
 
 def entropy(e: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-    """Per-token entropy from `e` = exp(z - rowmax) and its row sums (see the module docstring)."""
+    """Per-token entropy from `e` = exp(z - rowmax) and its row sums: log s - sum(e log e) / s (the backward of
+    the entropy bonus, where z itself is gone)."""
     e_log_e = torch.empty_like(sums)
     for r in range(0, e.shape[0], ROWS):
         block = e[r : r + ROWS]
@@ -141,7 +156,8 @@ def chunked_logprobs_nograd(hidden, weight, targets, temperature: float, size: i
     with torch.no_grad():
         for sl in tiles(targets.shape[0], size):
             z = tile_logits(hidden[sl], weight, temperature)
-            out[sl], sums = softmax_stats_(z, targets[sl])
             if with_entropy:
-                ent[sl] = entropy(z, sums)
+                out[sl], _, ent[sl] = softmax_stats_(z, targets[sl], with_entropy=True)
+            else:
+                out[sl] = softmax_stats_(z, targets[sl])[0]
     return (out, ent) if with_entropy else out

@@ -13,7 +13,6 @@ from ..losses import masked_total
 from .chunked import logprobs as _chunked_logprobs
 from .common import (
     accumulate_grads,
-    entropy,
     gathered,
     logit_grad_,
     ready_for_grad,
@@ -34,8 +33,7 @@ class TiledLoss(torch.autograd.Function):
         parts: dict[str, list] = {}
         for sl in tiles(targets.shape[0], size):
             z = tile_logits(hidden[sl], weight, temperature)
-            lp, sums = softmax_stats_(z, targets[sl])
-            ent = entropy(z, sums)
+            lp, sums, ent = softmax_stats_(z, targets[sl], with_entropy=True)
             with torch.enable_grad():
                 leaf, ent_leaf = lp.detach().requires_grad_(True), ent.detach().requires_grad_(need_ent)
                 loss_tokens, stats = objective(leaf, sl, ent_leaf)
