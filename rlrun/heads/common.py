@@ -160,4 +160,5 @@ def chunked_logprobs_nograd(hidden, weight, targets, temperature: float, size: i
                 out[sl], _, ent[sl] = softmax_stats_(z, targets[sl], with_entropy=True)
             else:
                 out[sl] = softmax_stats_(z, targets[sl])[0]
+            del z  # else the last tile lives on while the next one is computed: two tiles at the peak
     return (out, ent) if with_entropy else out
