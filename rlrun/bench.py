@@ -3,6 +3,7 @@
     python -m rlrun.bench heads --tokens 2048 --hidden 512 --vocab 151936 --tile-size 256
     python -m rlrun.bench dpo --vocab 151936 --lengths 256,512,1024,2048,4096 --budget-mib 4096
     python -m rlrun.bench trl                     # needs TRL: pip install -e '.[bench]'
+    python -m rlrun.bench plan                    # the memory plan's accuracy (rlrun/bench_plan.py)
 
 `heads`: one DAPO forward+backward of the lm head + loss per implementation, each in its own process (so peaks do
 not mix), on identical seeded inputs: rlrun's dense / tiled / chunked heads and the peers a user would pick
@@ -16,6 +17,8 @@ the longest length each head fits within `--budget-mib`. Points whose dense logi
 machine's available memory are skipped rather than run into the OOM killer.
 
 `trl`: rlrun's default GRPO run and TRL's GRPOTrainer on the same work, interleaved (rlrun/bench_trl.py).
+
+`plan`: the memory plan's prediction vs the measured peak growth per phase of short runs (rlrun/bench_plan.py).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import tempfile
 
 import torch
 
-from . import bench_trl
+from . import bench_plan, bench_trl
 from .heads import HEADS
 from .heads.common import chunked_logprobs_nograd
 from .losses import objective
@@ -303,6 +306,14 @@ def trl_bench(a):
     return bench_trl.bench(a, in_child, log_mlflow)
 
 
+def plan_bench(a):
+    return bench_plan.bench(a, in_child, log_mlflow)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlrun.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -348,6 +359,16 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--figure", default="bench_trl.png", help="mean reward curves (PNG); '' for none")
     t.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
     t.set_defaults(func=trl_bench)
+    m = sub.add_parser("plan", help="the memory plan (rlrun plan) vs the measured peak growth of short runs",
+                       description=bench_plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("--heads", type=lambda t: t.split(","), default=["dense", "tiled", "chunked"])
+    m.add_argument("--vocabs", type=ints, default=[16384, 65536, 151936])
+    m.add_argument("--tokens", type=ints, default=[512, 2048], help=f"per micro-batch: {sorted(bench_plan.TOKENS)}")
+    m.add_argument("--lora", default="tiled,65536,2048", help="HEAD,VOCAB,TOKENS of a LoRA run ('' for none)")
+    m.add_argument("--steps", type=int, default=3)
+    m.add_argument("--figure", default="plan_accuracy.png", help="predicted vs measured (PNG); '' for none")
+    m.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
+    m.set_defaults(func=plan_bench)
     return p
 
 
@@ -356,6 +377,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.func is heads_bench and a.tokens % a.seqs:
         p.error(f"--tokens {a.tokens} must be divisible by --seqs {a.seqs}")
+    if a.func is plan_bench and set(a.tokens) - set(bench_plan.TOKENS):
+        p.error(f"--tokens {a.tokens}: each must be one of {sorted(bench_plan.TOKENS)}")
     if a.tracking_uri != "none":  # a store that cannot be used fails now, not after the benchmark
         try:
             check_uri(a.tracking_uri, "--tracking-uri", "--tracking-uri none")

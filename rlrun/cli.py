@@ -84,11 +84,34 @@ def sweep_job(cfg: DictConfig, run_name: str):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def plan_main(cfg: DictConfig):
+    """`rlrun plan <overrides>`: validate, then print the memory plan (rlrun/plan.py); builds no weights."""
+    try:
+        typed = validate(cfg)
+        from . import plan
+
+        p = plan.for_config(typed)
+    except USER_ERRORS as e:
+        print(f"rlrun plan: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(plan.table(p, typed.plan.device_gib) + "\n\nparts (MiB):\n" + plan.detail(p))
+
+
+PLAN_ARGS = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
 def entry():
     """The `rlrun` command. A Ctrl-C or SIGTERM that reaches this far (a sweep waiting on its launcher's workers)
     ends with one line and exit 130 / 143 instead of a traceback; the sweep's runs are marked KILLED on the way
     out (sweep.SweepCallback.end_interrupted)."""
     try:
+        if sys.argv[1:2] == ["plan"]:  # a plan writes nothing: no output folder, no logs, one configuration
+            if {"-m", "--multirun"} & set(sys.argv):
+                sys.exit("rlrun plan: error: plan one configuration at a time (no -m / --multirun).")
+            sys.argv[1:2] = []
+            sys.argv += PLAN_ARGS
+            return plan_main()
         main()
     except KeyboardInterrupt:
         print("rlrun: interrupted", file=sys.stderr)

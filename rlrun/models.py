@@ -58,8 +58,8 @@ def tiny_model(cfg, tokenizer, seed: int) -> torch.nn.Module:
     return model
 
 
-def load_hf(path: str, dtype: str):
-    """Load a local transformers checkpoint and its tokenizer; never reaches a hub."""
+def load_hf_config(path: str):
+    """(config, tokenizer) of a local transformers checkpoint, without its weights; never reaches a hub."""
     if not path or not os.path.isdir(path):
         raise ModelError(
             f"model.path={path!r} is not a directory. Point model.path at a local transformers checkpoint "
@@ -68,13 +68,22 @@ def load_hf(path: str, dtype: str):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelError(f"model.path={path!r} has no config.json; it is not a transformers checkpoint folder.")
     try:
-        AutoConfig.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelError(f"could not load model.path={path!r}: {e}") from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return config, tokenizer
+
+
+def load_hf(path: str, dtype: str):
+    """Load a local transformers checkpoint and its tokenizer; never reaches a hub."""
+    _, tokenizer = load_hf_config(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"could not load model.path={path!r}: {e}") from e
     return model, tokenizer
 
 

@@ -3,9 +3,10 @@
     rlrun-report PARENT_RUN_ID                       # the jobs of a sweep
     rlrun-report --experiment rlrun --filter "params.\\`loss.name\\` = 'dapo'"   # any runs, by MLflow filter
 
-Draws memory.png (peak memory per phase), throughput.png (tokens/s and step time by phase), curves.png (loss and
-reward per step, one line per run) and, where runs differ only in an efficiency axis (head, logprob_policy,
-offload), equivalence.png (max difference of each curve from its dense/always/off baseline).
+Draws memory.png (peak memory per phase), memory_plan.png (predicted vs measured growth per phase),
+throughput.png (tokens/s and step time by phase), curves.png (loss and reward per step, one line per run) and,
+where runs differ only in an efficiency axis (head, logprob_policy, offload), equivalence.png (max difference of
+each curve from its dense/always/off baseline).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ FONT = 11
 
 def collect(client, runs):
     keys = [k for k, _ in CURVES] + ["throughput/gen_tokens_per_s", "throughput/train_tokens_per_s"]
-    keys += [k(p) for k in (peak_key, growth_key, time_key) for p in PHASES]
+    keys += [k(p) for k in (peak_key, growth_key, time_key, plan_key) for p in PHASES]
     return [histories(client, r, keys) for r in runs]
 
 
@@ -169,6 +170,24 @@ def memory_figure(names, data, device):
              "MiB", f"Peak memory per phase, MiB ({what}, {device})")
     _heatmap(fig, axes[1], names, present, [[_stat(h, growth_key(p), np.max) for p in present] for h in data],
              "MiB", "Peak growth over the phase's starting memory, MiB")
+    fig.tight_layout()
+    return fig
+
+
+def plan_key(phase: str) -> str:
+    return f"plan/{phase}_growth_mib"  # rlrun/plan.py metrics()
+
+
+def plan_figure(names, data):
+    """Predicted (the memory plan, logged at the start) vs measured peak growth, one panel per phase."""
+    present = [p for p in PHASES if any(plan_key(p) in h and growth_key(p) in h for h in data)]
+    if not present:
+        return None
+    fig, axes = _figure([_height(len(names), _lines(names))] * len(present))
+    for ax, p in zip(axes, present):
+        _hbars(ax, names, {"predicted": [_stat(h, plan_key(p), np.max) for h in data],
+                           "measured": [_stat(h, growth_key(p), np.max) for h in data]},
+               "MiB", f"{p}: predicted vs measured peak growth, MiB")
     fig.tight_layout()
     return fig
 
@@ -308,6 +327,9 @@ def figures(client, runs, device="cpu"):
     data = collect(client, runs)
     figs = {"memory.png": memory_figure(names, data, device), "throughput.png": throughput_figure(names, data),
             "curves.png": curves_figure(names, data)}
+    plan = plan_figure(names, data)
+    if plan is not None:
+        figs["memory_plan.png"] = plan
     print(table(names, data))
     rows = equivalence(runs, names, data)
     if rows:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import checkpoint, models, registry, tracking
+from . import checkpoint, models, plan, registry, tracking
 from .config import ConfigError
 from .meters import Meter
 
@@ -174,9 +174,10 @@ class Frame:
         self.warnings: list[str] = []  # about the data and settings, all in the run tag rlrun.warnings
 
     def start(self, *, grad_accum: int, with_reference: bool, warm_rows: list[dict],
-              reference_path: str | None = None) -> None:
+              reference_path: str | None = None, plan_rows: list[dict] | None = None) -> None:
         """Warm-start the policy (when `warm_start` applies) on `warm_rows` ({prompt, answer}), copy the reference
-        from it, and hand both to the engine."""
+        from it, and hand both to the engine; then plan the run's memory from its shapes and `plan_rows` (the
+        training rows; default `warm_rows`), choosing head.size=auto."""
         cfg, tracker, policy = self.cfg, self.tracker, self.policy
         if cfg.warm_start.enabled is True or (cfg.warm_start.enabled == "auto" and cfg.model.name == "tiny"):
             from .warmstart import warm_start
@@ -192,14 +193,32 @@ class Frame:
             reference = frozen_reference(policy, reference_path, cfg.model.dtype)
         if lora.enabled:  # after the warm start and the reference copy: both are of the base model
             policy = models.add_lora(policy, lora)
+        shapes = plan.shapes_of(policy, cfg.model.dtype)  # before the engine partitions it (ZeRO-3)
         self.engine = registry.get("engine", cfg.engine.name).Engine(cfg, policy, reference, grad_accum)
         del self.policy  # the engine owns it now (wrapped, moved, maybe partitioned)
+        self.plan_memory(shapes, plan_rows or warm_rows)
         tracker.tags({"rlrun.device": self.engine.device.type, "rlrun.torch": torch.__version__,
                       "rlrun.world_size": str(self.engine.world)})
         if cfg.offload.enabled and not self.engine.offload_effective():
             log.info("offload=on on a CPU-only run: optimizer state already lives in host memory, nothing moves.")
             tracker.tags({"offload.effective": "false"})
         self.meter = Meter(self.engine.device)
+
+    def plan_memory(self, shapes, rows: list[dict]) -> None:
+        """Predict each phase's memory (rlrun/plan.py), resolve head.size=auto with it, and log the plan as plan/*
+        at step 0 beside the measured mem/*, with its parts as the artifact plan.txt."""
+        cfg, engine = self.cfg, self.engine
+        n_rows, seq_len, tokens = plan.lengths(cfg, self.tokenizer, rows)
+        size = plan.resolve_size(cfg, shapes, tokens, engine.device.type, engine.world)
+        if cfg.head.size == "auto":  # resolved once, here, before any pass reads it
+            log.info("head.size=auto: %d tokens per %s tile (head.memory_budget_mib=%s)", size, cfg.head.name,
+                     cfg.head.memory_budget_mib)
+            self.tracker.tags({"rlrun.head.size": str(size)})
+            cfg.head.size = size
+        self.plan = plan.predict(cfg, shapes, n_rows, seq_len, tokens, world=engine.world,
+                                 device_type=engine.device.type)
+        self.tracker.log(0, plan.metrics(self.plan))
+        self.tracker.text(plan.table(self.plan) + "\n\n" + plan.detail(self.plan), "plan.txt")
 
     @contextlib.contextmanager
     def meter_once(self, what: str):

@@ -119,3 +119,22 @@ def test_rlrun_learns_like_trl_on_the_same_work():
     assert abs(rows["rlrun"]["reward_mean"] - rows["trl"]["reward_mean"]) <= 0.02, rows
     for r in rows.values():  # both learned: the curve rose from the warm start
         assert r["reward_last"] > r["reward_curve"][0] + 0.1
+
+
+def test_plan_table_and_figure_from_measured_runs(tmp_path):
+    from rlrun import bench_plan
+
+    grid = [dict(head="tiled", vocab=65536, tokens=512, lora=False), dict(head="dense", vocab=16384, tokens=2048,
+                                                                          lora=True), dict(head="chunked", vocab=1024,
+                                                                                           tokens=512, lora=False)]
+    results = [{"train": (68.0, 78.0), "old_logprobs": (34.0, 36.0), "generate": (10.0, 300.0)},
+               {"train": (400.0, 520.0)},  # 23% and 120 MiB under: missed
+               {"error": "exit code 1"}]
+    rows = bench_plan.rows_of(grid, results)
+    text = bench_plan.table(rows)
+    assert "tiled-v64k-n512" in text and "dense-v16k-n2048-lora" in text and "MISSED" in text
+    assert "chunked-v1k-n512" in text and "failed: exit code 1" in text
+    assert "(not a target)" in text  # generate is reported, not judged
+    assert text.splitlines()[-1] == "2 of 3 train / logprob phases within 15% or 32 MiB"
+    path = bench_plan.figure(rows, str(tmp_path / "plan.png"))
+    assert (tmp_path / "plan.png").stat().st_size > 10_000 and path.endswith("plan.png")

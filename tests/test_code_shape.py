@@ -13,10 +13,10 @@ MAX_FUNCTION_LINES = 80
 LAYERS = [
     {"__init__", "errors", "config", "registry"},  # __init__: the version only
     {"losses", "heads", "logprobs", "offload", "meters", "models", "tasks", "checkpoint", "tracking", "spill",
-     "rollout", "engine"},
+     "rollout", "engine", "plan"},
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},
-    {"cli", "sweep", "report", "bench", "bench_trl", "__main__"},
+    {"cli", "sweep", "report", "bench", "bench_trl", "bench_plan", "__main__"},
 ]
 
 

@@ -10,7 +10,7 @@ from helpers import runs
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PYTHONPATH": str(ROOT / "tests")}
-FIGURES = {"memory.png", "throughput.png", "curves.png", "equivalence.png"}
+FIGURES = {"memory.png", "memory_plan.png", "throughput.png", "curves.png", "equivalence.png"}
 
 
 def sweep(tmp, *args):

@@ -42,7 +42,7 @@ ImportPath = Annotated[str, Check(lambda v: re.fullmatch(r"[^:\s]+:[\w.]+", v) i
 
 
 # -- head ---------------------------------------------------------------------------------------------------------
-TileSize = Annotated[int, Check(lambda v: v >= 1, "a positive integer (tokens per tile/chunk)")]
+TileSize = Annotated[int, Check(lambda v: v >= 1, "a positive integer (tokens per tile/chunk)")] | Literal["auto"]
 
 
 @dataclass
@@ -54,13 +54,15 @@ class DenseHead:
 @dataclass
 class TiledHead:
     name: Literal["tiled"]
-    size: TileSize
+    size: TileSize  # auto: the planner picks the largest within memory_budget_mib (rlrun/plan.py)
+    memory_budget_mib: PosInt | None  # null: a tenth of the memory free at start
 
 
 @dataclass
 class ChunkedHead:
     name: Literal["chunked"]
-    size: TileSize
+    size: TileSize  # auto: the planner picks the largest within memory_budget_mib (rlrun/plan.py)
+    memory_budget_mib: PosInt | None  # null: a tenth of the memory free at start
 
 
 # -- loss ---------------------------------------------------------------------------------------------------------
@@ -367,6 +369,11 @@ class ExportConfig:
 
 
 @dataclass
+class PlanConfig:
+    device_gib: Positive | None  # `rlrun plan` also says whether the run fits a CUDA device of this size
+
+
+@dataclass
 class RunConfig:
     seed: NonNegInt  # numpy refuses negative seeds
     run_name: str | None
@@ -377,6 +384,7 @@ class RunConfig:
     eval: EvalConfig
     log: LogConfig
     export: ExportConfig
+    plan: PlanConfig
     train: TrainConfig
     model: TinyModel | HFModel
     task: ArithTask | JsonlTask | DatasetTask

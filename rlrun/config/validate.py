@@ -173,6 +173,10 @@ class Walk:
         if len(arms) == 1:
             return self.value(raw, arms[0], key, or_null)
         for arm in arms:  # e.g. resume: bool | path; the arm whose base type the value has
+            if get_origin(arm) is Literal:  # e.g. head.size: int | "auto"
+                if raw in get_args(arm) and isinstance(raw, str):
+                    return raw
+                continue
             base = get_args(arm)[0] if get_origin(arm) is Annotated else arm
             if not isinstance(scalar(raw, base), Bad):
                 return self.value(raw, arm, key, or_null)

@@ -95,8 +95,8 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     train_pairs, eval_pairs = tasks.load_pairs(cfg.task, cfg.seed, frame.tokenizer)
     frame.warn(tasks.check_lengths(train_pairs, frame.tokenizer, None, models.context_size(frame.policy)))
     frame.start(grad_accum=t.batch_size // (t.micro_batch * world), with_reference=True,
-                reference_path=lcfg.reference_path, warm_rows=[{"prompt": p["prompt"], "answer": p["chosen"]}
-                                                               for p in train_pairs])
+                reference_path=lcfg.reference_path, plan_rows=train_pairs,
+                warm_rows=[{"prompt": p["prompt"], "answer": p["chosen"]} for p in train_pairs])
     engine = frame.engine
     pairs = [dict(p, id=i) for i, p in enumerate(train_pairs)]
     stream = tasks.prompt_stream(pairs, cfg.seed)  # the same stream on every rank; each takes its slice

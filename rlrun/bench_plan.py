@@ -1,0 +1,149 @@
+"""`python -m rlrun.bench plan`: how close the memory plan (rlrun/plan.py) comes to what runs measure.
+
+Each point is a short GRPO run of the embedded model (random init, so responses run to rollout.max_new_tokens and
+the plan's upper bound on tokens is the real count) with a large vocabulary, `logprob_policy=always` and a small
+KL coefficient so that the old and reference passes both run, in its own process. The run logs its plan (plan/*)
+and its measured peak growth (mem/*); the bench reads both back from the run's MLflow store and prints, per phase,
+predicted vs measured, the error, and whether it is within the target: 15% or 32 MiB, whichever is larger.
+
+Tokens per micro-batch are micro_batch x max_new_tokens: 512 = 64 x 8 (two micro-batches per step, so gradients
+accumulate) and 2048 = 128 x 16 (one). The LoRA point adds model.lora.enabled=true (lm head frozen, reference by
+disabling the adapters).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+PHASES = ("generate", "old_logprobs", "ref_logprobs", "train")
+CHECKED = ("old_logprobs", "ref_logprobs", "train")  # the phases the target is about
+TOKENS = {512: (64, 8), 2048: (128, 16)}  # tokens per micro-batch -> (micro_batch, max_new_tokens)
+TOLERANCE, FLOOR_MIB = 0.15, 32.0
+
+
+def overrides(head: str, vocab: int, tokens: int, steps: int, lora: bool, uri: str) -> list[str]:
+    micro, new = TOKENS[tokens]
+    return [f"head={head}", f"model.vocab_size={vocab}", f"train.micro_batch={micro}", f"rollout.max_new_tokens={new}",
+            "train.rollout_batch=128", "train.batch_size=128", "train.group_size=16", f"train.steps={steps}",
+            "logprob_policy=always", "loss.kl_coef=0.01", "warm_start.enabled=false", "eval.every=0",
+            "export.enabled=false", "progress=false", f"tracking.uri={uri}",
+            *(["model.lora.enabled=true"] if lora else [])]
+
+
+def child(point: dict, steps: int, out_path: str) -> None:
+    """One run of `point` in this fresh process; saves {phase: (predicted, measured)} growth in MiB."""
+    from . import cli
+    from .bench_trl import compose, quiet
+    from .tracking import metric_key, open_client
+
+    with tempfile.TemporaryDirectory() as tmp:
+        quiet(os.path.join(tmp, "log.txt"))
+        os.chdir(tmp)
+        uri = f"sqlite:///{tmp}/mlflow.db"
+        cli.run(compose(overrides(**point, steps=steps, uri=uri)), "bench-plan")
+        client = open_client(uri)
+        [run] = client.search_runs([client.get_experiment_by_name("rlrun").experiment_id])
+
+        def top(name):
+            hist = client.get_metric_history(run.info.run_id, metric_key(name))
+            return max((m.value for m in hist), default=None)
+
+        result = {p: (top(f"plan/{p}_growth_mib"), top(f"mem/{p}_growth_mib")) for p in PHASES}
+    torch.save({p: v for p, v in result.items() if None not in v}, out_path)
+
+
+def within(predicted: float, measured: float) -> bool:
+    return abs(predicted - measured) <= max(TOLERANCE * measured, FLOOR_MIB)
+
+
+def points(a) -> list[dict]:
+    grid = [dict(head=h, vocab=v, tokens=t, lora=False) for v in a.vocabs for t in a.tokens for h in a.heads]
+    if a.lora:
+        head, vocab, tokens = a.lora.split(",")
+        grid.append(dict(head=head, vocab=int(vocab), tokens=int(tokens), lora=True))
+    return grid
+
+
+def label(p: dict) -> str:
+    return f"{p['head']}-v{p['vocab'] // 1024}k-n{p['tokens']}" + ("-lora" if p["lora"] else "")
+
+
+def rows_of(grid: list[dict], results: list[dict]) -> list[dict]:
+    rows = []
+    for p, r in zip(grid, results):
+        if "error" in r:
+            rows.append({"impl": label(p), "error": r["error"]})
+            continue
+        for phase, (pred, meas) in r.items():
+            rows.append({"impl": f"{label(p)}/{phase}", "point": label(p), "phase": phase, "predicted_mib": pred,
+                         "measured_mib": meas, "error_pct": 100.0 * (pred - meas) / max(meas, 1e-9),
+                         "ok": phase not in CHECKED or within(pred, meas)})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'run':<28} {'phase':<13} {'predicted MiB':>13} {'measured MiB':>12} {'error':>7}  target",
+             "-" * 84]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['impl']:<28} failed: {r['error']}")
+            continue
+        target = ("ok" if r["ok"] else "MISSED") if r["phase"] in CHECKED else "(not a target)"
+        lines.append(f"{r['point']:<28} {r['phase']:<13} {r['predicted_mib']:>13.0f} {r['measured_mib']:>12.0f} "
+                     f"{r['error_pct']:>+6.1f}%  {target}")
+    checked = [r for r in rows if r.get("phase") in CHECKED]
+    lines.append(f"{sum(r['ok'] for r in checked)} of {len(checked)} train / logprob phases within "
+                 f"{TOLERANCE:.0%} or {FLOOR_MIB:.0f} MiB")
+    return "\n".join(lines)
+
+
+def figure(rows: list[dict], path: str) -> str:
+    """Predicted vs measured growth, log-log, one marker per head, with the target band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    done = [r for r in rows if "error" not in r]
+    fig, ax = plt.subplots(figsize=(8, 6.5), dpi=100)
+    lo = max(min(min(r["predicted_mib"], r["measured_mib"]) for r in done), 1.0) / 1.5
+    hi = max(max(r["predicted_mib"], r["measured_mib"]) for r in done) * 1.5
+    x = np.geomspace(lo, hi, 200)
+    ax.plot(x, x, color="black", lw=1, label="predicted = measured")
+    band = np.maximum(x * TOLERANCE, FLOOR_MIB)
+    ax.fill_between(x, np.maximum(x - band, lo), x + band,
+                    color="grey", alpha=0.2, label=f"target: {TOLERANCE:.0%} or {FLOOR_MIB:.0f} MiB")
+    markers = {"train": "o", "old_logprobs": "s", "ref_logprobs": "D", "generate": "^"}
+    colors = {"dense": "tab:red", "tiled": "tab:blue", "chunked": "tab:green"}
+    for head, color in colors.items():
+        for phase, marker in markers.items():
+            pts = [r for r in done if r["phase"] == phase and r["point"].startswith(head)]
+            if pts:
+                ax.scatter([r["measured_mib"] for r in pts], [r["predicted_mib"] for r in pts], color=color,
+                           marker=marker, s=40, alpha=0.8, label=f"{head} {phase}", edgecolors="black",
+                           linewidths=[1.5 if r["point"].endswith("lora") else 0.0 for r in pts])
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured peak growth, MiB (CPU RSS)",
+           ylabel="predicted (rlrun plan), MiB", title="Memory plan vs measured, per phase (black edge: LoRA)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, ncol=2, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def bench(a, in_child, log_mlflow) -> list[dict]:
+    from tqdm import tqdm
+
+    grid = points(a)
+    results = [in_child(child, p, a.steps) for p in tqdm(grid, desc="plan", unit="run")]
+    rows = rows_of(grid, results)
+    text = table(rows)
+    print(text)
+    files = [figure(rows, a.figure)] if a.figure and any("error" not in r for r in rows) else []
+    log_mlflow(a, [{k: v for k, v in r.items() if k != "ok"} for r in rows], text, "plan", files=files)
+    return rows

@@ -1,0 +1,316 @@
+"""Memory you can know before the run: each phase's peak, predicted from arithmetic on the config and the model's
+shapes (a meta-device model: no weights are built), with what dominates it.
+
+A phase's *growth* is what it allocates on top of what was in use when it began (what `mem/<phase>_growth_mib`
+measures); the *resident* memory is what lives across phases on the device (weights, the reference copy,
+optimizer state, gradients during training). Predicted device peak = resident + growth. Every term is a count of
+tensor bytes, written next to the code that allocates it:
+
+- generate: the KV cache (2 x layers x rows x (prompt + new tokens) x kv heads x head dim) and, per decode step,
+  the last position's logits and the sampler's [rows, vocab] fp32 temporaries (rollout/hf.py).
+- old / ref logprobs (no grad): one layer's activations at a time, the final hidden states, and the head: dense
+  holds two [tokens, vocab] fp32 tensors at once (the tempered logits and their log-softmax); tiled/chunked one
+  [tile, vocab] fp32 tile.
+- train: the gradients of the trainable parameters, the backbone's activations saved for backward, and the head:
+  dense three [tokens, vocab] fp32 tensors in backward (log-softmax, its gradient and the incoming one); tiled /
+  chunked one tile, the 16-row entropy buffer and, from the second micro-batch on, the next fp32 lm-head gradient
+  before it is added to the one already there.
+
+Tokens per micro-batch are an upper bound: GRPO responses as long as rollout.max_new_tokens (a rollout stops when
+every row has ended), prompts as long as the longest one of the task; DPO pairs as long as the longest pair.
+On CPU the measured growth is the process RSS (meters.py), so allocator slack and first-call buffers add a few MiB.
+The README ("Memory planner") has the measured accuracy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from . import logprobs
+from .config import ConfigError
+
+MIB = 2**20
+FP32 = 4
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ROWS = 16  # rows of the tiled/chunked heads' entropy buffer (heads/common.py ROWS)
+SAMPLER_COPIES = 7  # [rows, vocab] fp32 tensors alive at once in a decode step (logits copy, log-softmax, noise...)
+# Activations per token and layer, in elements of the model dtype, of a decoder layer (attention + gated MLP):
+# saved for backward (norm inputs and outputs, q/k/v before and after rotary, attention output, residuals; gate,
+# up, act(gate), act(gate) * up) and, without grad, alive at once in one layer (the MLP's three intermediates).
+SAVED_H, SAVED_I = 12, 4
+LIVE_H, LIVE_I = 4, 3
+
+
+@dataclass
+class Shapes:
+    """What the arithmetic needs of a model."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_dim: int  # kv heads x head dim
+    params: int  # every parameter (tied ones once)
+    trainable: int  # parameters with gradients and optimizer state
+    head_trainable: bool  # the lm-head weight gets a gradient (not with LoRA)
+    param_bytes: int
+
+
+@dataclass
+class Phase:
+    """A phase's predicted growth, as named parts in bytes, on top of `resident` bytes."""
+
+    parts: dict[str, int]
+    resident: dict[str, int]
+
+    @property
+    def growth(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def peak(self) -> int:
+        return self.growth + sum(self.resident.values())
+
+    def dominant(self) -> str:
+        return max(self.parts, key=self.parts.get) if self.parts else "-"
+
+
+@dataclass
+class Plan:
+    phases: dict[str, Phase]
+    tokens: int  # response tokens per micro-batch (the heads' N)
+    seq_len: int  # prompt + response positions per row
+    head_size: int | None  # tokens per tile/chunk (dense: None)
+    shapes: Shapes
+
+
+def shapes_of(model, dtype: str) -> Shapes:
+    """Shapes of a built model (real or on the meta device), LoRA adapters included."""
+    from . import models
+
+    lm = models.unwrap(model)
+    c = lm.config.get_text_config(decoder=True)
+    _, weight = models.split(model)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    params = list(model.parameters())
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731 - ZeRO-3 keeps a shard (or nothing)
+    vocab, hidden = getattr(weight, "ds_shape", weight.shape)
+    return Shapes(vocab=vocab, hidden=hidden, intermediate=getattr(c, "intermediate_size", 0)
+                  or 4 * c.hidden_size, layers=c.num_hidden_layers, kv_dim=kv * head_dim,
+                  params=sum(map(numel, params)), trainable=sum(numel(p) for p in params if p.requires_grad),
+                  head_trainable=bool(weight.requires_grad), param_bytes=BYTES[dtype])
+
+
+def meta_model(mcfg, seed: int):
+    """(the model on the meta device, its tokenizer): shapes without weights, LoRA adapters added as in a run."""
+    import torch
+
+    from . import models
+
+    if mcfg.name == "tiny":
+        tokenizer = models.char_tokenizer()
+        with torch.device("meta"):
+            model = models.tiny_model(mcfg, tokenizer, seed)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        config, tokenizer = models.load_hf_config(mcfg.path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=models.DTYPES[mcfg.dtype])
+    models.split(model)
+    if mcfg.lora.enabled:
+        with torch.device("meta"):
+            model = models.add_lora(model, mcfg.lora)
+    return model, tokenizer
+
+
+def lengths(cfg, tokenizer, rows: list[dict]) -> tuple[int, int, int]:
+    """(rows per micro-batch, positions per row, response tokens per micro-batch), upper bounds from the data."""
+    from .tasks.lengths import _lengths
+
+    mb = cfg.train.micro_batch
+    prompts = _lengths(tokenizer, [r["prompt"] for r in rows]) or [0]
+    if cfg.loss.name == "dpo":  # chosen and rejected of each pair, each with the EOS the pair encoder appends
+        sides = [_lengths(tokenizer, [r[k] for r in rows]) for k in ("chosen", "rejected")]
+        longest = max(max(c, r) + 1 for c, r in zip(*sides))
+        return 2 * mb, max(p + max(c, r) + 1 for p, c, r in zip(prompts, *sides)), 2 * mb * longest
+    cut = getattr(cfg.task, "max_prompt_tokens", None)
+    prompt = min(max(prompts), cut) if cut else max(prompts)
+    new = cfg.rollout.max_new_tokens
+    return mb, prompt + new, mb * new
+
+
+def head_parts(name: str, size: int | None, tokens: int, s: Shapes, *, grad: bool, accumulate: bool = False,
+               entropy_grad: bool = False) -> dict[str, int]:
+    """The lm head's working set for `tokens` response tokens: the logits it materialises and, with `grad`, the
+    extra gradient buffers (the lm-head gradient itself is counted with the other gradients)."""
+    row = s.vocab * FP32
+    if name == "dense":
+        k = (3 + 2 * entropy_grad) if grad else 2  # + exp(logp) and its product when the entropy has a gradient
+        parts = {f"dense logits ({k} x {tokens} tokens x vocab {s.vocab}, fp32)": k * tokens * row}
+    else:
+        parts = {f"one {name} tile ({min(size, tokens)} tokens x vocab {s.vocab}, fp32)": min(size, tokens) * row}
+        if grad and name == "tiled":  # chunked fills it in its no-grad forward, before the backward's peak
+            parts["entropy block buffer (16 rows x vocab, fp32)"] = min(ROWS, tokens) * row
+    if grad and s.head_trainable:
+        weight = s.vocab * s.hidden
+        if accumulate:  # the next micro-batch's lm-head gradient, before it is added to the one already there
+            parts["next lm-head gradient (fp32)"] = weight * FP32
+        if name != "dense" and s.param_bytes != FP32:  # the fp32 accumulator, cast to the weight dtype at the end
+            parts["lm-head gradient accumulator (fp32)"] = weight * FP32
+    return parts
+
+
+def auto_size(budget: int, tokens: int, s: Shapes, name: str, accumulate: bool) -> int:
+    """head.size=auto: the largest tile/chunk (a multiple of 16 tokens, at most `tokens`) whose train working set
+    stays within `budget` bytes; ConfigError when not even 16 tokens fit."""
+    fixed = sum(head_parts(name, 0, tokens, s, grad=True, accumulate=accumulate).values())
+    size = (budget - fixed) // (s.vocab * FP32)
+    if size < min(ROWS, tokens):
+        raise ConfigError([f"head.size=auto: head.memory_budget_mib={budget / MIB:.0f} leaves room for {max(size, 0)} "
+                           f"tokens per {name} tile at vocab {s.vocab} (the fixed part is {fixed / MIB:.0f} MiB); "
+                           f"raise head.memory_budget_mib (16 tokens need {(fixed + 16 * s.vocab * FP32) / MIB:.0f}) "
+                           "or set head.size=N."])
+    return min(tokens, size // ROWS * ROWS)
+
+
+def default_budget(device_type: str) -> int:
+    """head.memory_budget_mib=null: a tenth of the memory free now (CUDA: free device memory; CPU: MemAvailable)."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0] // 10
+    from .meters import proc_bytes
+
+    return proc_bytes("/proc/meminfo", "MemAvailable") // 10
+
+
+def predict(cfg, s: Shapes, rows: int, seq_len: int, tokens: int, *, world: int = 1, device_type: str = "cpu",
+            head_size: int | None = None) -> Plan:
+    """The plan of a validated config for a model of shapes `s`, `rows` sequences of `seq_len` positions and
+    `tokens` response tokens per micro-batch. `head_size` overrides cfg.head.size (needed when it is `auto`)."""
+    b, head = s.param_bytes, cfg.head.name
+    size = head_size if head_size is not None else cfg.head.size
+    t = cfg.train
+    grad_accum = max(t.batch_size // (t.micro_batch * world), 1)
+    zero = cfg.engine.zero_stage if cfg.engine.name == "deepspeed" else 0
+    shard = lambda n, stage: n // world if zero >= stage else n  # noqa: E731 - ZeRO partitions over ranks
+    dpo, kl = cfg.loss.name == "dpo", getattr(cfg.loss, "kl_coef", 0.0)
+    policy, lora = cfg.logprob_policy.name, cfg.model.lora
+    window = max(t.rollout_batch // world // t.micro_batch, 1) * t.num_iterations
+    needs_old = not dpo and any(logprobs.plan(policy, start=k * window, window=window, grad_accum=grad_accum,
+                                              ref_coef=kl).old for k in range(grad_accum))
+    needs_ref = dpo or logprobs.needs_reference_model(policy, kl)
+    ref_copy = needs_ref and not (lora.enabled and lora.reference == "adapters_off"
+                                  and not getattr(cfg.loss, "reference_path", None))
+    weights = {"weights": shard(s.params * b, 3)}
+    if ref_copy:
+        weights["reference copy"] = s.params * b
+    adam = {"optimizer state (AdamW: 2 x trainable)": shard(2 * s.trainable * b, 1)}
+    grads = {"gradients": shard(s.trainable * b, 2)}
+    offloaded = cfg.offload.enabled and device_type != "cpu"
+    layer_tokens = rows * seq_len
+
+    def logprob_phase() -> Phase:
+        parts = {"one layer's activations (no grad)": layer_tokens * (LIVE_H * s.hidden + LIVE_I * s.intermediate)
+                 * b, "final hidden states": 2 * layer_tokens * s.hidden * b}
+        parts.update(head_parts(head, size, tokens, s, grad=False))
+        return Phase(parts, {**weights, **({} if offloaded else adam)})
+
+    gen_rows = t.rollout_batch // world if not dpo else 0
+    phases = {}
+    if gen_rows:
+        prompt = seq_len - cfg.rollout.max_new_tokens
+        phases["generate"] = Phase(
+            {"KV cache": 2 * s.layers * gen_rows * seq_len * s.kv_dim * b,
+             f"sampler ({SAMPLER_COPIES} x {gen_rows} rows x vocab, fp32)": SAMPLER_COPIES * gen_rows * s.vocab * FP32,
+             "prefill activations (one layer)": gen_rows * prompt * (LIVE_H * s.hidden + LIVE_I * s.intermediate) * b},
+            {**weights, **adam})
+    if needs_old:
+        phases["old_logprobs"] = logprob_phase()
+    if needs_ref:
+        phases["ref_logprobs"] = logprob_phase()
+    train = {"gradients": grads["gradients"],
+             "activations saved for backward": s.layers * layer_tokens * (SAVED_H * s.hidden + SAVED_I * s.intermediate)
+             * b}
+    train.update(head_parts(head, size, tokens, s, grad=True, accumulate=grad_accum > 1,
+                            entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0))))
+    phases["train"] = Phase(train, {**weights, **adam})
+    return Plan(phases, tokens, seq_len, size if head != "dense" else None, s)
+
+
+def metrics(plan: Plan) -> dict[str, float]:
+    """plan/<phase>_growth_mib and plan/<phase>_peak_mib (resident + growth), beside the measured mem/*."""
+    out = {}
+    for name, ph in plan.phases.items():
+        out[f"plan/{name}_growth_mib"] = ph.growth / MIB
+        out[f"plan/{name}_peak_mib"] = ph.peak / MIB
+    if plan.head_size is not None:
+        out["plan/head_size"] = float(plan.head_size)
+    return out
+
+
+def table(plan: Plan, device_gib: float | None = None) -> str:
+    """The plan as text: per phase the predicted growth, the device peak, and what dominates."""
+    s = plan.shapes
+    lines = [f"model: {s.params / 1e6:.2f}M parameters ({s.trainable / 1e6:.2f}M trainable), vocab {s.vocab}, "
+             f"hidden {s.hidden}, {s.layers} layers; {plan.tokens} response tokens per micro-batch, "
+             f"{plan.seq_len} positions per row" + (f"; head tile {plan.head_size} tokens" if plan.head_size else "")]
+    head = ["phase", "growth MiB", "peak MiB", "dominated by"]
+    rows = [[name, f"{ph.growth / MIB:.0f}", f"{ph.peak / MIB:.0f}", ph.dominant()] for name, ph in
+            plan.phases.items()]
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(4)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head] + rows]
+    peak = max(ph.peak for ph in plan.phases.values())
+    lines.append("peak = resident (weights, reference, optimizer state) + growth; CPU runs add the process's own "
+                 "memory (libraries).")
+    if device_gib:
+        cap = device_gib * 2**30
+        verdict = "fits" if peak <= cap else f"does not fit: over by {(peak - cap) / 2**30:.2f} GiB"
+        lines.append(f"on a device of {device_gib:g} GiB: predicted peak {peak / 2**30:.2f} GiB, {verdict} (plus the "
+                     "CUDA context and allocator slack, a few hundred MiB).")
+    return "\n".join(lines)
+
+
+def detail(plan: Plan) -> str:
+    """Every part of every phase, in MiB (the plan artifact and `rlrun plan`)."""
+    lines = []
+    for name, ph in plan.phases.items():
+        lines.append(f"{name}: growth {ph.growth / MIB:.1f} MiB on resident {sum(ph.resident.values()) / MIB:.1f}")
+        lines += [f"    {v / MIB:10.1f}  {k}" for k, v in sorted(ph.parts.items(), key=lambda kv: -kv[1])]
+        lines += [f"    {v / MIB:10.1f}  {k} (resident)" for k, v in ph.resident.items()]
+    return "\n".join(lines)
+
+
+def resolve_size(cfg, s: Shapes, tokens: int, device_type: str, world: int = 1) -> int | None:
+    """head.size, with `auto` replaced by the largest tile within head.memory_budget_mib (null: default_budget)."""
+    if cfg.head.size != "auto":
+        return cfg.head.size
+    budget = cfg.head.memory_budget_mib
+    budget = budget * MIB if budget is not None else default_budget(device_type)
+    grad_accum = cfg.train.batch_size // (cfg.train.micro_batch * world)
+    return auto_size(budget, tokens, s, cfg.head.name, grad_accum > 1)
+
+
+def for_config(cfg, rows: list[dict] | None = None):
+    """(Plan, meta shapes) of a validated config without building its weights: `rlrun plan`."""
+    from . import tasks
+
+    model, tokenizer = meta_model(cfg.model, cfg.seed)
+    s = shapes_of(model, cfg.model.dtype)
+    if rows is None:
+        rows = tasks.load_pairs(cfg.task, cfg.seed, tokenizer)[0] if cfg.loss.name == "dpo" else \
+            tasks.load(cfg.task, cfg.seed, tokenizer).train
+    n_rows, seq_len, tokens = lengths(cfg, tokenizer, rows)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device_type = "cpu"
+    size = resolve_size(cfg, s, tokens, device_type, world)
+    return predict(cfg, s, n_rows, seq_len, tokens, world=world, device_type=device_type, head_size=size)
+
+
+def replace_size(cfg, size):
+    """`cfg` with head.size set (the typed config is a dataclass tree)."""
+    return dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, size=size))

@@ -1,0 +1,124 @@
+"""The memory plan (rlrun/plan.py): its head arithmetic equals the bytes the heads allocate, head.size=auto picks
+the largest tile within the budget, `rlrun plan` prints it without building anything, every run logs it, and
+(slow) its predictions for whole runs are within the README's target of what the runs measure."""
+
+import subprocess
+
+import pytest
+import torch
+from conftest import make_cfg, new_store
+from helpers import history, runs
+
+from rlrun import plan
+from rlrun.config import ConfigError, validate
+from rlrun.heads import HEADS
+from rlrun.losses import objective
+from rlrun.meters import MIB, Meter
+
+
+def shapes(vocab=65536, hidden=32, head_trainable=True):
+    return plan.Shapes(vocab=vocab, hidden=hidden, intermediate=4 * hidden, layers=1, kv_dim=hidden,
+                       params=vocab * hidden, trainable=vocab * hidden, head_trainable=head_trainable, param_bytes=4)
+
+
+@pytest.mark.parametrize("name", ["dense", "tiled", "chunked"])
+@pytest.mark.parametrize("grad", [False, True], ids=["logprobs", "loss+backward"])
+def test_head_arithmetic_is_what_the_heads_allocate(name, grad):
+    """Measured growth of one head call (CPU RSS; 32 MiB tiles, so the allocator adds nothing) vs head_parts, plus
+    the lm-head gradient the planner counts with the other gradients. A head that kept one more tile or logits
+    copy alive would be 32 or 128 MiB over."""
+    n, vocab, hidden, size = 512, 65536, 32, 128
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(n, hidden, generator=g, requires_grad=grad)
+    w = torch.randn(vocab, hidden, generator=g, requires_grad=grad)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    meter = Meter(torch.device("cpu"), phases=("call",))
+    for _ in range(2):  # the first call also sets up thread pools and kernels
+        meter.new_step()
+        with meter.phase("call"):
+            if grad:
+                f = objective("dapo", torch.randn(n), torch.randn(n) - 5, None, None, clip_low=0.2, clip_high=0.28)
+                loss, _ = HEADS[name].loss(h, w, targets, torch.ones(n, dtype=torch.bool), f, n, 1.0, size)
+                loss.backward()
+            else:
+                with torch.no_grad():
+                    HEADS[name].logprobs(h, w, targets, 1.0, size)
+        h.grad = w.grad = None
+    predicted = sum(plan.head_parts(name, size, n, shapes(vocab, hidden), grad=grad).values())
+    predicted += vocab * hidden * 4 if grad else 0  # w.grad
+    assert meter.growth["call"] == pytest.approx(predicted, rel=0.05, abs=3 * MIB)
+
+
+def test_auto_size_is_the_largest_tile_within_the_budget():
+    s = shapes(vocab=151936, hidden=512)
+    for budget_mib in (400, 600, 1000):
+        budget = budget_mib * MIB
+        size = plan.auto_size(budget, 4096, s, "tiled", accumulate=True)
+        assert size % 16 == 0
+        used = sum(plan.head_parts("tiled", size, 4096, s, grad=True, accumulate=True).values())
+        more = sum(plan.head_parts("tiled", size + 16, 4096, s, grad=True, accumulate=True).values())
+        assert used <= budget < more, (budget_mib, size)
+    assert plan.auto_size(100 * 2**30, 4096, s, "chunked", accumulate=False) == 4096  # never beyond the micro-batch
+    with pytest.raises(ConfigError, match=r"raise head.memory_budget_mib \(16 tokens need \d+\) or set head.size=N"):
+        plan.auto_size(300 * MIB, 4096, s, "tiled", accumulate=True)  # the fp32 lm-head gradient alone is 297 MiB
+
+
+def test_plan_of_a_config_names_what_dominates():
+    cfg = validate(make_cfg("head=chunked", "model.vocab_size=65536", "rollout.max_new_tokens=8",
+                            "logprob_policy=always", "loss.kl_coef=0.01", "model.lora.enabled=true"))
+    p = plan.for_config(cfg)
+    assert list(p.phases) == ["generate", "old_logprobs", "ref_logprobs", "train"]
+    assert p.tokens == 64 * 8
+    assert p.phases["old_logprobs"].dominant().startswith("one chunked tile (128 tokens x vocab 65536")
+    assert "reference copy" not in p.phases["train"].resident  # adapters_off: no second model
+    assert "next lm-head gradient (fp32)" not in p.phases["train"].parts  # LoRA: the lm head is frozen
+    text = plan.table(p, device_gib=0.01)
+    assert "dominated by" in text and "does not fit" in text
+    window = plan.for_config(validate(make_cfg()))  # the default: window policy, kl 0: no extra pass
+    assert list(window.phases) == ["generate", "train"]
+
+
+@pytest.mark.slow  # two fresh processes importing torch and transformers
+def test_rlrun_plan_prints_the_plan_and_writes_nothing(tmp_path):
+    r = subprocess.run(["rlrun", "plan", "head=tiled", "head.size=auto", "head.memory_budget_mib=100",
+                        "model.vocab_size=151936", "plan.device_gib=24"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "head tile 112 tokens" in r.stdout and "train" in r.stdout and "on a device of 24 GiB" in r.stdout
+    assert list(tmp_path.iterdir()) == []  # no outputs/, no mlflow.db
+    bad = subprocess.run(["rlrun", "plan", "head=tiled", "head.size=auto", "head.memory_budget_mib=1",
+                          "model.vocab_size=151936"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "raise head.memory_budget_mib" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_run_logs_its_plan_and_the_tile_it_chose(tmp_path):
+    new_store(tmp_path)
+    cfg = make_cfg("experiment=smoke", "head=chunked", "head.size=auto", "head.memory_budget_mib=1",
+                   "train.steps=2", "eval.every=0", tmp_path=tmp_path)
+    from rlrun.cli import run
+
+    run(cfg, "planned")
+    client, [r] = runs(tmp_path / "mlflow.db")
+    size = int(r.data.tags["rlrun.head.size"])
+    assert size == history(client, r.info.run_id, "plan/head_size")[0]
+    assert size == validate(cfg).train.micro_batch * validate(cfg).rollout.max_new_tokens  # 1 MiB holds them all
+    for phase in ("generate", "train"):
+        assert history(client, r.info.run_id, f"plan/{phase}_growth_mib")[0] > 0
+        assert history(client, r.info.run_id, f"mem/{phase}_growth_mib")
+    assert "plan.txt" in {a.path for a in client.list_artifacts(r.info.run_id)}
+
+
+@pytest.mark.slow  # three short runs with vocabularies of 16k-65k, each in its own process (~1.5 min)
+@pytest.mark.parametrize("point", [dict(head="dense", vocab=16384, tokens=512, lora=False),
+                                   dict(head="chunked", vocab=65536, tokens=512, lora=False),
+                                   dict(head="tiled", vocab=65536, tokens=2048, lora=True)],
+                         ids=["dense-16k-512", "chunked-65k-512", "tiled-65k-2048-lora"])
+def test_plan_predicts_what_runs_measure(point):
+    from rlrun import bench_plan
+    from rlrun.bench import in_child
+
+    result = in_child(bench_plan.child, point, 3)
+    assert set(bench_plan.CHECKED) <= set(result), result
+    for phase in bench_plan.CHECKED:
+        predicted, measured = result[phase]
+        assert bench_plan.within(predicted, measured), (phase, predicted, measured)
