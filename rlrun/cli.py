@@ -91,14 +91,16 @@ def plan_main(cfg: DictConfig):
         typed = validate(cfg)
         from . import plan
 
-        p = plan.for_config(typed)
+        text = plan.report(typed)
     except USER_ERRORS as e:
         print(f"rlrun plan: error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(plan.table(p, typed.plan.device_gib) + "\n\nparts (MiB):\n" + plan.detail(p))
+    print(text)
 
 
-PLAN_ARGS = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+# a plan writes nothing: no output folder or logs, and no sweep (a sweep config's hydra.mode: MULTIRUN included)
+PLAN_ARGS = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+             "hydra/hydra_logging=disabled", "hydra.mode=RUN"]
 
 
 def entry():
@@ -106,7 +108,7 @@ def entry():
     ends with one line and exit 130 / 143 instead of a traceback; the sweep's runs are marked KILLED on the way
     out (sweep.SweepCallback.end_interrupted)."""
     try:
-        if sys.argv[1:2] == ["plan"]:  # a plan writes nothing: no output folder, no logs, one configuration
+        if sys.argv[1:2] == ["plan"]:
             if {"-m", "--multirun"} & set(sys.argv):
                 sys.exit("rlrun plan: error: plan one configuration at a time (no -m / --multirun).")
             sys.argv[1:2] = []

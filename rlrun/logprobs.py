@@ -36,6 +36,12 @@ def plan(policy: str, *, start: int, window: int, grad_accum: int, ref_coef: flo
     raise ValueError(f"logprob_policy={policy!r}; supported: {list(POLICIES)}")
 
 
+def ever_needs_old(policy: str, window: int, grad_accum: int) -> bool:
+    """Whether any rollout of the run needs the old-policy pass (the schedule repeats every grad_accum rollouts)."""
+    return any(plan(policy, start=k * window, window=window, grad_accum=grad_accum, ref_coef=0.0).old
+               for k in range(grad_accum))
+
+
 def needs_reference_model(policy: str, ref_coef: float) -> bool:
     """Whether any rollout of the run can need the reference pass (so whether to build the reference model)."""
     return policy == "always" or (policy == "window" and ref_coef != 0)

@@ -12,29 +12,29 @@ tensor bytes, written next to the code that allocates it:
   holds two [tokens, vocab] fp32 tensors at once (the tempered logits and their log-softmax); tiled/chunked one
   [tile, vocab] fp32 tile.
 - train: the gradients of the trainable parameters, the backbone's activations saved for backward, and the head:
-  dense three [tokens, vocab] fp32 tensors in backward (log-softmax, its gradient and the incoming one); tiled /
-  chunked one tile, the 16-row entropy buffer and, from the second micro-batch on, the next fp32 lm-head gradient
-  before it is added to the one already there.
+  dense three [tokens, vocab] fp32 tensors in backward (log-softmax, its gradient and the incoming one); tiled one
+  tile and its 16-row entropy buffer, chunked one tile; and, from the second micro-batch on, the next lm-head
+  gradient before it is added to the one already there (plus the fp32 accumulator of tiled/chunked when the
+  weights are not fp32).
 
 Tokens per micro-batch are an upper bound: GRPO responses as long as rollout.max_new_tokens (a rollout stops when
 every row has ended), prompts as long as the longest one of the task; DPO pairs as long as the longest pair.
 On CPU the measured growth is the process RSS (meters.py), so allocator slack and first-call buffers add a few MiB.
-The README ("Memory planner") has the measured accuracy.
+The README ("Memory you can know before the run") has the measured accuracy.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
 from . import logprobs
 from .config import ConfigError
+from .heads.common import ROWS  # rows of the tiled head's entropy buffer
+from .models import DTYPES
 
 MIB = 2**20
 FP32 = 4
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-ROWS = 16  # rows of the tiled/chunked heads' entropy buffer (heads/common.py ROWS)
 SAMPLER_COPIES = 7  # [rows, vocab] fp32 tensors alive at once in a decode step (logits copy, log-softmax, noise...)
 # Activations per token and layer, in elements of the model dtype, of a decoder layer (attention + gated MLP):
 # saved for backward (norm inputs and outputs, q/k/v before and after rotary, attention output, residuals; gate,
@@ -84,6 +84,8 @@ class Plan:
     seq_len: int  # prompt + response positions per row
     head_size: int | None  # tokens per tile/chunk (dense: None)
     shapes: Shapes
+    world: int = 1  # ranks
+    device_type: str = "cpu"
 
 
 def shapes_of(model, dtype: str) -> Shapes:
@@ -95,13 +97,12 @@ def shapes_of(model, dtype: str) -> Shapes:
     _, weight = models.split(model)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    params = list(model.parameters())
-    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731 - ZeRO-3 keeps a shard (or nothing)
-    vocab, hidden = getattr(weight, "ds_shape", weight.shape)
+    params = list(model.parameters())  # whole: the runner plans before the engine partitions them (ZeRO-3)
+    vocab, hidden = weight.shape
     return Shapes(vocab=vocab, hidden=hidden, intermediate=getattr(c, "intermediate_size", 0)
                   or 4 * c.hidden_size, layers=c.num_hidden_layers, kv_dim=kv * head_dim,
-                  params=sum(map(numel, params)), trainable=sum(numel(p) for p in params if p.requires_grad),
-                  head_trainable=bool(weight.requires_grad), param_bytes=BYTES[dtype])
+                  params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
+                  head_trainable=bool(weight.requires_grad), param_bytes=DTYPES[dtype].itemsize)
 
 
 def meta_model(mcfg, seed: int):
@@ -158,7 +159,7 @@ def head_parts(name: str, size: int | None, tokens: int, s: Shapes, *, grad: boo
     if grad and s.head_trainable:
         weight = s.vocab * s.hidden
         if accumulate:  # the next micro-batch's lm-head gradient, before it is added to the one already there
-            parts["next lm-head gradient (fp32)"] = weight * FP32
+            parts["next lm-head gradient"] = weight * s.param_bytes
         if name != "dense" and s.param_bytes != FP32:  # the fp32 accumulator, cast to the weight dtype at the end
             parts["lm-head gradient accumulator (fp32)"] = weight * FP32
     return parts
@@ -174,7 +175,7 @@ def auto_size(budget: int, tokens: int, s: Shapes, name: str, accumulate: bool) 
                            f"tokens per {name} tile at vocab {s.vocab} (the fixed part is {fixed / MIB:.0f} MiB); "
                            f"raise head.memory_budget_mib (16 tokens need {(fixed + 16 * s.vocab * FP32) / MIB:.0f}) "
                            "or set head.size=N."])
-    return min(tokens, size // ROWS * ROWS)
+    return tokens if size >= tokens else size // ROWS * ROWS
 
 
 def default_budget(device_type: str) -> int:
@@ -188,58 +189,84 @@ def default_budget(device_type: str) -> int:
     return proc_bytes("/proc/meminfo", "MemAvailable") // 10
 
 
+def world_size(cfg) -> int:
+    """Ranks the run will have: the launcher's WORLD_SIZE (set it to plan a multi-rank run: WORLD_SIZE=8 rlrun
+    plan engine=deepspeed ...)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if cfg.engine.name == "deepspeed" else 1
+
+
+def resident(cfg, s: Shapes, *, world: int, device_type: str, ref_copy: bool, device_gib: float | None = None):
+    """(weights, optimizer state) living on one rank's device across phases: ZeRO partitions optimizer state
+    (stages 2 and 3) and weights (stage 3) over the ranks; DeepSpeed bf16 keeps fp32 master weights and fp32
+    AdamW moments; DeepSpeed offloads and `offload=on` (logprob passes only, see predict) take them off a CUDA
+    device; vLLM on CUDA reserves gpu_memory_utilization of the device."""
+    b, e, cuda = s.param_bytes, cfg.engine, device_type != "cpu"
+    zero = e.zero_stage if e.name == "deepspeed" else 0
+    shard = (lambda n, stage: n // world if zero >= stage else n)  # noqa: E731
+    weights = {}
+    if not (cuda and zero == 3 and e.offload_param != "none"):
+        weights["weights"] = shard(s.params * b, 3)
+        if ref_copy:
+            weights["reference copy"] = shard(s.params * b, 3)
+    if cuda and cfg.rollout.name == "vllm" and device_gib:
+        weights["vLLM engine (gpu_memory_utilization x device)"] = int(cfg.rollout.gpu_memory_utilization
+                                                                      * device_gib * 2**30)
+    master = e.name == "deepspeed" and e.dtype == "bf16"  # fp32 master copy + two fp32 moments per parameter
+    label = "optimizer state (fp32 master + AdamW)" if master else "optimizer state (AdamW: 2 x trainable)"
+    offloaded = cuda and e.name == "deepspeed" and e.offload_optimizer != "none"
+    optimizer = {} if offloaded else {label: shard(s.trainable * (3 * FP32 if master else 2 * b), 1)}
+    return weights, optimizer
+
+
 def predict(cfg, s: Shapes, rows: int, seq_len: int, tokens: int, *, world: int = 1, device_type: str = "cpu",
-            head_size: int | None = None) -> Plan:
+            head_size: int | None = None, device_gib: float | None = None) -> Plan:
     """The plan of a validated config for a model of shapes `s`, `rows` sequences of `seq_len` positions and
-    `tokens` response tokens per micro-batch. `head_size` overrides cfg.head.size (needed when it is `auto`)."""
-    b, head = s.param_bytes, cfg.head.name
+    `tokens` response tokens per micro-batch, on one of `world` ranks. `head_size` overrides cfg.head.size
+    (needed when it is `auto`)."""
+    b, head, t = s.param_bytes, cfg.head.name, cfg.train
     size = head_size if head_size is not None else cfg.head.size
-    t = cfg.train
     grad_accum = max(t.batch_size // (t.micro_batch * world), 1)
     zero = cfg.engine.zero_stage if cfg.engine.name == "deepspeed" else 0
-    shard = lambda n, stage: n // world if zero >= stage else n  # noqa: E731 - ZeRO partitions over ranks
     dpo, kl = cfg.loss.name == "dpo", getattr(cfg.loss, "kl_coef", 0.0)
     policy, lora = cfg.logprob_policy.name, cfg.model.lora
-    window = max(t.rollout_batch // world // t.micro_batch, 1) * t.num_iterations
-    needs_old = not dpo and any(logprobs.plan(policy, start=k * window, window=window, grad_accum=grad_accum,
-                                              ref_coef=kl).old for k in range(grad_accum))
+    needs_old = not dpo and logprobs.ever_needs_old(policy, t.rollout_batch // world // t.micro_batch
+                                                    * t.num_iterations, grad_accum)
     needs_ref = dpo or logprobs.needs_reference_model(policy, kl)
     ref_copy = needs_ref and not (lora.enabled and lora.reference == "adapters_off"
                                   and not getattr(cfg.loss, "reference_path", None))
-    weights = {"weights": shard(s.params * b, 3)}
-    if ref_copy:
-        weights["reference copy"] = s.params * b
-    adam = {"optimizer state (AdamW: 2 x trainable)": shard(2 * s.trainable * b, 1)}
-    grads = {"gradients": shard(s.trainable * b, 2)}
-    offloaded = cfg.offload.enabled and device_type != "cpu"
+    weights, adam = resident(cfg, s, world=world, device_type=device_type, ref_copy=ref_copy, device_gib=device_gib)
+    grads = s.trainable * b // (world if zero >= 2 else 1)
     layer_tokens = rows * seq_len
+    live = LIVE_H * s.hidden + LIVE_I * s.intermediate  # per token, one layer, no grad
 
     def logprob_phase() -> Phase:
-        parts = {"one layer's activations (no grad)": layer_tokens * (LIVE_H * s.hidden + LIVE_I * s.intermediate)
-                 * b, "final hidden states": 2 * layer_tokens * s.hidden * b}
+        parts = {"one layer's activations (no grad)": layer_tokens * live * b,
+                 "final hidden states": 2 * layer_tokens * s.hidden * b}
         parts.update(head_parts(head, size, tokens, s, grad=False))
+        offloaded = cfg.offload.enabled and device_type != "cpu"  # optimizer state on the host for these passes
         return Phase(parts, {**weights, **({} if offloaded else adam)})
 
-    gen_rows = t.rollout_batch // world if not dpo else 0
     phases = {}
-    if gen_rows:
-        prompt = seq_len - cfg.rollout.max_new_tokens
-        phases["generate"] = Phase(
-            {"KV cache": 2 * s.layers * gen_rows * seq_len * s.kv_dim * b,
-             f"sampler ({SAMPLER_COPIES} x {gen_rows} rows x vocab, fp32)": SAMPLER_COPIES * gen_rows * s.vocab * FP32,
-             "prefill activations (one layer)": gen_rows * prompt * (LIVE_H * s.hidden + LIVE_I * s.intermediate) * b},
-            {**weights, **adam})
+    if not dpo:
+        gen_rows = t.rollout_batch // world
+        sampler = f"sampler ({SAMPLER_COPIES} x {gen_rows} rows x vocab, fp32)"
+        gen = {"KV cache": 2 * s.layers * gen_rows * seq_len * s.kv_dim * b,
+               sampler: SAMPLER_COPIES * gen_rows * s.vocab * FP32,
+               "prefill activations (one layer)": gen_rows * (seq_len - cfg.rollout.max_new_tokens) * live * b}
+        if zero == 3:  # the engine gathers whole weights for generate
+            gen["weights gathered for generate (ZeRO-3)"] = s.params * b - weights.get("weights", 0)
+        phases["generate"] = Phase(gen, {**weights, **adam})
     if needs_old:
         phases["old_logprobs"] = logprob_phase()
     if needs_ref:
         phases["ref_logprobs"] = logprob_phase()
-    train = {"gradients": grads["gradients"],
+    train = {"gradients": grads,
              "activations saved for backward": s.layers * layer_tokens * (SAVED_H * s.hidden + SAVED_I * s.intermediate)
              * b}
     train.update(head_parts(head, size, tokens, s, grad=True, accumulate=grad_accum > 1,
                             entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0))))
     phases["train"] = Phase(train, {**weights, **adam})
-    return Plan(phases, tokens, seq_len, size if head != "dense" else None, s)
+    return Plan(phases, tokens, seq_len, size if head != "dense" else None, s, world, device_type)
 
 
 def metrics(plan: Plan) -> dict[str, float]:
@@ -253,25 +280,26 @@ def metrics(plan: Plan) -> dict[str, float]:
     return out
 
 
-def table(plan: Plan, device_gib: float | None = None) -> str:
-    """The plan as text: per phase the predicted growth, the device peak, and what dominates."""
+def table(plan: Plan, device: Plan | None = None, device_gib: float | None = None) -> str:
+    """The plan as text: per phase the predicted growth, the peak, and the largest part of the growth; with
+    `device` (the same run planned for CUDA) and `device_gib`, whether it fits a device of that size."""
     s = plan.shapes
     lines = [f"model: {s.params / 1e6:.2f}M parameters ({s.trainable / 1e6:.2f}M trainable), vocab {s.vocab}, "
-             f"hidden {s.hidden}, {s.layers} layers; {plan.tokens} response tokens per micro-batch, "
-             f"{plan.seq_len} positions per row" + (f"; head tile {plan.head_size} tokens" if plan.head_size else "")]
-    head = ["phase", "growth MiB", "peak MiB", "dominated by"]
+             f"hidden {s.hidden}, {s.layers} layers; planned for {plan.world} rank(s), per rank",
+             f"micro-batch: {plan.tokens} response tokens, {plan.seq_len} positions per row"
+             + (f"; head tile {plan.head_size} tokens" if plan.head_size else "")]
+    head = ["phase", "growth MiB", "peak MiB", "largest part of the growth"]
     rows = [[name, f"{ph.growth / MIB:.0f}", f"{ph.peak / MIB:.0f}", ph.dominant()] for name, ph in
             plan.phases.items()]
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(4)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head] + rows]
-    peak = max(ph.peak for ph in plan.phases.values())
-    lines.append("peak = resident (weights, reference, optimizer state) + growth; CPU runs add the process's own "
-                 "memory (libraries).")
-    if device_gib:
-        cap = device_gib * 2**30
+    lines.append("peak = resident (weights, reference copy, optimizer state) + growth")
+    if device is not None and device_gib:
+        name, ph = max(device.phases.items(), key=lambda kv: kv[1].peak)
+        cap, peak = device_gib * 2**30, ph.peak
         verdict = "fits" if peak <= cap else f"does not fit: over by {(peak - cap) / 2**30:.2f} GiB"
-        lines.append(f"on a device of {device_gib:g} GiB: predicted peak {peak / 2**30:.2f} GiB, {verdict} (plus the "
-                     "CUDA context and allocator slack, a few hundred MiB).")
+        lines.append(f"on a CUDA device of {device_gib:g} GiB: predicted peak {peak / 2**30:.2f} GiB ({name}), "
+                     f"{verdict}; add the CUDA context and allocator slack, a few hundred MiB.")
     return "\n".join(lines)
 
 
@@ -291,26 +319,33 @@ def resolve_size(cfg, s: Shapes, tokens: int, device_type: str, world: int = 1) 
         return cfg.head.size
     budget = cfg.head.memory_budget_mib
     budget = budget * MIB if budget is not None else default_budget(device_type)
-    grad_accum = cfg.train.batch_size // (cfg.train.micro_batch * world)
+    grad_accum = max(cfg.train.batch_size // (cfg.train.micro_batch * world), 1)
     return auto_size(budget, tokens, s, cfg.head.name, grad_accum > 1)
 
 
-def for_config(cfg, rows: list[dict] | None = None):
-    """(Plan, meta shapes) of a validated config without building its weights: `rlrun plan`."""
+def inputs(cfg) -> tuple[Shapes, int, int, int]:
+    """(shapes, rows, positions per row, response tokens) per micro-batch of a validated config, from a meta-device
+    model and the task's rows: what predict needs, without building any weights."""
     from . import tasks
 
     model, tokenizer = meta_model(cfg.model, cfg.seed)
-    s = shapes_of(model, cfg.model.dtype)
-    if rows is None:
-        rows = tasks.load_pairs(cfg.task, cfg.seed, tokenizer)[0] if cfg.loss.name == "dpo" else \
-            tasks.load(cfg.task, cfg.seed, tokenizer).train
-    n_rows, seq_len, tokens = lengths(cfg, tokenizer, rows)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device_type = "cpu"
-    size = resolve_size(cfg, s, tokens, device_type, world)
-    return predict(cfg, s, n_rows, seq_len, tokens, world=world, device_type=device_type, head_size=size)
+    rows = tasks.load_pairs(cfg.task, cfg.seed, tokenizer)[0] if cfg.loss.name == "dpo" else \
+        tasks.load(cfg.task, cfg.seed, tokenizer).train
+    return (shapes_of(model, cfg.model.dtype), *lengths(cfg, tokenizer, rows))
 
 
-def replace_size(cfg, size):
-    """`cfg` with head.size set (the typed config is a dataclass tree)."""
-    return dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, size=size))
+def report(cfg) -> str:
+    """`rlrun plan`: the plan of a validated config without building its weights (a meta-device model), as on
+    this machine's CPU, plus whether it fits a CUDA device of plan.device_gib; then every part."""
+    s, n_rows, seq_len, tokens = inputs(cfg)
+    world, gib = world_size(cfg), cfg.plan.device_gib
+    size = resolve_size(cfg, s, tokens, "cpu", world)
+    cpu = predict(cfg, s, n_rows, seq_len, tokens, world=world, head_size=size)
+    cuda = predict(cfg, s, n_rows, seq_len, tokens, world=world, device_type="cuda", head_size=size,
+                   device_gib=gib) if gib else None
+    note = ""
+    if cfg.head.size == "auto":
+        within = (f"head.memory_budget_mib={cfg.head.memory_budget_mib}" if cfg.head.memory_budget_mib else
+                  "a tenth of this machine's free memory; a run chooses from its own device's free memory")
+        note = f"head.size=auto: {size} tokens per tile, within {within}\n"
+    return note + table(cpu, cuda, gib) + "\n\nparts (MiB, CPU):\n" + detail(cpu)

@@ -208,15 +208,22 @@ class Frame:
         """Predict each phase's memory (rlrun/plan.py), resolve head.size=auto with it, and log the plan as plan/*
         at step 0 beside the measured mem/*, with its parts as the artifact plan.txt."""
         cfg, engine = self.cfg, self.engine
-        n_rows, seq_len, tokens = plan.lengths(cfg, self.tokenizer, rows)
-        size = plan.resolve_size(cfg, shapes, tokens, engine.device.type, engine.world)
-        if cfg.head.size == "auto":  # resolved once, here, before any pass reads it
-            log.info("head.size=auto: %d tokens per %s tile (head.memory_budget_mib=%s)", size, cfg.head.name,
-                     cfg.head.memory_budget_mib)
-            self.tracker.tags({"rlrun.head.size": str(size)})
-            cfg.head.size = size
-        self.plan = plan.predict(cfg, shapes, n_rows, seq_len, tokens, world=engine.world,
-                                 device_type=engine.device.type)
+        try:
+            n_rows, seq_len, tokens = plan.lengths(cfg, self.tokenizer, rows)
+            size = plan.resolve_size(cfg, shapes, tokens, engine.device.type, engine.world)
+            if cfg.head.size == "auto":  # resolved once, here, before any pass reads it; rank 0's choice for all
+                size = engine.gather(size)[0]
+                log.info("head.size=auto: %d tokens per %s tile (head.memory_budget_mib=%s)", size, cfg.head.name,
+                         cfg.head.memory_budget_mib)
+                self.tracker.tags({"rlrun.head.size": str(size)})
+                cfg.head.size = size
+            self.plan = plan.predict(cfg, shapes, n_rows, seq_len, tokens, world=engine.world,
+                                     device_type=engine.device.type)
+        except Exception as e:  # noqa: BLE001 - the plan is information; only head.size=auto depends on it
+            if cfg.head.size == "auto":
+                raise
+            self.warn([f"no memory plan for this run ({type(e).__name__}: {e}); training goes on without plan/*."])
+            return
         self.tracker.log(0, plan.metrics(self.plan))
         self.tracker.text(plan.table(self.plan) + "\n\n" + plan.detail(self.plan), "plan.txt")
 

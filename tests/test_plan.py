@@ -3,6 +3,7 @@ the largest tile within the budget, `rlrun plan` prints it without building anyt
 (slow) its predictions for whole runs are within the README's target of what the runs measure."""
 
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from rlrun.config import ConfigError, validate
 from rlrun.heads import HEADS
 from rlrun.losses import objective
 from rlrun.meters import MIB, Meter
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def shapes(vocab=65536, hidden=32, head_trainable=True):
@@ -63,19 +66,40 @@ def test_auto_size_is_the_largest_tile_within_the_budget():
         plan.auto_size(300 * MIB, 4096, s, "tiled", accumulate=True)  # the fp32 lm-head gradient alone is 297 MiB
 
 
+def planned(*overrides, **kw):
+    cfg = validate(make_cfg(*overrides))
+    return cfg, plan.predict(cfg, *plan.inputs(cfg), **kw)
+
+
 def test_plan_of_a_config_names_what_dominates():
-    cfg = validate(make_cfg("head=chunked", "model.vocab_size=65536", "rollout.max_new_tokens=8",
-                            "logprob_policy=always", "loss.kl_coef=0.01", "model.lora.enabled=true"))
-    p = plan.for_config(cfg)
+    cfg, p = planned("head=chunked", "model.vocab_size=65536", "rollout.max_new_tokens=8", "logprob_policy=always",
+                     "loss.kl_coef=0.01", "model.lora.enabled=true")
     assert list(p.phases) == ["generate", "old_logprobs", "ref_logprobs", "train"]
     assert p.tokens == 64 * 8
     assert p.phases["old_logprobs"].dominant().startswith("one chunked tile (128 tokens x vocab 65536")
     assert "reference copy" not in p.phases["train"].resident  # adapters_off: no second model
-    assert "next lm-head gradient (fp32)" not in p.phases["train"].parts  # LoRA: the lm head is frozen
-    text = plan.table(p, device_gib=0.01)
-    assert "dominated by" in text and "does not fit" in text
-    window = plan.for_config(validate(make_cfg()))  # the default: window policy, kl 0: no extra pass
+    assert "next lm-head gradient" not in p.phases["train"].parts  # LoRA: the lm head is frozen
+    _, window = planned()  # the default: window policy, kl 0: no extra pass
     assert list(window.phases) == ["generate", "train"]
+    assert "next lm-head gradient" in window.phases["train"].parts  # two micro-batches per step, head trainable
+    _, dpo = planned("loss=dpo", "head=chunked")
+    assert list(dpo.phases) == ["ref_logprobs", "train"] and "reference copy" in dpo.phases["train"].resident
+
+
+def test_device_plan_counts_offload_zero_and_the_fits_line(monkeypatch):
+    over = ("model.vocab_size=65536", "logprob_policy=always", "offload=on")
+    cfg, cpu = planned(*over)
+    _, cuda = planned(*over, device_type="cuda")
+    adam = "optimizer state (AdamW: 2 x trainable)"
+    assert adam in cpu.phases["old_logprobs"].resident and adam not in cuda.phases["old_logprobs"].resident
+    assert adam in cuda.phases["train"].resident  # back on the device to train
+    monkeypatch.setenv("WORLD_SIZE", "4")  # validation checks batch sizes against the ranks
+    _, zero3 = planned("engine=deepspeed", "engine.zero_stage=3", "train.micro_batch=16", *over, world=4,
+                       device_type="cuda")
+    assert zero3.phases["train"].resident["weights"] == cpu.phases["train"].resident["weights"] // 4
+    assert zero3.phases["generate"].parts["weights gathered for generate (ZeRO-3)"] > 0
+    text = plan.table(cpu, cuda, device_gib=0.01)
+    assert "planned for 1 rank(s)" in text and "on a CUDA device of 0.01 GiB" in text and "does not fit" in text
 
 
 @pytest.mark.slow  # two fresh processes importing torch and transformers
@@ -84,8 +108,11 @@ def test_rlrun_plan_prints_the_plan_and_writes_nothing(tmp_path):
                         "model.vocab_size=151936", "plan.device_gib=24"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "head tile 112 tokens" in r.stdout and "train" in r.stdout and "on a device of 24 GiB" in r.stdout
-    assert list(tmp_path.iterdir()) == []  # no outputs/, no mlflow.db
+    assert "head tile 112 tokens" in r.stdout and "train" in r.stdout and "on a CUDA device of 24 GiB" in r.stdout
+    sweep = subprocess.run(["rlrun", "plan", "-cd", str(ROOT / "sweeps"), "-cn", "smoke"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)  # a sweep config: its base config, once
+    assert sweep.returncode == 0 and sweep.stdout.count("largest part of the growth") == 1, sweep.stderr
+    assert list(tmp_path.iterdir()) == []  # no outputs/, multirun/ or mlflow.db
     bad = subprocess.run(["rlrun", "plan", "head=tiled", "head.size=auto", "head.memory_budget_mib=1",
                           "model.vocab_size=151936"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "raise head.memory_budget_mib" in bad.stderr and "Traceback" not in bad.stderr
@@ -93,15 +120,16 @@ def test_rlrun_plan_prints_the_plan_and_writes_nothing(tmp_path):
 
 def test_a_run_logs_its_plan_and_the_tile_it_chose(tmp_path):
     new_store(tmp_path)
-    cfg = make_cfg("experiment=smoke", "head=chunked", "head.size=auto", "head.memory_budget_mib=1",
-                   "train.steps=2", "eval.every=0", tmp_path=tmp_path)
+    cfg = make_cfg("experiment=smoke", "head=chunked", "head.size=auto", "head.memory_budget_mib=10",
+                   "model.vocab_size=65536", "train.micro_batch=8", "rollout.max_new_tokens=16", "train.steps=2",
+                   "eval.every=0", tmp_path=tmp_path)
     from rlrun.cli import run
 
     run(cfg, "planned")
     client, [r] = runs(tmp_path / "mlflow.db")
     size = int(r.data.tags["rlrun.head.size"])
     assert size == history(client, r.info.run_id, "plan/head_size")[0]
-    assert size == validate(cfg).train.micro_batch * validate(cfg).rollout.max_new_tokens  # 1 MiB holds them all
+    assert size == 32  # 10 MiB / (65536 x 4 bytes per token) = 40 tokens, down to a multiple of 16 (of 128)
     for phase in ("generate", "train"):
         assert history(client, r.info.run_id, f"plan/{phase}_growth_mib")[0] > 0
         assert history(client, r.info.run_id, f"mem/{phase}_growth_mib")
