@@ -68,7 +68,7 @@ def points(a) -> list[dict]:
 
 
 def label(p: dict) -> str:
-    return f"{p['head']}-v{p['vocab'] // 1024}k-n{p['tokens']}" + ("-lora" if p["lora"] else "")
+    return f"{p['head']}-v{p['vocab']}-n{p['tokens']}" + ("-lora" if p["lora"] else "")
 
 
 def rows_of(grid: list[dict], results: list[dict]) -> list[dict]:

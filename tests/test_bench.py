@@ -132,8 +132,8 @@ def test_plan_table_and_figure_from_measured_runs(tmp_path):
                {"error": "exit code 1"}]
     rows = bench_plan.rows_of(grid, results)
     text = bench_plan.table(rows)
-    assert "tiled-v64k-n512" in text and "dense-v16k-n2048-lora" in text and "MISSED" in text
-    assert "chunked-v1k-n512" in text and "failed: exit code 1" in text
+    assert "tiled-v65536-n512" in text and "dense-v16384-n2048-lora" in text and "MISSED" in text
+    assert "chunked-v1024-n512" in text and "failed: exit code 1" in text
     assert "(not a target)" in text  # generate is reported, not judged
     assert text.splitlines()[-1] == "2 of 3 train / logprob phases within 15% or 32 MiB"
     path = bench_plan.figure(rows, str(tmp_path / "plan.png"))
