@@ -28,10 +28,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from . import logprobs
+from . import logprobs, models
 from .config import ConfigError
 from .heads.common import ROWS  # rows of the tiled head's entropy buffer
-from .models import DTYPES
 
 MIB = 2**20
 FP32 = 4
@@ -90,8 +89,6 @@ class Plan:
 
 def shapes_of(model, dtype: str) -> Shapes:
     """Shapes of a built model (real or on the meta device), LoRA adapters included."""
-    from . import models
-
     lm = models.unwrap(model)
     c = lm.config.get_text_config(decoder=True)
     _, weight = models.split(model)
@@ -102,14 +99,12 @@ def shapes_of(model, dtype: str) -> Shapes:
     return Shapes(vocab=vocab, hidden=hidden, intermediate=getattr(c, "intermediate_size", 0)
                   or 4 * c.hidden_size, layers=c.num_hidden_layers, kv_dim=kv * head_dim,
                   params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
-                  head_trainable=bool(weight.requires_grad), param_bytes=DTYPES[dtype].itemsize)
+                  head_trainable=bool(weight.requires_grad), param_bytes=models.DTYPES[dtype].itemsize)
 
 
 def meta_model(mcfg, seed: int):
     """(the model on the meta device, its tokenizer): shapes without weights, LoRA adapters added as in a run."""
     import torch
-
-    from . import models
 
     if mcfg.name == "tiny":
         tokenizer = models.char_tokenizer()
@@ -130,12 +125,12 @@ def meta_model(mcfg, seed: int):
 
 def lengths(cfg, tokenizer, rows: list[dict]) -> tuple[int, int, int]:
     """(rows per micro-batch, positions per row, response tokens per micro-batch), upper bounds from the data."""
-    from .tasks.lengths import _lengths
+    from .tasks.lengths import token_lengths
 
     mb = cfg.train.micro_batch
-    prompts = _lengths(tokenizer, [r["prompt"] for r in rows]) or [0]
+    prompts = token_lengths(tokenizer, [r["prompt"] for r in rows]) or [0]
     if cfg.loss.name == "dpo":  # chosen and rejected of each pair, each with the EOS the pair encoder appends
-        sides = [_lengths(tokenizer, [r[k] for r in rows]) for k in ("chosen", "rejected")]
+        sides = [token_lengths(tokenizer, [r[k] for r in rows]) for k in ("chosen", "rejected")]
         longest = max(max(c, r) + 1 for c, r in zip(*sides))
         return 2 * mb, max(p + max(c, r) + 1 for p, c, r in zip(prompts, *sides)), 2 * mb * longest
     cut = getattr(cfg.task, "max_prompt_tokens", None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .base import TaskError, short
 
 
-def _lengths(tokenizer, texts: list[str]) -> list[int]:
+def token_lengths(tokenizer, texts: list[str]) -> list[int]:
     """Token counts as the rollout encodes them (no special tokens added); each distinct text encoded once."""
     distinct = list(dict.fromkeys(texts))
     ids = tokenizer(distinct, add_special_tokens=False)["input_ids"]
@@ -49,9 +49,9 @@ def check_lengths(task_or_rows, tokenizer, max_new_tokens: int | None, max_posit
     if not rows:
         raise TaskError("the task has no rows (after max_rows and the held-out split); nothing to train on.")
     m = len(rows)
-    prompts = _lengths(tokenizer, [r["prompt"] for r in rows])
+    prompts = token_lengths(tokenizer, [r["prompt"] for r in rows])
     if "chosen" in rows[0]:
-        sides = [_lengths(tokenizer, [r[k] for r in rows]) for k in ("chosen", "rejected")]
+        sides = [token_lengths(tokenizer, [r[k] for r in rows]) for k in ("chosen", "rejected")]
         total = [p + max(c, r) + 1 for p, c, r in zip(prompts, *sides)]  # + the EOS the pair encoder appends
         if max_positions is not None:
             over = [t for t in total if t > max_positions]
@@ -80,7 +80,7 @@ def check_lengths(task_or_rows, tokenizer, max_new_tokens: int | None, max_posit
             raise TaskError(f"{len(over)} of {m} prompts do not fit the model's context: prompt{plus} > "
                             f"{max_positions} positions (the longest prompt is {max(over)} tokens). {fix}")
     if max_new_tokens is not None:
-        answers = _lengths(tokenizer, [r["answer"] for r in rows])
+        answers = token_lengths(tokenizer, [r["answer"] for r in rows])
         long = [i for i, a in enumerate(answers) if a > max_new_tokens]
         if long:
             worst = max(long, key=answers.__getitem__)
