@@ -37,6 +37,7 @@ def child(point: dict, steps: int, out_path: str) -> None:
     """One run of `point` in this fresh process; saves {phase: (predicted, measured)} growth in MiB."""
     from . import cli
     from .bench_trl import compose, quiet
+    from .meters import growth_key, plan_growth_key
     from .tracking import metric_key, open_client
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,7 +52,7 @@ def child(point: dict, steps: int, out_path: str) -> None:
             hist = client.get_metric_history(run.info.run_id, metric_key(name))
             return max((m.value for m in hist), default=None)
 
-        result = {p: (top(f"plan/{p}_growth_mib"), top(f"mem/{p}_growth_mib")) for p in PHASES}
+        result = {p: (top(plan_growth_key(p)), top(growth_key(p))) for p in PHASES}
     torch.save({p: v for p, v in result.items() if None not in v}, out_path)
 
 

@@ -39,6 +39,15 @@ def growth_key(phase: str) -> str:
     return f"mem/{phase}_growth_mib"
 
 
+def plan_growth_key(phase: str) -> str:
+    """The memory plan's prediction of growth_key(phase) (rlrun/plan.py)."""
+    return f"plan/{phase}_growth_mib"
+
+
+def plan_peak_key(phase: str) -> str:
+    return f"plan/{phase}_peak_mib"
+
+
 def proc_bytes(path: str, key: str) -> int:
     """A `key:  N kB` line of a /proc file, in bytes (0 where absent)."""
     with open(path) as f:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from . import logprobs, models
 from .config import ConfigError
 from .heads.common import ROWS  # rows of the tiled head's entropy buffer
+from .meters import plan_growth_key, plan_peak_key
 
 MIB = 2**20
 FP32 = 4
@@ -268,8 +269,8 @@ def metrics(plan: Plan) -> dict[str, float]:
     """plan/<phase>_growth_mib and plan/<phase>_peak_mib (resident + growth), beside the measured mem/*."""
     out = {}
     for name, ph in plan.phases.items():
-        out[f"plan/{name}_growth_mib"] = ph.growth / MIB
-        out[f"plan/{name}_peak_mib"] = ph.peak / MIB
+        out[plan_growth_key(name)] = ph.growth / MIB
+        out[plan_peak_key(name)] = ph.peak / MIB
     if plan.head_size is not None:
         out["plan/head_size"] = float(plan.head_size)
     return out

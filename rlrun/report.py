@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from . import spill  # noqa: E402
-from .meters import PHASES, growth_key, peak_key, time_key  # noqa: E402
+from .meters import PHASES, growth_key, peak_key, plan_growth_key, time_key  # noqa: E402
 from .tracking import log_figures, metric_key, open_client  # noqa: E402
 
 STYLES = ["-", "--", ":", "-."]
@@ -73,7 +73,7 @@ FONT = 11
 
 def collect(client, runs):
     keys = [k for k, _ in CURVES] + ["throughput/gen_tokens_per_s", "throughput/train_tokens_per_s"]
-    keys += [k(p) for k in (peak_key, growth_key, time_key, plan_key) for p in PHASES]
+    keys += [k(p) for k in (peak_key, growth_key, time_key, plan_growth_key) for p in PHASES]
     return [histories(client, r, keys) for r in runs]
 
 
@@ -174,18 +174,14 @@ def memory_figure(names, data, device):
     return fig
 
 
-def plan_key(phase: str) -> str:
-    return f"plan/{phase}_growth_mib"  # rlrun/plan.py metrics()
-
-
 def plan_figure(names, data):
     """Predicted (the memory plan, logged at the start) vs measured peak growth, one panel per phase."""
-    present = [p for p in PHASES if any(plan_key(p) in h and growth_key(p) in h for h in data)]
+    present = [p for p in PHASES if any(plan_growth_key(p) in h and growth_key(p) in h for h in data)]
     if not present:
         return None
     fig, axes = _figure([_height(len(names), _lines(names))] * len(present))
     for ax, p in zip(axes, present):
-        _hbars(ax, names, {"predicted": [_stat(h, plan_key(p), np.max) for h in data],
+        _hbars(ax, names, {"predicted": [_stat(h, plan_growth_key(p), np.max) for h in data],
                            "measured": [_stat(h, growth_key(p), np.max) for h in data]},
                "MiB", f"{p}: predicted vs measured peak growth, MiB")
     fig.tight_layout()
