@@ -21,7 +21,6 @@ so a checkpoint without one, or with a file that no longer matches it, is incomp
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import hashlib
 import io
@@ -30,11 +29,11 @@ import logging
 import os
 import pickle
 import shutil
-import signal
 
 import numpy as np
 import torch
 
+from . import ranks
 from .errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -233,7 +232,7 @@ def load_latest(where: str) -> tuple[dict, str]:
     paths = [where] if os.path.isfile(where) else sorted(found, key=os.path.basename, reverse=True)
     if not paths:
         raise CheckpointError(f"no checkpoint in {where!r}; set checkpoint.dir to the folder of the run to resume.")
-    rank = int(os.environ.get("RANK", "0"))
+    rank = ranks.rank()
     for path in paths:
         try:
             return (read_sharded(path, rank) if path.endswith(".manifest") else read(path)), path
@@ -253,31 +252,3 @@ def changed_keys(saved: dict[str, str], now: dict[str, str]) -> list[str]:
     keys = set(saved) | set(now)
     return sorted(k for k in keys if saved.get(k) != now.get(k)
                   and k not in MAY_CHANGE and not k.startswith(MAY_CHANGE_PREFIXES))
-
-
-@contextlib.contextmanager
-def deferred_interrupts():
-    """Ctrl-C / SIGTERM finish the current step (so a checkpoint can be written) instead of killing it mid-way;
-    `flag["stop"]` says one arrived. A second signal interrupts at once."""
-    flag = {"stop": False}
-    previous = {}
-
-    def handler(signum, frame):
-        from . import tracking
-
-        tracking.interrupt_on_signals.received = signum  # the exit status names the signal (cli.main)
-        if flag["stop"]:
-            raise KeyboardInterrupt
-        flag["stop"] = True
-        log.warning("signal %s: stopping after this step (again to stop now)", signal.Signals(signum).name)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            previous[sig] = signal.signal(sig, handler)
-        except ValueError:  # not the main thread: leave signals alone
-            pass
-    try:
-        yield flag
-    finally:
-        for sig, h in previous.items():
-            signal.signal(sig, h)

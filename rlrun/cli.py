@@ -7,8 +7,6 @@ config never import torch, transformers, deepspeed, vllm or mlflow (tests/test_c
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from . import tracking
+from . import ranks, signals
 from .config import ConfigError, validate
 from .errors import CheckpointError, ModelError, RolloutError, TaskError, TrackingError
 
@@ -40,12 +38,11 @@ def run(cfg: DictConfig, run_name: str | None = None) -> dict:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig):
     # before validation and model build: a signal from now on ends the run KILLED (restored when main returns)
-    previous = tracking.interrupt_on_signals()
+    previous = signals.interrupt_on_signals()
     try:
         return _main(cfg)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        signals.restore(previous)
 
 
 def _main(cfg: DictConfig):
@@ -58,9 +55,8 @@ def _main(cfg: DictConfig):
     except USER_ERRORS + (KeyboardInterrupt,) as e:
         if isinstance(e, KeyboardInterrupt):
             print("rlrun: interrupted", file=sys.stderr)
-            sys.exit(128 + (tracking.interrupt_on_signals.received or 2))  # 130 Ctrl-C, 143 SIGTERM
-        # the launcher's WORLD_SIZE, read here so the error path never imports the engine (torch, deepspeed)
-        rank = f" rank {os.environ.get('RANK', '0')}:" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+            sys.exit(signals.exit_code())  # 130 Ctrl-C, 143 SIGTERM
+        rank = f" rank {ranks.rank()}:" if ranks.world_size() > 1 else ""
         print(f"rlrun:{rank} error: {e}", file=sys.stderr)
         sys.exit(2)
 
@@ -117,7 +113,7 @@ def entry():
         main()
     except KeyboardInterrupt:
         print("rlrun: interrupted", file=sys.stderr)
-        sys.exit(128 + (tracking.interrupt_on_signals.received or 2))
+        sys.exit(signals.exit_code())
 
 
 if __name__ == "__main__":

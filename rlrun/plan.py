@@ -25,10 +25,9 @@ The README ("Memory you can know before the run") has the measured accuracy.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from . import logprobs, models
+from . import logprobs, models, ranks
 from .config import ConfigError
 from .heads.common import ROWS  # rows of the tiled head's entropy buffer
 from .meters import plan_growth_key, plan_peak_key
@@ -188,7 +187,7 @@ def default_budget(device_type: str) -> int:
 def world_size(cfg) -> int:
     """Ranks the run will have: the launcher's WORLD_SIZE (set it to plan a multi-rank run: WORLD_SIZE=8 rlrun
     plan engine=deepspeed ...)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) if cfg.engine.name == "deepspeed" else 1
+    return ranks.world_size() if cfg.engine.name == "deepspeed" else 1
 
 
 def resident(cfg, s: Shapes, *, world: int, device_type: str, ref_copy: bool, device_gib: float | None = None):

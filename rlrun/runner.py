@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import checkpoint, models, plan, registry, tracking
+from . import checkpoint, models, plan, ranks, registry, signals, tracking
 from .config import ConfigError
 from .meters import Meter
 
@@ -43,7 +43,7 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
     state = load_resume(cfg, raw) if cfg.resume else None
     checkpoint.check_writable(cfg.checkpoint.dir)
     # Data parallel: only rank 0 talks to MLflow (and draws progress); the others record nothing.
-    main_rank = os.environ.get("RANK", "0") == "0"
+    main_rank = ranks.is_main()
     resume_id = state and state["run_id"]
     tracker = tracking.Null()
     try:
@@ -60,7 +60,7 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
     finally:
         if cfg.engine.name == "deepspeed":
             registry.get("engine", "deepspeed").shutdown()
-    with tracking.signals_held():  # a Ctrl-C now waits until the run is marked FINISHED
+    with signals.held():  # a Ctrl-C now waits until the run is marked FINISHED
         tracker.summary(summary)
         tracker.describe(tracking.headline(summary))
         tracker.finish("FINISHED")
@@ -71,7 +71,7 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
 
 def end(tracker, status: str, error: str) -> None:
     """Mark the run `status` with its error; a second signal waits until that is done."""
-    with tracking.signals_held():
+    with signals.held():
         try:
             tracker.tags({"error": error})
         finally:
@@ -90,7 +90,7 @@ def load_resume(cfg, raw) -> dict:
         raise ConfigError([f"resume from {path}: {k} was {state['config'].get(k)!r}, now {now.get(k)!r}; a "
                            "resumed run must train the same thing (only train.steps, the head, logging and "
                            "tracking may change)" for k in changed])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = ranks.world_size()
     if state.get("world_size", 1) != world:
         raise ConfigError([f"resume from {path}: the checkpoint was written by {state.get('world_size', 1)} "
                            f"rank(s), this launch has {world}; resume with the same number of processes."])
@@ -250,13 +250,13 @@ class Frame:
         self.bar = progress(start, total, desc, enabled=self.cfg.progress and self.engine.main,
                             every=self.cfg.log.every)
         every = self.cfg.eval.every if evaluate is not None else 0
-        with checkpoint.deferred_interrupts() as signals:
+        with signals.deferred() as stop:
             for step in self.bar:
                 if every and step % every == 0:
                     self.evaluate(step, evaluate)
                 self.meter.new_step()
                 yield step
-                self.maybe_checkpoint(step, signals["stop"], stateful)
+                self.maybe_checkpoint(step, stop["stop"], stateful)
             if every and total > start:
                 self.evaluate(total, evaluate)
             self.export()

@@ -26,7 +26,7 @@ import tempfile
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from . import tracking
+from . import signals, tracking
 
 ENV = "RLRUN_PARENT_RUN_ID"
 log = logging.getLogger("rlrun.sweep")
@@ -84,7 +84,7 @@ class SweepCallback(Callback):
         os.environ[ENV] = self.parent_id
         # Ctrl-C or SIGTERM to the sweep (with joblib the jobs run in worker processes that the launcher kills):
         # Python exits before on_multirun_end, and this marks what is still RUNNING as KILLED on the way out.
-        tracking.interrupt_on_signals()
+        signals.interrupt_on_signals()
         atexit.register(self.end_interrupted)
         log.info("sweep %s: MLflow parent run %s", name, self.parent_id)
 
@@ -92,7 +92,7 @@ class SweepCallback(Callback):
         """At exit, if the sweep never reached on_multirun_end: its RUNNING children and the parent -> KILLED."""
         if self.parent_id is None or self.ended:
             return
-        with tracking.signals_held(), contextlib.suppress(Exception):
+        with signals.held(), contextlib.suppress(Exception):
             exp = self.client.get_run(self.parent_id).info.experiment_id
             running = self.client.search_runs([exp], f"tags.mlflow.parentRunId = '{self.parent_id}' and "
                                                      "attributes.status = 'RUNNING'", max_results=5000)

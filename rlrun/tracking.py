@@ -21,12 +21,12 @@ import contextlib
 import logging
 import os
 import re
-import signal
 import time
 from urllib.parse import urlparse
 
 from omegaconf import OmegaConf
 
+from . import signals
 from .errors import TrackingError
 from .spill import FILE_NAME as SPILL_FILE
 from .spill import Spill, replay
@@ -63,45 +63,6 @@ def check_uri(uri: str, key: str = "tracking.uri", off: str = "tracking=none") -
             raise TrackingError(f"{key}={uri!r}: cannot create folder {folder!r} ({e.strerror}).") from e
         if not os.access(folder, os.W_OK):
             raise TrackingError(f"{key}={uri!r}: folder {folder!r} is not writable; choose another path.")
-
-
-def interrupt_on_signals() -> dict:
-    """From process start: SIGTERM (like Ctrl-C) raises KeyboardInterrupt, so whatever is running (config, model
-    build, MLflow run creation, a step) unwinds through the code that marks the run KILLED instead of dying with it
-    RUNNING. The loop replaces this with its deferred handler while it steps (checkpoint.deferred_interrupts)."""
-
-    def handler(signum, frame):
-        interrupt_on_signals.received = signum
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            previous[sig] = signal.signal(sig, handler)
-        except ValueError:  # not the main thread
-            pass
-    return previous  # {signal: the handler it replaced}, for the caller to restore
-
-
-interrupt_on_signals.received = None
-
-
-@contextlib.contextmanager
-def signals_held():
-    """Ctrl-C / SIGTERM wait until the block is done (marking a run's final status), then take effect."""
-    held, previous = [], {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            previous[sig] = signal.signal(sig, lambda signum, frame: held.append(signum))
-        except ValueError:  # not the main thread: signals are handled there
-            pass
-    try:
-        yield
-    finally:
-        for sig, h in previous.items():
-            signal.signal(sig, h)
-        if held:
-            signal.raise_signal(held[0])
 
 
 class Null:
@@ -259,7 +220,7 @@ class MLflow:
             self._open(cfg, exp_id, config, run_name, resume_run_id, previous_spill)
         except BaseException as e:  # the run exists but the caller never gets it: end it here, never RUNNING
             if self.run_id:
-                with signals_held():
+                with signals.held():
                     with contextlib.suppress(Exception):
                         error = f"{type(e).__name__}: {e}"
                         if isinstance(e, KeyboardInterrupt):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import runs
 
-from rlrun import checkpoint, runner, tracking
+from rlrun import checkpoint, runner, signals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "OMP_NUM_THREADS": "1",
@@ -199,18 +199,17 @@ def test_a_signal_at_any_moment_never_leaves_the_run_running(tmp_path, moment, s
 
 
 def test_signals_held_delays_a_signal_until_the_block_is_done():
-    previous = tracking.interrupt_on_signals()
+    previous = signals.interrupt_on_signals()
     try:
         done = []
         with pytest.raises(KeyboardInterrupt):
-            with tracking.signals_held():
+            with signals.held():
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.05)
                 done.append("marked")  # not interrupted
-        assert done == ["marked"] and tracking.interrupt_on_signals.received == signal.SIGTERM
+        assert done == ["marked"] and signals.received() == signal.SIGTERM
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        signals.restore(previous)
 
 
 # --- checkpoint.dir before training; dead training ------------------------------------------------------------

@@ -7,12 +7,12 @@ keys that failed; then every rule of rules.py runs unless a key it reads failed,
 from __future__ import annotations
 
 import difflib
-import os
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Annotated, Literal, get_args, get_origin
 
 from omegaconf import OmegaConf
 
+from .. import ranks
 from . import rules
 from .schema import UNIONS, Check, RunConfig, group_options
 
@@ -52,7 +52,7 @@ def validate(cfg) -> RunConfig:
     data.pop("hydra", None)  # present when composed with return_hydra_config=True
     walk = Walk()
     typed = walk.node(data, RunConfig, "", "the top level")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by the launcher (torchrun, deepspeed)
+    world = ranks.world_size()  # set by the launcher (torchrun, deepspeed)
     problems = walk.problems + rules.check(typed, walk.bad, world)
     if problems:
         raise ConfigError(problems)

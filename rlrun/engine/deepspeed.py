@@ -21,7 +21,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint
+from .. import checkpoint, ranks
 from .. import offload as host_offload
 from . import single
 
@@ -59,10 +59,6 @@ def weights_only_loads(ds):
 
 class RankFailure(RuntimeError):
     """Another rank stopped: a collective lost its peer."""
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 _OWNED = {"group": False}  # whether this module created the process group (an in-process vLLM makes its own)
@@ -106,7 +102,7 @@ def ds_config(cfg, grad_accum: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": grad_accum,
-        "train_batch_size": t.micro_batch * grad_accum * world_size(),
+        "train_batch_size": t.micro_batch * grad_accum * ranks.world_size(),
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": e.dtype == "bf16"},

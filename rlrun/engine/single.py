@@ -16,10 +16,6 @@ from .. import checkpoint
 from .. import offload as host_offload
 
 
-def world_size() -> int:
-    return 1
-
-
 def device(cfg) -> torch.device:
     if cfg.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import evaluate, models, registry, tasks
+from .. import evaluate, models, ranks, registry, tasks
 from ..losses.dpo import dpo_loss, sequence_logprobs
 from ..runner import Frame, check_finite, meter_metrics
 
@@ -90,7 +90,7 @@ class ReferenceCache:
 
 def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     t, lcfg = cfg.train, cfg.loss
-    world = registry.get("engine", cfg.engine.name).world_size()
+    world = ranks.world_size()
     frame = Frame(cfg, raw, tracker, curve="rewards/accuracy")
     train_pairs, eval_pairs = tasks.load_pairs(cfg.task, cfg.seed, frame.tokenizer)
     frame.warn(tasks.check_lengths(train_pairs, frame.tokenizer, None, models.context_size(frame.policy)))
@@ -118,9 +118,9 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
             grad_norm = engine.step()
 
             # 3. Metrics over all ranks.
-            ranks = frame.reduce({"parts": parts, "tokens": tokens, "counts": counts, "entropy": entropy})
-            parts, entropy = [part for p in ranks for part in p["parts"]], [e for p in ranks for e in p["entropy"]]
-            tokens, counts = sum(p["tokens"] for p in ranks), sum((p["counts"] for p in ranks), Counter())
+            by_rank = frame.reduce({"parts": parts, "tokens": tokens, "counts": counts, "entropy": entropy})
+            parts, entropy = [part for p in by_rank for part in p["parts"]], [e for p in by_rank for e in p["entropy"]]
+            tokens, counts = sum(p["tokens"] for p in by_rank), sum((p["counts"] for p in by_rank), Counter())
             m = {k: sum(n * mt[k] for n, mt in parts) / t.batch_size for k in parts[0][1] if k != "loss"}
             m.update({"loss": sum(mt["loss"] for _, mt in parts), "grad_norm": grad_norm,
                       "lr": engine.lr(), "train_tokens": tokens,
@@ -129,7 +129,7 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
             for key in ("ref_run", "ref_skipped"):
                 m[f"passes/{key}"] = counts[key]
                 m[f"passes/{key}_total"] = cache.totals[key]
-            m.update(meter_metrics([p["meter"] for p in ranks]))
+            m.update(meter_metrics([p["meter"] for p in by_rank]))
             m["throughput/train_tokens_per_s"] = tokens / m["time/train_s"]
             frame.log(step, m, acc=f"{m['rewards/accuracy']:.2f}", loss=f"{m['loss']:.4f}",
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")

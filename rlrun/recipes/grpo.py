@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import evaluate, logprobs, losses, models, registry, tasks
+from .. import evaluate, logprobs, losses, models, ranks, registry, tasks
 from ..runner import Frame, check_finite, meter_metrics
 
 
@@ -156,7 +156,7 @@ def sample_seed(seed: int, rollout: int, row: int) -> int:
 def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     """GRPO. `resume`: a checkpoint's state, to continue that run exactly where it stopped."""
     t, lcfg = cfg.train, cfg.loss
-    world = registry.get("engine", cfg.engine.name).world_size()
+    world = ranks.world_size()
     grad_accum = t.batch_size // (t.micro_batch * world)  # micro-batches per rank per optimizer step
     window = (t.rollout_batch // world // t.micro_batch) * t.num_iterations  # a rollout's micro-steps per rank
     frame = Frame(cfg, raw, tracker, curve="reward_mean")
