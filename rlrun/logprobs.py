@@ -9,6 +9,7 @@ weights that train on it, and the ratio can be taken against the detached curren
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 POLICIES = ("always", "window", "skip")
@@ -45,3 +46,36 @@ def ever_needs_old(policy: str, window: int, grad_accum: int) -> bool:
 def needs_reference_model(policy: str, ref_coef: float) -> bool:
     """Whether any rollout of the run can need the reference pass (so whether to build the reference model)."""
     return policy == "always" or (policy == "window" and ref_coef != 0)
+
+
+class PassCounter:
+    """Logprob passes run and skipped per kind ("old", "ref"), and the seconds spent in those that ran (for the
+    estimate of the time a skipped pass saved). Checkpointed with the run."""
+
+    def __init__(self, kinds: tuple[str, ...] = ("old", "ref")):
+        self.kinds = kinds
+        self.totals: Counter = Counter()
+        self.seconds: Counter = Counter()
+
+    def metrics(self, counts: Counter, phase_seconds: dict[str, float] | None = None) -> dict[str, float]:
+        """`passes/<kind>_run|skipped` this step and in total; with `phase_seconds` (the meter's seconds per
+        phase) also `passes/<kind>_saved_s_est`."""
+        self.totals.update(counts)
+        m = {}
+        for key in (f"{kind}_{what}" for kind in self.kinds for what in ("run", "skipped")):
+            m[f"passes/{key}"] = counts[key]
+            m[f"passes/{key}_total"] = self.totals[key]
+        for kind in self.kinds if phase_seconds is not None else ():
+            self.seconds[kind] += phase_seconds.get(f"{kind}_logprobs", 0.0)
+            if counts[f"{kind}_skipped"] and self.totals[f"{kind}_run"]:
+                # estimated from this run's own passes of that kind; a run that never ran one (skip) has no
+                # estimate: compare it with an `always` run instead (sweeps/logprob_policies.yaml)
+                per_pass = self.seconds[kind] / self.totals[f"{kind}_run"]
+                m[f"passes/{kind}_saved_s_est"] = counts[f"{kind}_skipped"] * per_pass
+        return m
+
+    def state_dict(self) -> dict:
+        return {"totals": dict(self.totals), "seconds": dict(self.seconds)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.totals, self.seconds = Counter(state["totals"]), Counter(state["seconds"])

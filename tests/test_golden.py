@@ -11,7 +11,7 @@ Re-record deliberately (a change that is meant to move the curves), from the rep
     python tests/test_golden.py --record dpo_chunked     # one of them
     RLRUN_CODE_ROOT=/work/golden python tests/test_golden.py --record   # record another checkout's code
 
-Runs pin OMP_NUM_THREADS=1 (every rank and the single process): CPU reductions may split differently with more
+Runs pin OMP_NUM_THREADS=1 and ATEN_CPU_CAPABILITY=avx2 (every rank and the single process): CPU reductions may split differently with more
 threads, which would change the last bits. The fixtures also depend on the torch build and CPU ISA (recorded in
 `recorded_with`): a mismatch after a torch upgrade is not a refactoring bug; re-record then.
 """
@@ -82,8 +82,10 @@ def free_port() -> int:
 
 def launch_env(code_root: Path) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(code_root), os.environ.get("PYTHONPATH", "")) if p)
+    # ATEN_CPU_CAPABILITY: the fixtures were recorded with AVX2 kernels; an AVX-512 machine would otherwise pick other
+    # kernels and change the last bits (the recording pins it too, so every fixture is an AVX2 one)
     return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING="false",
-                TOKENIZERS_PARALLELISM="false", GIT_PYTHON_REFRESH="quiet")
+                TOKENIZERS_PARALLELISM="false", GIT_PYTHON_REFRESH="quiet", ATEN_CPU_CAPABILITY="avx2")
 
 
 def launch(launcher: str, overrides: list[str], workdir: Path, code_root: Path = CODE_ROOT,

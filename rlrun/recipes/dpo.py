@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import evaluate, models, ranks, registry, tasks
+from .. import evaluate, logprobs, models, ranks, tasks
 from ..losses.dpo import dpo_loss, sequence_logprobs
-from ..runner import Frame, check_finite, meter_metrics
+from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup
 
 
 @dataclass
@@ -74,114 +74,111 @@ def pair_logprobs(model, batch: Pairs, head, size, average: bool, entropy: list 
 
 
 class ReferenceCache:
-    """Reference (chosen, rejected) logprobs per pair id of this rank's pairs (`window`: computed once per pair),
-    and the count of reference passes run and skipped."""
+    """Reference (chosen, rejected) logprobs per pair id of this rank's pairs (`window`: computed once per pair)."""
 
     def __init__(self):
         self.values: dict[int, tuple[float, float]] = {}
-        self.totals: Counter = Counter()
 
     def state_dict(self) -> dict:
-        return {"values": dict(self.values), "totals": dict(self.totals)}
+        return {"values": dict(self.values)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.values, self.totals = dict(state["values"]), Counter(state["totals"])
+        self.values = dict(state["values"])
 
 
 def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
-    t, lcfg = cfg.train, cfg.loss
-    world = ranks.world_size()
-    frame = Frame(cfg, raw, tracker, curve="rewards/accuracy")
-    train_pairs, eval_pairs = tasks.load_pairs(cfg.task, cfg.seed, frame.tokenizer)
-    frame.warn(tasks.check_lengths(train_pairs, frame.tokenizer, None, models.context_size(frame.policy)))
-    frame.start(grad_accum=t.batch_size // (t.micro_batch * world), with_reference=True,
-                reference_path=lcfg.reference_path, plan_rows=train_pairs,
-                warm_rows=[{"prompt": p["prompt"], "answer": p["chosen"]} for p in train_pairs])
-    engine = frame.engine
-    pairs = [dict(p, id=i) for i, p in enumerate(train_pairs)]
-    stream = tasks.prompt_stream(pairs, cfg.seed)  # the same stream on every rank; each takes its slice
-    per_rank = t.batch_size // world
-    head = registry.get("head", cfg.head.name)
-    cache = ReferenceCache()
-    stateful = {"pairs": stream, "ref_cache": cache}
+    t = cfg.train
+
+    def load(tokenizer, context):
+        train_pairs, eval_pairs = tasks.load_pairs(cfg.task, cfg.seed, tokenizer)
+        warm = [{"prompt": p["prompt"], "answer": p["chosen"]} for p in train_pairs]
+        return Data((train_pairs, eval_pairs), warm_rows=warm, plan_rows=train_pairs,
+                    warnings=tasks.check_lengths(train_pairs, tokenizer, None, context))
+
+    s = setup(cfg, tracker, load=load, grad_accum=t.batch_size // (t.micro_batch * ranks.world_size()),
+              with_reference=True, reference_path=cfg.loss.reference_path, resume=resume)
+    frame, engine, (train_pairs, eval_pairs) = Frame(cfg, raw, tracker, s, curve="rewards/accuracy"), s.engine, s.data
+    stream = tasks.prompt_stream([dict(p, id=i) for i, p in enumerate(train_pairs)], cfg.seed)  # same on every rank
+    cache, passes = ReferenceCache(), logprobs.PassCounter(("ref",))
+    stateful = {"pairs": stream, "ref_cache": cache, "passes": passes}
     start = frame.restore(resume, stateful)
 
-    with contextlib.closing(frame.steps(start, stateful, "rlrun dpo", held_out(cfg, frame, eval_pairs))) as steps:
+    with contextlib.closing(frame.steps(start, stateful, "rlrun dpo", held_out(cfg, frame, s, eval_pairs))) as steps:
         for step in steps:
-            batch = [next(stream) for _ in range(t.batch_size)][engine.rank * per_rank : (engine.rank + 1) * per_rank]
+            batch = rank_slice([next(stream) for _ in range(t.batch_size)], engine)
 
             # 1. Reference logprobs: every batch (always) or once per pair (window).
-            known, counts = reference_logprobs(cfg, frame, head, cache, batch)
+            known, counts = reference_logprobs(cfg, s, cache, batch)
 
             # 2. Train: one optimizer step over the batch; each micro-batch's loss is its share of the batch mean.
-            parts, tokens, entropy = train_step(cfg, frame, head, batch, known, step)
+            parts, tokens, entropy = train_step(cfg, s, batch, known, step)
             grad_norm = engine.step()
 
             # 3. Metrics over all ranks.
-            by_rank = frame.reduce({"parts": parts, "tokens": tokens, "counts": counts, "entropy": entropy})
-            parts, entropy = [part for p in by_rank for part in p["parts"]], [e for p in by_rank for e in p["entropy"]]
-            tokens, counts = sum(p["tokens"] for p in by_rank), sum((p["counts"] for p in by_rank), Counter())
-            m = {k: sum(n * mt[k] for n, mt in parts) / t.batch_size for k in parts[0][1] if k != "loss"}
-            m.update({"loss": sum(mt["loss"] for _, mt in parts), "grad_norm": grad_norm,
-                      "lr": engine.lr(), "train_tokens": tokens,
-                      "entropy": sum(s for s, _ in entropy) / max(sum(n for _, n in entropy), 1)})
-            cache.totals.update(counts)
-            for key in ("ref_run", "ref_skipped"):
-                m[f"passes/{key}"] = counts[key]
-                m[f"passes/{key}_total"] = cache.totals[key]
-            m.update(meter_metrics([p["meter"] for p in by_rank]))
-            m["throughput/train_tokens_per_s"] = tokens / m["time/train_s"]
+            m = step_metrics(cfg, frame, passes, parts, tokens, counts, entropy, grad_norm)
             frame.log(step, m, acc=f"{m['rewards/accuracy']:.2f}", loss=f"{m['loss']:.4f}",
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
-    return frame.summary.result()
+    return frame.finish()
 
 
-def held_out(cfg, frame, pairs: list[dict]):
+def step_metrics(cfg, frame, passes, parts, tokens: int, counts: Counter, entropy, grad_norm: float) -> dict:
+    """The step's metrics from every rank's per-micro-batch means (weighted by their pair counts) and counts."""
+    by_rank = frame.reduce({"parts": parts, "tokens": tokens, "counts": counts, "entropy": entropy})
+    parts, entropy = [part for p in by_rank for part in p["parts"]], [e for p in by_rank for e in p["entropy"]]
+    tokens, counts = sum(p["tokens"] for p in by_rank), sum((p["counts"] for p in by_rank), Counter())
+    m = {k: sum(n * mt[k] for n, mt in parts) / cfg.train.batch_size for k in parts[0][1] if k != "loss"}
+    m.update({"loss": sum(mt["loss"] for _, mt in parts), "grad_norm": grad_norm,
+              "lr": frame.engine.lr(), "train_tokens": tokens,
+              "entropy": sum(s for s, _ in entropy) / max(sum(n for _, n in entropy), 1)})
+    m.update(passes.metrics(counts))
+    m.update(meter_metrics([p["meter"] for p in by_rank]))
+    m["throughput/train_tokens_per_s"] = tokens / m["time/train_s"]
+    return m
+
+
+def held_out(cfg, frame, s, pairs: list[dict]):
     """Reward accuracy and margin on held-out pairs (None when eval.every is 0, or with a warning when none)."""
     if not cfg.eval.every:
         return None
-    if not pairs:  # warn, not refuse: eval.every is on by default, and not every data set holds rows out
-        frame.warn([f"eval.every={cfg.eval.every} evaluates on held-out pairs, but task={cfg.task.name} has none, so "
-                    "there is no evaluation: set task.eval_size=N (pairs held out of training) or, for task=dataset, "
-                    "task.eval_split=SPLIT."])
+    if not pairs:
+        frame.warn([no_held_out(cfg, "pairs")])
         return None
-    rows, head = pairs[: cfg.eval.size] if cfg.eval.size else pairs, registry.get("head", cfg.head.name)
-    engine = frame.engine
-    return lambda: evaluate.evaluate_pairs(engine.model, lambda: models.reference(engine), frame.tokenizer, rows,
+    rows, engine = pairs[: cfg.eval.size] if cfg.eval.size else pairs, s.engine
+    return lambda: evaluate.evaluate_pairs(engine.model, lambda: models.reference(engine), s.tokenizer, rows,
                                            encode_pairs=encode_pairs, pair_logprobs=pair_logprobs,
-                                           beta=cfg.loss.beta, average=cfg.loss.average_logprobs, head=head,
-                                           size=cfg.head.size, batch_size=cfg.train.micro_batch, show=cfg.log.samples)
+                                           beta=cfg.loss.beta, average=cfg.loss.average_logprobs, head=s.head,
+                                           size=s.head_size, batch_size=cfg.train.micro_batch, show=cfg.log.samples)
 
 
-def reference_logprobs(cfg, frame, head, cache: ReferenceCache, batch: list[dict]):
+def reference_logprobs(cfg, s, cache: ReferenceCache, batch: list[dict]):
     """Reference logprobs of this rank's pairs: (pair id -> (chosen, rejected)), and the pass counts."""
-    t, engine = cfg.train, frame.engine
+    t, engine = cfg.train, s.engine
     known = cache.values if cfg.logprob_policy.name == "window" else {}
     todo = [p for p in batch if p["id"] not in known]
-    with frame.meter.phase("offload"):
+    with s.meter.phase("offload"):
         engine.offload()
     fresh = {}
-    with frame.meter.phase("ref_logprobs"), torch.no_grad(), models.reference(engine) as reference:
+    with s.meter.phase("ref_logprobs"), torch.no_grad(), models.reference(engine) as reference:
         for i in range(0, len(todo), t.micro_batch):
-            chunk = encode_pairs(frame.tokenizer, todo[i : i + t.micro_batch], engine.device)
-            chosen, rejected = pair_logprobs(reference, chunk, head, cfg.head.size, cfg.loss.average_logprobs)
+            chunk = encode_pairs(s.tokenizer, todo[i : i + t.micro_batch], engine.device)
+            chosen, rejected = pair_logprobs(reference, chunk, s.head, s.head_size, cfg.loss.average_logprobs)
             fresh.update({pid: (c, r) for pid, c, r in zip(chunk.ids, chosen.tolist(), rejected.tolist())})
     known.update(fresh)
-    with frame.meter.phase("onload"):
+    with s.meter.phase("onload"):
         engine.onload()
     return known, Counter({"ref_run": len(todo), "ref_skipped": len(batch) - len(todo)})
 
 
-def train_step(cfg, frame, head, batch: list[dict], known: dict, step: int):
+def train_step(cfg, s, batch: list[dict], known: dict, step: int):
     """Forward and backward of this rank's micro-batches: [(pairs, metrics)] per micro-batch, the token count and
     [(entropy sum, tokens)] per micro-batch of the policy pass."""
-    t, lcfg, engine = cfg.train, cfg.loss, frame.engine
+    t, lcfg, engine = cfg.train, cfg.loss, s.engine
     parts, tokens, entropy = [], 0, []
-    with frame.meter.phase("train"):
+    with s.meter.phase("train"):
         for i in range(0, len(batch), t.micro_batch):
             chunk_pairs = batch[i : i + t.micro_batch]
-            mb = encode_pairs(frame.tokenizer, chunk_pairs, engine.device)
-            chosen, rejected = pair_logprobs(engine.model, mb, head, cfg.head.size, lcfg.average_logprobs, entropy)
+            mb = encode_pairs(s.tokenizer, chunk_pairs, engine.device)
+            chosen, rejected = pair_logprobs(engine.model, mb, s.head, s.head_size, lcfg.average_logprobs, entropy)
             ref = torch.tensor([known[pid] for pid in mb.ids], device=engine.device, dtype=chosen.dtype)
             nll = None
             if lcfg.sft_coef:  # per-token NLL of the chosen response

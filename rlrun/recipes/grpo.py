@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .. import evaluate, logprobs, losses, models, ranks, registry, tasks
-from ..runner import Frame, check_finite, meter_metrics
+from .. import evaluate, logprobs, losses, models, ranks, tasks
+from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup
 
 
 @dataclass
@@ -71,33 +71,23 @@ class RolloutBuffer:
         self.enqueued = state["enqueued"]
 
 
-class PassCounter:
-    """Logprob passes run and skipped per kind, and the seconds spent in those that ran (saved-time estimate)."""
+@dataclass
+class StepRollouts:
+    """What this rank's rollouts of one optimizer step contribute to its metrics (reduced over ranks)."""
 
-    def __init__(self):
-        self.totals: Counter = Counter()
-        self.seconds: Counter = Counter()
+    counts: Counter = field(default_factory=Counter)  # logprob passes run / skipped
+    rewards: list[torch.Tensor] = field(default_factory=list)  # [rows] total reward, per rollout
+    by_reward: list[dict] = field(default_factory=list)  # per rollout: reward name -> (sum, count)
+    lengths: list[torch.Tensor] = field(default_factory=list)  # [rows] response tokens, per rollout
+    finished: list[torch.Tensor] = field(default_factory=list)  # [rows] 1.0 where the row ended with EOS
+    gen_tokens: int = 0
+    mismatch: np.ndarray = field(default_factory=lambda: np.zeros(3))  # see `mismatch`
+    samples: list[dict] = field(default_factory=list)  # a few rows of the step's first rollout
 
-    def metrics(self, counts: Counter, phase_seconds: dict[str, float]) -> dict[str, float]:
-        self.totals.update(counts)
-        m = {}
-        for key in ("old_run", "old_skipped", "ref_run", "ref_skipped"):
-            m[f"passes/{key}"] = counts[key]
-            m[f"passes/{key}_total"] = self.totals[key]
-        for kind in ("old", "ref"):
-            self.seconds[kind] += phase_seconds.get(f"{kind}_logprobs", 0.0)
-            if counts[f"{kind}_skipped"] and self.totals[f"{kind}_run"]:
-                # estimated from this run's own passes of that kind; a run that never ran one (skip) has no
-                # estimate: compare it with an `always` run instead (sweeps/logprob_policies.yaml)
-                per_pass = self.seconds[kind] / self.totals[f"{kind}_run"]
-                m[f"passes/{kind}_saved_s_est"] = counts[f"{kind}_skipped"] * per_pass
-        return m
-
-    def state_dict(self) -> dict:
-        return {"totals": dict(self.totals), "seconds": dict(self.seconds)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.totals, self.seconds = Counter(state["totals"]), Counter(state["seconds"])
+    def reducible(self) -> dict:
+        """The small numbers every rank sends (frame.reduce)."""
+        return {"rewards": self.rewards, "by_reward": self.by_reward, "lengths": self.lengths,
+                "finished": self.finished, "gen_tokens": self.gen_tokens, "mismatch": self.mismatch}
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
@@ -155,67 +145,62 @@ def sample_seed(seed: int, rollout: int, row: int) -> int:
 
 def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     """GRPO. `resume`: a checkpoint's state, to continue that run exactly where it stopped."""
-    t, lcfg = cfg.train, cfg.loss
+    t = cfg.train
     world = ranks.world_size()
     grad_accum = t.batch_size // (t.micro_batch * world)  # micro-batches per rank per optimizer step
     window = (t.rollout_batch // world // t.micro_batch) * t.num_iterations  # a rollout's micro-steps per rank
-    frame = Frame(cfg, raw, tracker, curve="reward_mean")
-    task = tasks.load(cfg.task, cfg.seed, frame.tokenizer)
-    frame.warn(tasks.check_lengths(task, frame.tokenizer, cfg.rollout.max_new_tokens,
-                                   models.context_size(frame.policy)))
-    frame.start(grad_accum=grad_accum, warm_rows=task.train,
-                with_reference=logprobs.needs_reference_model(cfg.logprob_policy.name, lcfg.kl_coef))
-    engine = frame.engine
+
+    def load(tokenizer, context):
+        task = tasks.load(cfg.task, cfg.seed, tokenizer)
+        warnings = tasks.check_lengths(task, tokenizer, cfg.rollout.max_new_tokens, context)
+        return Data(task, warm_rows=task.train, plan_rows=task.train, warnings=warnings)
+
+    s = setup(cfg, tracker, load=load, grad_accum=grad_accum, resume=resume, with_rollout=True,
+              with_reference=logprobs.needs_reference_model(cfg.logprob_policy.name, cfg.loss.kl_coef))
+    frame, engine, task = Frame(cfg, raw, tracker, s, curve="reward_mean"), s.engine, s.data
     prompts = tasks.prompt_stream(task.train, cfg.seed)  # the same stream on every rank; each takes its slice
-    buffer, passes = RolloutBuffer(window), PassCounter()
-    head = registry.get("head", cfg.head.name)
+    buffer, passes = RolloutBuffer(window), logprobs.PassCounter()
     stateful = {"prompts": prompts, "buffer": buffer, "passes": passes}
     start = frame.restore(resume, stateful)
-    with engine.generation():  # ZeRO-3: the engine copies full weights
-        rollout = registry.get("rollout", cfg.rollout.name).build(cfg.rollout, engine.model, frame.tokenizer,
-                                                                  engine.device)
     synced_at = start  # the rollout engine holds the weights after this many optimizer steps
 
-    with contextlib.closing(frame.steps(start, stateful, "rlrun", held_out(cfg, frame, task))) as steps:
+    with contextlib.closing(frame.steps(start, stateful, "rlrun", held_out(cfg, frame, s))) as steps:
         for step in steps:
             # 1. Refill: generate, score, advantages, and only the logprob passes each rollout needs.
-            got = {"counts": Counter(), "rewards": [], "by_reward": [], "lengths": [], "finished": [],
-                   "gen_tokens": 0, "mismatch": np.zeros(3), "samples": []}
+            got = StepRollouts()
             while len(buffer) < grad_accum:
-                if rollout.needs_sync and synced_at != step and cfg.rollout.sync_weights:
+                if s.rollout.needs_sync and synced_at != step and cfg.rollout.sync_weights:
                     with frame.meter.phase("sync"), engine.generation():  # only when a step changed the weights
-                        rollout.sync(engine.model)
+                        s.rollout.sync(engine.model)
                     synced_at = step
-                refill(cfg, frame, rollout, head, prompts, task, buffer, grad_accum, got)
+                refill(cfg, s, prompts, buffer, got)
 
             # 2. Train: one optimizer step over grad_accum micro-batches, loss normalised by the step's token count.
-            loss_total, num_tokens, parts = train_step(cfg, frame, head, buffer.take(grad_accum), step)
+            loss_total, num_tokens, parts = train_step(cfg, s, buffer.take(grad_accum), step)
             grad_norm = engine.step()
 
             # 3. Metrics over all ranks. A metric that needs a skipped pass is absent, never a zero that looks real.
             m = step_metrics(frame, passes, got, loss_total, num_tokens, parts, grad_norm)
             frame.log(step, m, reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
-            if cfg.log.samples_every and step % cfg.log.samples_every == 0 and got["samples"]:
-                frame.samples(step, got["samples"], "train")
-    return frame.summary.result()
+            if cfg.log.samples_every and step % cfg.log.samples_every == 0 and got.samples:
+                frame.samples(step, got.samples, "train")
+    return frame.finish()
 
 
-def held_out(cfg, frame, task):
+def held_out(cfg, frame, s):
     """The evaluation of the held-out rows (None when eval.every is 0, or with a warning when there are none)."""
     if not cfg.eval.every:
         return None
-    if not task.eval:  # warn, not refuse: eval.every is on by default, and not every data set holds rows out
-        frame.warn([f"eval.every={cfg.eval.every} evaluates on held-out rows, but task={cfg.task.name} has none, so "
-                    "there is no evaluation: set task.eval_size=N (rows held out of training) or, for task=dataset, "
-                    "task.eval_split=SPLIT."])
+    if not s.data.eval:
+        frame.warn([no_held_out(cfg, "rows")])
         return None
-    rows = task.eval[: cfg.eval.size] if cfg.eval.size else task.eval
+    rows = s.data.eval[: cfg.eval.size] if cfg.eval.size else s.data.eval
     r = cfg.rollout
 
     def run():
-        with frame.engine.generation():  # ZeRO-3: whole weights for generate (the heads gather their own)
-            return evaluate.evaluate(frame.engine.model, frame.tokenizer, rows, task.score,
+        with s.engine.generation():  # ZeRO-3: whole weights for generate (the heads gather their own)
+            return evaluate.evaluate(s.engine.model, s.tokenizer, rows, s.data.score,
                                      max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                      greedy=cfg.eval.greedy, samples=cfg.eval.samples, temperature=r.temperature,
                                      top_p=r.top_p, seed=cfg.seed, show=cfg.log.samples)
@@ -223,67 +208,65 @@ def held_out(cfg, frame, task):
     return run
 
 
-def refill(cfg, frame, rollout, head, prompts, task, buffer: RolloutBuffer, grad_accum: int, got: dict):
+def refill(cfg, s, prompts, buffer: RolloutBuffer, got: StepRollouts) -> None:
     """One rollout: this rank's prompt groups, generated, scored, given advantages and the logprob passes the
     policy needs, enqueued. Adds what it contributes to the step's metrics to `got`."""
-    t, engine, meter = cfg.train, frame.engine, frame.meter
-    per_rank = t.rollout_batch // t.group_size // engine.world  # prompts per rank per rollout (groups never split)
-    batch = [next(prompts) for _ in range(t.rollout_batch // t.group_size)]
-    batch = batch[engine.rank * per_rank : (engine.rank + 1) * per_rank]
-    first_row = engine.rank * per_rank * t.group_size
-    seeds = [sample_seed(cfg.seed, buffer.rollouts, first_row + i) for i in range(len(batch) * t.group_size)]
+    t, engine, meter = cfg.train, s.engine, s.meter
+    groups = rank_slice([next(prompts) for _ in range(t.rollout_batch // t.group_size)], engine)  # whole groups
+    rows = [ex for ex in groups for _ in range(t.group_size)]
+    first_row = engine.rank * len(rows)
+    seeds = [sample_seed(cfg.seed, buffer.rollouts, first_row + i) for i in range(len(rows))]
     with meter.phase("generate"), engine.generation():
-        roll = rollout.generate(engine.model, [ex["prompt"] for ex in batch for _ in range(t.group_size)], seeds)
-    totals, by_reward = task.score(roll.completions, [ex for ex in batch for _ in range(t.group_size)])
+        roll = s.rollout.generate(engine.model, [ex["prompt"] for ex in rows], seeds)
+    totals, by_reward = s.data.score(roll.completions, rows)
     reward = torch.tensor(totals, dtype=torch.float32)
     advantages = group_advantages(reward, t.group_size, t.scale_advantages).to(engine.device)
     micros = split_rollout(roll, advantages, t.micro_batch)
     need = logprobs.plan(cfg.logprob_policy.name, start=buffer.enqueued, window=buffer.window,
-                         grad_accum=grad_accum, ref_coef=cfg.loss.kl_coef)
-    temperature, size = cfg.rollout.temperature, cfg.head.size
-    got["counts"].update({"old_run": int(need.old), "old_skipped": int(not need.old), "ref_run": int(need.ref),
-                          "ref_skipped": int(not need.ref)})
-    got["gen_tokens"] += int(roll.response_mask.sum())
+                         grad_accum=s.grad_accum, ref_coef=cfg.loss.kl_coef)
+    temperature = cfg.rollout.temperature
+    got.counts.update({"old_run": int(need.old), "old_skipped": int(not need.old), "ref_run": int(need.ref),
+                       "ref_skipped": int(not need.ref)})
+    got.gen_tokens += int(roll.response_mask.sum())
     with meter.phase("offload"):
         engine.offload()
     if need.old:
         with meter.phase("old_logprobs"):
-            for mb, lp in zip(micros, logprob_pass(engine.model, micros, head, size, temperature)):
+            for mb, lp in zip(micros, logprob_pass(engine.model, micros, s.head, s.head_size, temperature)):
                 mb.old_logprobs = lp
-        got["mismatch"] += mismatch(micros)
+        got.mismatch += mismatch(micros)
     if need.ref:
         with meter.phase("ref_logprobs"):
             with models.reference(engine) as reference:
-                for mb, lp in zip(micros, logprob_pass(reference, micros, head, size, temperature)):
+                for mb, lp in zip(micros, logprob_pass(reference, micros, s.head, s.head_size, temperature)):
                     mb.ref_logprobs = lp
     with meter.phase("onload"):
         engine.onload()
-    got["rewards"].append(reward)
-    if not got["samples"]:  # a few rows of the step's first rollout, for the samples table
-        got["samples"] = [{"prompt": ex["prompt"], "completion": c, "answer": ex.get("answer"), "reward": float(r)}
-                          for ex, c, r in zip([ex for ex in batch for _ in range(t.group_size)], roll.completions,
-                                              totals)][: cfg.log.samples]
-    got["by_reward"].append({name: (sum(v), len(v)) for name, v in by_reward.items()})
-    got["lengths"].append(roll.response_mask.sum(1).float())
-    got["finished"].append(roll.finished.float())
+    got.rewards.append(reward)
+    if not got.samples:  # a few rows of the step's first rollout, for the samples table
+        got.samples = [{"prompt": ex["prompt"], "completion": c, "answer": ex.get("answer"), "reward": float(r)}
+                       for ex, c, r in zip(rows, roll.completions, totals)][: cfg.log.samples]
+    got.by_reward.append({name: (sum(v), len(v)) for name, v in by_reward.items()})
+    got.lengths.append(roll.response_mask.sum(1).float())
+    got.finished.append(roll.finished.float())
     buffer.add(micros, t.num_iterations)
 
 
-def train_step(cfg, frame, head, micros: list[Micro], step: int):
+def train_step(cfg, s, micros: list[Micro], step: int):
     """Forward and backward of this rank's micro-batches of one optimizer step (the engine steps after)."""
-    lcfg, engine = cfg.loss, frame.engine
+    lcfg, engine = cfg.loss, s.engine
     backbone, weight = models.split(engine.model)
     loss_kwargs = dict(clip_low=lcfg.clip_low, clip_high=lcfg.clip_high, kl_coef=lcfg.kl_coef,
                        kl_estimator=lcfg.kl_estimator, tis_cap=lcfg.tis.cap if lcfg.tis.enabled else None,
                        entropy_coef=lcfg.entropy_coef)
     num_tokens = max(sum(engine.gather(sum(int(mb.mask.sum()) for mb in micros))), 1)  # over all ranks
     stats_parts, masks, loss_total = [], [], 0.0
-    with frame.meter.phase("train"):
+    with s.meter.phase("train"):
         for mb in micros:
             objective = losses.objective(lcfg.name, mb.advantages, mb.old_logprobs, mb.ref_logprobs,
                                          mb.gen_logprobs, **loss_kwargs)
-            loss, stats = head.loss(response_hidden(backbone, mb), weight, mb.targets, mb.mask, objective, num_tokens,
-                                    cfg.rollout.temperature, cfg.head.size)
+            loss, stats = s.head.loss(response_hidden(backbone, mb), weight, mb.targets, mb.mask, objective,
+                                      num_tokens, cfg.rollout.temperature, s.head_size)
             check_finite(loss, step, "lower train.lr or train.grad_clip, or check the reward function.")
             engine.backward(loss)
             loss_total += loss.item()
@@ -293,28 +276,27 @@ def train_step(cfg, frame, head, micros: list[Micro], step: int):
     return loss_total, num_tokens, losses.partials(stats, torch.cat(masks))
 
 
-def step_metrics(frame, passes: PassCounter, got: dict, loss_total: float, num_tokens: int, parts,
+def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_total: float, num_tokens: int, parts,
                  grad_norm: float) -> dict[str, float]:
     """The step's metrics from every rank's sums, counts, min/max and per-sequence rewards."""
-    ranks = frame.reduce({"loss": loss_total, "stats": parts, **{k: got[k] for k in
-                          ("rewards", "by_reward", "lengths", "finished", "gen_tokens", "mismatch")}})
-    m = {"loss": sum(p["loss"] for p in ranks), **losses.combine([p["stats"] for p in ranks]),
+    by_rank = frame.reduce({"loss": loss_total, "stats": parts, **got.reducible()})
+    m = {"loss": sum(p["loss"] for p in by_rank), **losses.combine([p["stats"] for p in by_rank]),
          "grad_norm": grad_norm, "lr": frame.engine.lr()}
-    if got["rewards"]:
-        r = torch.cat([x for p in ranks for x in p["rewards"]])
+    if got.rewards:
+        r = torch.cat([x for p in by_rank for x in p["rewards"]])
         m.update({"reward_mean": r.mean().item(), "reward_std": r.std().item(),
                   "solved_frac": (r >= 1.0).float().mean().item(),  # completions with full reward
-                  "response_len_mean": torch.cat([x for p in ranks for x in p["lengths"]]).mean().item(),
-                  "finished_frac": torch.cat([x for p in ranks for x in p["finished"]]).mean().item()})
-    for name in dict.fromkeys(k for p in ranks for part in p["by_reward"] for k in part):  # each reward's mean
-        parts = [part[name] for p in ranks for part in p["by_reward"]]
+                  "response_len_mean": torch.cat([x for p in by_rank for x in p["lengths"]]).mean().item(),
+                  "finished_frac": torch.cat([x for p in by_rank for x in p["finished"]]).mean().item()})
+    for name in dict.fromkeys(k for p in by_rank for part in p["by_reward"] for k in part):  # each reward's mean
+        parts = [part[name] for p in by_rank for part in p["by_reward"]]
         m[f"rewards/{name}/mean"] = sum(s for s, _ in parts) / sum(n for _, n in parts)
-    mism = sum(p["mismatch"] for p in ranks)
+    mism = sum(p["mismatch"] for p in by_rank)
     if mism[2]:
         m["mismatch/gen_vs_train_abs"], m["mismatch/token_mult_prob_error"] = mism[:2] / mism[2]
-    m.update(passes.metrics(got["counts"], frame.meter.seconds))
-    m.update(meter_metrics([p["meter"] for p in ranks]))
-    gen_tokens = sum(p["gen_tokens"] for p in ranks)
+    m.update(passes.metrics(got.counts, frame.meter.seconds))
+    m.update(meter_metrics([p["meter"] for p in by_rank]))
+    gen_tokens = sum(p["gen_tokens"] for p in by_rank)
     if gen_tokens:
         m["throughput/gen_tokens_per_s"] = gen_tokens / m["time/generate_s"]
     m["throughput/train_tokens_per_s"] = num_tokens / m["time/train_s"]

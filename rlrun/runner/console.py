@@ -1,0 +1,124 @@
+"""The console: the end-of-run table, where the results are, sample tables, and progress (tqdm on a terminal,
+plain lines when stdout is not one)."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+from tqdm import tqdm
+
+from .. import tracking
+
+
+def format_rows(rows: list[dict], width: int = 40) -> str:
+    """A small aligned text table of sample rows (values cut to `width` characters, newlines shown as ⏎)."""
+    def cell(v):
+        text = f"{v:.3f}" if isinstance(v, float) else str(v)
+        text = text.replace("\n", "⏎")
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    keys = list(rows[0])
+    table = [keys] + [[cell(r.get(k)) for k in keys] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(keys))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table)
+
+
+def _num(v: float | None, spec: str = ".3g") -> str:
+    return "–" if v is None or not math.isfinite(v) else format(v + 0.0, spec)  # + 0.0: no "-0"
+
+
+def end_table(summary: dict[str, float], steps: int | None = None) -> str:
+    """The run's headline numbers as a short aligned table (from `Summary.result()`)."""
+    rows = []
+    for curve, label in (("reward", "reward (mean of first / last 3 steps)"),
+                         ("accuracy", "reward accuracy (mean of first / last 3 steps)")):
+        if f"{curve}_first" in summary:
+            rows.append((label, f"{_num(summary[f'{curve}_first'], '.3f')} → "
+                                f"{_num(summary.get(f'{curve}_last'), '.3f')}"))
+    for key in sorted(k for k in summary if k.startswith("eval_") and k.endswith("_first")):
+        name = key.removeprefix("eval_").removesuffix("_first").replace("_", " ")
+        rows.append((f"eval {name} (first / last evaluation)", f"{_num(summary[key], '.3f')} → "
+                                                                f"{_num(summary.get(key[:-6] + '_last'), '.3f')}"))
+    if "loss_last" in summary:
+        rows.append(("loss (last step)", _num(summary["loss_last"], ".4g")))
+    if "step_s" in summary:
+        rows.append(("step time (mean)", f"{_num(summary['step_s'], '.3g')} s"))
+    toks = [f"{_num(summary[k], '.0f')} {what}" for k, what in
+            (("gen_tokens_per_s", "generated"), ("train_tokens_per_s", "trained")) if k in summary]
+    if toks:
+        rows.append(("tokens / s (mean)", ", ".join(toks)))
+    from ..meters import PHASES
+
+    peaks = [(p, summary[f"max_{p}_peak_mib"]) for p in PHASES if f"max_{p}_peak_mib" in summary]  # step order
+    if peaks:
+        rows.append(("peak memory, MiB", "  ".join(f"{p} {_num(v, '.0f')}" for p, v in peaks)))
+    width = max((len(k) for k, _ in rows), default=0)
+    head = f"rlrun: run finished ({steps} steps)" if steps is not None else "rlrun: run finished"
+    return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def results_hint(cfg, tracker) -> str:
+    """How to open the results: the `mlflow ui` command for a sqlite store (absolute path, so it works from any
+    folder) and the run's page, or the run's URL on a server (opened on MLflow's model-training view); and the
+    run's output folder."""
+    lines = []
+    run_id = getattr(tracker, "run_id", None)
+    if run_id and cfg.tracking.name == "mlflow":
+        uri = cfg.tracking.uri
+        try:
+            exp = tracker.client.get_run(run_id).info.experiment_id
+            page = f"/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning"
+        except Exception:  # noqa: BLE001 - a hint only
+            page = None
+        if uri.startswith("sqlite:///"):
+            lines.append(f"  results: mlflow ui --backend-store-uri {tracking.absolute_uri(uri)}")
+            lines.append(f"           then http://127.0.0.1:5000{page}" if page else f"           run {run_id}")
+        elif uri.startswith(("http://", "https://")) and page:
+            lines.append(f"  results: {uri.rstrip('/')}{page}")
+        else:
+            lines.append(f"  results: {uri}   (run {run_id})")
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        lines.append(f"  output:  {HydraConfig.get().runtime.output_dir}")
+    return "\n".join(lines)
+
+
+class PlainProgress:
+    """Progress for logs that are not a terminal (SLURM, `> file`): one plain line every `every` steps and at the
+    last step, instead of a bar redrawn every step. Iterates like tqdm over `range(start, total)` and takes
+    `set_postfix` like it."""
+
+    def __init__(self, start: int, total: int, desc: str, every: int | None = None, enabled: bool = True, out=None):
+        self.start, self.total, self.desc = start, total, desc
+        self.every = every or max(1, round(total / 40))  # ~40 lines per run
+        self.enabled, self.out = enabled, out or sys.stderr
+        self.postfix: dict = {}
+        self.t0 = None
+
+    def set_postfix(self, **postfix) -> None:
+        self.postfix = postfix
+
+    def __iter__(self):
+        self.t0 = time.perf_counter()
+        for step in range(self.start, self.total):
+            yield step
+            done = step + 1
+            if self.enabled and (done % self.every == 0 or done == self.total):
+                rate = (done - self.start) / max(time.perf_counter() - self.t0, 1e-9)
+                extra = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+                print(f"{self.desc}: step {done}/{self.total} ({rate:.2f} steps/s) {extra}".rstrip(),
+                      file=self.out, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress(start: int, total: int, desc: str, enabled: bool, every: int | None = None):
+    """The step iterator of `Frame.steps`: tqdm's bar on a terminal, `PlainProgress` lines otherwise."""
+    if enabled and not sys.stderr.isatty():
+        return PlainProgress(start, total, desc, every)
+    return tqdm(range(start, total), desc=desc, unit="step", dynamic_ncols=True, initial=start, total=total,
+                disable=not enabled)

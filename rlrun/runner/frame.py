@@ -1,0 +1,214 @@
+"""The step loop both recipes share: `Frame.steps` yields the steps and keeps their cadence (held-out evaluation,
+checkpoints, Ctrl-C / SIGTERM deferred to the end of a step); `reduce` and `log` turn a step's numbers into metrics
+on every rank and in the tracker. What the run trains with comes from the `Setup` record (setup.py).
+
+State that is checkpointed is declared once: the `stateful` objects a recipe hands to `Frame.steps` (each with
+`state_dict`/`load_state_dict`) are saved into every checkpoint and restored from it by name, together with the
+engine's state (loaded by `setup`) and the RNGs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+
+from .. import checkpoint, signals
+from ..meters import Meter
+from .console import format_rows, progress
+from .lifecycle import cfg_flat
+from .summary import DEAD_GRADIENTS_TAG, Summary, watch_gradients
+
+log = logging.getLogger("rlrun")
+
+# Keys of a checkpoint that the frame (step, rng, run_id, config) and the engines (model, optimizer, scheduler,
+# reference, world_size, deepspeed_checkpoint) write; a recipe's stateful objects take other names.
+RESERVED = {"step", "rng", "run_id", "spill", "config", "model", "optimizer", "scheduler", "reference", "world_size",
+            "deepspeed_checkpoint"}
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+def check_finite(loss: torch.Tensor, step: int, fix: str) -> None:
+    if not torch.isfinite(loss):
+        raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; {fix}")
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rank_slice(items: list, engine) -> list:
+    """This rank's share of a global batch (every rank reads the same stream; `len(items)` divides by the world)."""
+    per_rank = len(items) // engine.world
+    return items[engine.rank * per_rank : (engine.rank + 1) * per_rank]
+
+
+def no_held_out(cfg, rows: str) -> str:
+    """The warning for eval.every on a task without held-out `rows` (a warning, not a refusal: eval.every is on by
+    default, and not every data set holds rows out)."""
+    return (f"eval.every={cfg.eval.every} evaluates on held-out {rows}, but task={cfg.task.name} has none, so there "
+            f"is no evaluation: set task.eval_size=N ({rows} held out of training) or, for task=dataset, "
+            "task.eval_split=SPLIT.")
+
+
+def meter_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Per-rank meter readings -> the slowest rank's times, the largest peak, and each rank's peaks (world > 1)."""
+    out = {k: max(p[k] for p in parts if k in p) for k in {k for p in parts for k in p}}
+    if len(parts) > 1:
+        for r, p in enumerate(parts):
+            out.update({f"{k.replace('mem/', f'mem/rank{r}/')}": v for k, v in p.items() if k.startswith("mem/")})
+    return out
+
+
+class Frame:
+    """The loop of one run over the components of `s` (a `Setup`), logging to `tracker`; `curve` is the metric
+    whose first and last values the run summary reports."""
+
+    def __init__(self, cfg, raw, tracker, s, *, curve: str):
+        self.cfg, self.raw, self.tracker, self.s = cfg, raw, tracker, s
+        self.engine, self.meter = s.engine, s.meter
+        self.summary = Summary(curve)
+        self.bar = None
+        self.last_samples: list[dict] = []  # the last samples table, printed at the end of the run
+        self.exported: str | None = None
+        self.grad_watch: dict = {}  # consecutive dead-gradient steps (watch_gradients)
+        self.warnings: list[str] = list(s.warnings)  # about the data and settings, all in the run tag rlrun.warnings
+        if self.warnings:
+            tracker.tags({"rlrun.warnings": "\n".join(self.warnings)})
+
+    def restore(self, resume: dict | None, stateful: dict) -> int:
+        """Load a checkpoint's `stateful` objects, the summary and the RNGs (setup loaded the engine's state);
+        returns the step to continue from."""
+        if resume is None:
+            return 0
+        for name, obj in {**stateful, "summary": self.summary}.items():
+            obj.load_state_dict(resume[name])
+        set_rng_state(resume["rng"])
+        return resume["step"]
+
+    def steps(self, start: int, stateful: dict, desc: str, evaluate=None):
+        """Yield the steps from `start` on. Before a step that is a multiple of `eval.every`, and after the last
+        step, `evaluate()` (-> rlrun.evaluate.Evaluation) runs on the held-out rows and is logged at that step.
+        After each step: checkpoint `stateful` when due; on Ctrl-C / SIGTERM, checkpoint and stop
+        (KeyboardInterrupt) after that step. Use as `with contextlib.closing(frame.steps(...)) as steps:` so the
+        signal handlers are restored as soon as the loop ends, however it ends; then call `finish`."""
+        stateful = {**stateful, "summary": self.summary}
+        taken = RESERVED & set(stateful)  # the frame's and the engines' own keys of a checkpoint
+        assert not taken, f"stateful names {sorted(taken)} collide with checkpoint keys"
+        total = self.cfg.train.steps
+        self.bar = progress(start, total, desc, enabled=self.cfg.progress and self.engine.main,
+                            every=self.cfg.log.every)
+        every = self.cfg.eval.every if evaluate is not None else 0
+        with signals.deferred() as stop:
+            for step in self.bar:
+                if every and step % every == 0:
+                    self.evaluate(step, evaluate)
+                self.meter.new_step()
+                yield step
+                self.maybe_checkpoint(step, stop["stop"], stateful)
+            if every and total > start:
+                self.evaluate(total, evaluate)
+
+    def finish(self) -> dict[str, float]:
+        """After the last step: export the policy, print the last samples; the run's summary numbers."""
+        self.export()
+        if self.last_samples and self.engine.main:
+            log.info("last samples:\n%s", format_rows(self.last_samples))
+        return self.summary.result()
+
+    def maybe_checkpoint(self, step: int, stop: bool, stateful: dict) -> None:
+        """Write a checkpoint after `step` when due (every N steps, the last step, or a stop signal)."""
+        c, done = self.cfg.checkpoint, step + 1
+        stop = any(self.engine.gather(stop))  # a signal that reached one rank stops all of them after the same step
+        if c.dir and ((c.every and done % c.every == 0) or done == self.cfg.train.steps or stop):
+            self.tracker.flush()  # every step up to here is in the store: a resume from this checkpoint logs none twice
+            state = {"step": done, "rng": rng_state(), "run_id": self.tracker.run_id,
+                     "spill": getattr(self.tracker, "spill_path", None), "config": cfg_flat(self.raw),
+                     **{name: obj.state_dict() for name, obj in stateful.items()}}
+            path = self.engine.save(c.dir, done, state, c.keep)
+            if path:
+                log.info("checkpoint %s", path)
+            if c.export:
+                self.export(os.path.join(c.dir, f"{checkpoint.tag(done)}_model"), log_artifact=False)
+        if stop:
+            raise KeyboardInterrupt
+
+    def evaluate(self, step: int, evaluate) -> None:
+        """Held-out evaluation, timed and metered as its own phase (outside the step's `time/step_s`)."""
+        meter = Meter(self.engine.device)
+        with meter.phase("eval"):
+            result = evaluate()
+        m = {**result.metrics, **meter.metrics()}
+        m.pop("time/step_s")
+        self.summary.add(m)
+        self.tracker.log(step, m)
+        if result.samples:
+            self.samples(step, result.samples, "eval")
+
+    def samples(self, step: int, rows: list[dict], kind: str) -> None:
+        """A table of a few prompts, completions, answers and rewards; the last one is printed at the end."""
+        self.last_samples = rows
+        self.tracker.table(rows, f"samples/{kind}_step_{step:06d}.json")
+
+    def export(self, folder: str | None = None, log_artifact: bool = True) -> None:
+        """The policy and its tokenizer, written with save_pretrained (ZeRO-3: gathered, rank 0 writes)."""
+        from ..export import export
+
+        folder = folder or (self.cfg.export.enabled and export_dir(self.cfg))
+        if not folder:
+            return
+        path = export(self.engine.model, self.s.tokenizer, folder, engine=self.engine,
+                      lora=self.cfg.model.lora.export)
+        if path:
+            self.exported = path
+            log.info("exported the policy to %s", path)
+            if log_artifact:
+                self.tracker.artifacts(path, "model")
+
+    def warn(self, warnings: list[str]) -> None:
+        """Warnings about the data that may cost the run (answers longer than max_new_tokens, ...): shown once, on
+        the console and as a run tag."""
+        for w in warnings:
+            log.warning("%s", w)
+        if warnings:
+            self.warnings += warnings
+            self.tracker.tags({"rlrun.warnings": "\n".join(self.warnings)})
+
+    def reduce(self, part: dict) -> list[dict]:
+        """This rank's small per-step numbers -> every rank's (sums, counts, min/max and per-sequence values only)."""
+        return self.engine.gather({**part, "meter": self.meter.metrics()})
+
+    def log(self, step: int, m: dict[str, float], **postfix) -> None:
+        text = watch_gradients(self.grad_watch, m["grad_norm"])
+        if text:  # training that died quietly: say so once, in the console and on the run
+            log.warning(text)
+            self.tracker.tags({DEAD_GRADIENTS_TAG: text})
+        self.summary.add(m)
+        self.tracker.log(step, m)
+        self.bar.set_postfix(**postfix)
+
+
+def export_dir(cfg) -> str | None:
+    """`export.dir`, or `model/` in the run's output folder (Hydra's run dir); None outside a Hydra run."""
+    if cfg.export.dir:
+        return cfg.export.dir
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return os.path.join(HydraConfig.get().runtime.output_dir, "model")

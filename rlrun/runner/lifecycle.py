@@ -1,0 +1,80 @@
+"""A run's life: restore a checkpoint (if resuming), open the tracker, hand over to the recipe, and end the MLflow run
+FINISHED, FAILED or KILLED (never RUNNING)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .. import checkpoint, ranks, registry, signals, tracking
+from ..config import ConfigError
+from .console import end_table, results_hint
+
+log = logging.getLogger("rlrun")
+
+
+def run(cfg, raw, run_name: str | None, train) -> dict:
+    """Train one validated config with `train` (a recipe's `train(cfg, raw, tracker, resume)`); `cfg` is typed,
+    `raw` the composed DictConfig that is logged and checkpointed. Once the MLflow run exists every way out ends it
+    FINISHED, FAILED or KILLED (SIGTERM arrives as KeyboardInterrupt: cli.main installs that at process start)."""
+    state = load_resume(cfg, raw) if cfg.resume else None
+    checkpoint.check_writable(cfg.checkpoint.dir)
+    main_rank = ranks.is_main()  # data parallel: only rank 0 talks to MLflow (and draws progress)
+    resume_id = state and state["run_id"]
+    tracker = tracking.Null()
+    try:
+        if main_rank:  # inside the try: a signal just after the run is created still ends it (tracking.MLflow)
+            tracker = tracking.start(cfg.tracking, raw, run_name, resume_run_id=resume_id,
+                                     previous_spill=state and state.get("spill"))
+        summary = train(cfg, raw, tracker, state)
+    except KeyboardInterrupt:
+        end(tracker, "KILLED", "interrupted (KeyboardInterrupt)")
+        raise
+    except BaseException as e:
+        end(tracker, "FAILED", f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if cfg.engine.name == "deepspeed":
+            registry.get("engine", "deepspeed").shutdown()
+    with signals.held():  # a Ctrl-C now waits until the run is marked FINISHED
+        tracker.summary(summary)
+        tracker.describe(tracking.headline(summary))
+        tracker.finish("FINISHED")
+    if main_rank:
+        print(end_table(summary, cfg.train.steps) + "\n" + results_hint(cfg, tracker), flush=True)
+    return summary
+
+
+def end(tracker, status: str, error: str) -> None:
+    """Mark the run `status` with its error; a second signal waits until that is done."""
+    with signals.held():
+        try:
+            tracker.tags({"error": error})
+        finally:
+            tracker.finish(status)
+
+
+def load_resume(cfg, raw) -> dict:
+    """The checkpoint to continue from, refused when it trained something else or on another number of ranks."""
+    where = cfg.checkpoint.dir if cfg.resume is True else str(cfg.resume)
+    if cfg.resume is not True and not os.path.exists(where) and tracking.is_run_id(where):
+        where = tracking.checkpoint_dir_of(cfg.tracking, where)  # resume=<MLflow run id>
+    state, path = checkpoint.load_latest(where)
+    now = cfg_flat(raw)
+    changed = checkpoint.changed_keys(state["config"], now)
+    if changed:
+        raise ConfigError([f"resume from {path}: {k} was {state['config'].get(k)!r}, now {now.get(k)!r}; a "
+                           "resumed run must train the same thing (only train.steps, the head, logging and "
+                           "tracking may change)" for k in changed])
+    world = ranks.world_size()
+    if state.get("world_size", 1) != world:
+        raise ConfigError([f"resume from {path}: the checkpoint was written by {state.get('world_size', 1)} "
+                           f"rank(s), this launch has {world}; resume with the same number of processes."])
+    log.info("resuming from %s at step %d", path, state["step"])
+    return state
+
+
+def cfg_flat(raw) -> dict[str, str]:
+    from omegaconf import OmegaConf
+
+    return tracking.flatten(OmegaConf.to_container(raw, resolve=True))
