@@ -1,7 +1,7 @@
 """Recipes: one training loop per algorithm, each an explicit step body in one file.
 
-`loss=dapo|cispo` run the GRPO recipe (grpo.py), `loss=dpo` the DPO recipe (dpo.py). What both share (setup,
-restore, progress, signals, metric reduction, logging, checkpoints) is the run frame in rlrun/runner.py.
+`loss=dapo|cispo` run the GRPO recipe (grpo.py), `loss=dpo` the DPO recipe (dpo.py). What both share is in
+rlrun/runner/: `setup` (every component, built once) and `Frame` (the step loop: cadence, signals, logging).
 """
 
 from __future__ import annotations
