@@ -319,7 +319,7 @@ def test_length_warnings_have_numbers(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_a_row_over_the_size_limit_is_refused_before_tokenizing_naming_where(tmp_path, fmt, monkeypatch):
-    from rlrun.tasks import loading
+    from rlrun.tasks import dataset, loading
 
     monkeypatch.setattr(loading, "MAX_ROW_BYTES", 4096)  # the same check as at 1 MiB, with a small file
     monkeypatch.setattr(dataset, "MAX_ROW_BYTES", 4096)
