@@ -31,8 +31,7 @@ import tempfile
 
 import torch
 
-from . import bench_plan, bench_trl
-from .heads import HEADS
+from . import bench_plan, bench_trl, registry
 from .heads.common import chunked_logprobs_nograd
 from .losses import objective
 from .losses.dapo import token_loss as dapo_token_loss
@@ -76,9 +75,9 @@ def make_inputs(a, device):
 
 def run_impl(name, a, hidden, weight, targets, mask, adv, seq_adv, old):
     n = targets.shape[0]
-    if name in HEADS:
+    if name in registry.REGISTRY["head"]:
         f = objective("dapo", adv, old, **CLIP)
-        loss, _ = HEADS[name].loss(hidden, weight, targets, mask, f, n, 1.0, a.tile_size)
+        loss, _ = registry.get("head", name).loss(hidden, weight, targets, mask, f, n, 1.0, a.tile_size)
         return loss
     if name == "deepspeed":
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
@@ -130,7 +129,7 @@ def rel_err(a, b):
 
 
 def available(name):
-    if name in HEADS:
+    if name in registry.REGISTRY["head"]:
         return True
     try:
         __import__({"deepspeed": "deepspeed", "liger": "liger_kernel"}[name])
@@ -238,7 +237,7 @@ def dpo_child(head_name, length, a, out_path):
     text = lambda: "".join(rng.choice(models.CHARS[:36]) for _ in range(length - 1))  # noqa: E731
     pairs = [{"id": i, "prompt": "1+2=", "chosen": text(), "rejected": text()} for i in range(a.pairs)]
     batch = encode_pairs(tok, pairs, device)
-    head = HEADS[head_name]
+    head = registry.get("head", head_name)
 
     def step():
         with torch.no_grad():

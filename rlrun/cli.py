@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from . import ranks, signals
+from . import ranks, registry, signals
 from .config import ConfigError, validate
 from .errors import CheckpointError, ModelError, RolloutError, TaskError, TrackingError
 
@@ -29,10 +29,9 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 def run(cfg: DictConfig, run_name: str | None = None) -> dict:
     """Validate (no torch import), then hand over to the runner with the recipe that trains `loss`."""
     typed = validate(cfg)
-    from .recipes import recipe  # heavy imports only after validation
     from .runner import run as run_training
 
-    return run_training(typed, cfg, run_name, recipe(typed.loss.name).train)
+    return run_training(typed, cfg, run_name, registry.get("recipe", typed.loss.name).train)  # heavy: after validation
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

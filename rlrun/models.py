@@ -13,6 +13,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from . import registry
 from .errors import ModelError
 
 # Characters of the built-in tokenizer: enough for arithmetic prompts and plain lower-case text.
@@ -34,9 +35,7 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 def tiny_model(cfg, tokenizer, seed: int) -> torch.nn.Module:
     """A random-init causal LM of a real transformers architecture, deterministic in `seed`."""
-    arch = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}
-    if cfg.arch not in arch:
-        raise ModelError(f"model.arch={cfg.arch!r} is not supported; supported: {sorted(arch)}")
+    arch = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}  # the choices of model.arch (config/schema.py)
     import transformers
 
     config = getattr(transformers, arch[cfg.arch])(
@@ -87,15 +86,20 @@ def load_hf(path: str, dtype: str):
     return model, tokenizer
 
 
+def tiny(cfg, seed: int):
+    """model=tiny: (the random-init tiny model, the built-in character tokenizer)."""
+    tokenizer = char_tokenizer()
+    return tiny_model(cfg, tokenizer, seed), tokenizer
+
+
+def hf(cfg, seed: int):
+    """model=hf: (the local checkpoint at model.path, its tokenizer); `seed` is unused (the weights are loaded)."""
+    return load_hf(cfg.path, cfg.dtype)
+
+
 def build(cfg, seed: int):
-    """Return (model, tokenizer) for the `model` config group."""
-    if cfg.dtype not in DTYPES:
-        raise ModelError(f"model.dtype={cfg.dtype!r} is not supported; supported: {sorted(DTYPES)}")
-    if cfg.name == "tiny":
-        tokenizer = char_tokenizer()
-        model = tiny_model(cfg, tokenizer, seed)
-    else:
-        model, tokenizer = load_hf(cfg.path, cfg.dtype)
+    """Return (model, tokenizer) for the `model` config group (the option from the registry)."""
+    model, tokenizer = registry.get("model", cfg.name)(cfg, seed)
     tokenizer.padding_side = "left"  # generation appends on the right
     split(model)  # fail now, not mid-run, if the model has no usable lm head
     return model, tokenizer

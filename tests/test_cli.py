@@ -74,7 +74,9 @@ def test_error_names_the_rank_under_a_launcher(tmp_path):
 
 
 def test_registry_names_are_the_options():
-    assert {g: set(n) for g, n in registry.REGISTRY.items()} == {g: set(o) for g, o in OPTIONS.items()}
+    keyed = {g: registry.KEYED_BY.get(g, g) for g in registry.REGISTRY}  # recipe: by the loss group's options
+    assert set(keyed.values()) == set(OPTIONS) and set(keyed) - set(OPTIONS) == set(registry.KEYED_BY)
+    assert {g: set(n) for g, n in registry.REGISTRY.items()} == {g: set(OPTIONS[keyed[g]]) for g in keyed}
     with pytest.raises(KeyError, match=r"head='fancy' is not supported; supported: \['chunked', 'dense', 'tiled'\]"):
         registry.get("head", "fancy")
 
@@ -82,15 +84,16 @@ def test_registry_names_are_the_options():
 @pytest.mark.slow  # imports torch, transformers and DeepSpeed's torch.distributed: ~10 s
 def test_registry_resolves_every_option():
     # in a fresh process: importing the components loads torch, which this file otherwise never does
-    code = ("from rlrun import registry, losses, logprobs, heads, tracking, models, tasks\n"
+    code = ("from rlrun import registry, logprobs, tracking, models\n"
+            "from rlrun.losses import dapo, cispo, dpo\n"
+            "from rlrun.heads import dense\n"
             "got = {(g, n): registry.get(g, n) for g in registry.REGISTRY for n in registry.REGISTRY[g]}\n"
-            "assert got['loss', 'dapo'] is losses.POLICY_LOSSES['dapo'], 'dapo'\n"
-            "assert got['loss', 'cispo'] is losses.POLICY_LOSSES['cispo'], 'cispo'\n"
-            "assert all(got['head', n] is heads.HEADS[n] for n in heads.HEADS), 'heads'\n"
+            "assert got['loss', 'dapo'] is dapo.token_loss and got['loss', 'cispo'] is cispo.token_loss, 'grpo'\n"
+            "assert got['loss', 'dpo'] is dpo.dpo_loss and got['head', 'dense'] is dense, 'dpo, head'\n"
             "assert set(registry.REGISTRY['logprob_policy']) == set(logprobs.POLICIES), 'policies'\n"
-            "assert got['tracking', 'none'] is tracking.Null and got['model', 'tiny'] is models.tiny_model\n"
-            "assert all(got['task', n] is tasks.load for n in registry.REGISTRY['task'])\n"
-            "assert callable(got['loss', 'dpo'])\n"
+            "assert got['tracking', 'none'] is tracking.Null and got['model', 'tiny'] is models.tiny\n"
+            "assert all(callable(got['task', n]) for n in registry.REGISTRY['task']), 'tasks'\n"
+            "assert all(callable(got['recipe', n].train) for n in registry.REGISTRY['recipe']), 'recipes'\n"
             "assert hasattr(got['engine', 'single'], 'Engine') and hasattr(got['rollout', 'hf'], 'build')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf, open_dict
 
 from rlrun.config import OPTIONS, CheckpointConfig, ConfigError, RunConfig, TrainConfig, validate
 from rlrun.config.schema import UNIONS
-from rlrun.registry import REGISTRY
+from rlrun.registry import KEYED_BY, REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 AXES = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml"))
@@ -121,16 +121,16 @@ def test_missing_paths_and_unknown_component(cfg_factory):
 
 
 def test_registry_keys_equal_file_stems():
-    for group, names in REGISTRY.items():
-        stems = {p.stem for p in (ROOT / "conf" / group).glob("*.yaml")}
+    for group, names in REGISTRY.items():  # recipe: keyed by the loss files
+        stems = {p.stem for p in (ROOT / "conf" / KEYED_BY.get(group, group)).glob("*.yaml")}
         assert stems == set(names), group
 
 
 def test_registry_options_and_files_are_one_list():
     groups = {p.name for p in (ROOT / "conf").iterdir() if p.is_dir()} - {"experiment", "hydra"}
-    assert set(OPTIONS) == set(REGISTRY) == groups
-    for group, options in OPTIONS.items():
-        assert set(options) == set(REGISTRY[group]), group
+    assert set(OPTIONS) == set(REGISTRY) - set(KEYED_BY) == groups
+    for group in REGISTRY:
+        assert set(OPTIONS[KEYED_BY.get(group, group)]) == set(REGISTRY[group]), group
 
 
 def test_cli_rejects_before_any_compute_with_exit_code(tmp_path):

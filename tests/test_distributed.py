@@ -65,7 +65,7 @@ def test_heads_under_zero3_match_dense_and_one_process(tmp_path, tied):
     import torch
     from distributed import ROOT, torchrun
 
-    from rlrun import heads, losses, models
+    from rlrun import losses, models, registry
 
     out = torchrun(2, [str(ROOT / "tests" / "zero3_heads.py"), str(tmp_path / "heads.json"), str(tied)], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -84,8 +84,8 @@ def test_heads_under_zero3_match_dense_and_one_process(tmp_path, tied):
     old = torch.full_like(a, -4.0)
     objective = losses.objective("dapo", a, old, None, old, clip_low=0.2, clip_high=0.28, kl_coef=0.0,
                                  kl_estimator="k3", tis_cap=None)
-    loss, _ = heads.HEADS["dense"].loss(hidden, weight, targets, torch.ones_like(targets, dtype=torch.bool),
-                                        objective, targets.numel(), 1.0, 7)
+    loss, _ = registry.get("head", "dense").loss(hidden, weight, targets, torch.ones_like(targets, dtype=torch.bool),
+                                                 objective, targets.numel(), 1.0, 7)
     loss.backward()
     ref = weight.grad.flatten()
     assert ref.norm() > 1e-3

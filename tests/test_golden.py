@@ -11,9 +11,10 @@ Re-record deliberately (a change that is meant to move the curves), from the rep
     python tests/test_golden.py --record dpo_chunked     # one of them
     RLRUN_CODE_ROOT=/work/golden python tests/test_golden.py --record   # record another checkout's code
 
-Runs pin OMP_NUM_THREADS=1 and ATEN_CPU_CAPABILITY=avx2 (every rank and the single process): CPU reductions may split differently with more
-threads, which would change the last bits. The fixtures also depend on the torch build and CPU ISA (recorded in
-`recorded_with`): a mismatch after a torch upgrade is not a refactoring bug; re-record then.
+Runs pin OMP_NUM_THREADS=1 (every rank and the single process): CPU reductions may split differently with more
+threads, which would change the last bits. They also pin ATEN_CPU_CAPABILITY=avx2: the fixtures were recorded
+with AVX2 kernels, and an AVX-512 machine would otherwise change the last bits. The fixtures also depend on the
+torch build (recorded in `recorded_with`): a mismatch after a torch upgrade is not a refactoring bug; re-record.
 """
 
 from __future__ import annotations

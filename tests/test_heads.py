@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlrun.heads import HEADS
+from rlrun import registry
 from rlrun.losses import objective, summarize
 
 N, H, V = 37, 24, 97
@@ -28,7 +28,8 @@ def inputs(seed=0, masked_tile=False):
 def run_head(name, hidden, weight, targets, mask, make_objective, temperature, size):
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
-    loss, stats = HEADS[name].loss(h, w, targets, mask, make_objective(), int(mask.sum()), temperature, size)
+    head = registry.get("head", name)
+    loss, stats = head.loss(h, w, targets, mask, make_objective(), int(mask.sum()), temperature, size)
     loss.backward()
     return loss.detach(), h.grad, w.grad, summarize(stats, mask)
 
@@ -46,7 +47,7 @@ CASES = list(itertools.product(["dapo", "cispo"], [None, "k1", "k2", "k3"], [1.0
 def test_heads_match_dense(loss_name, kl_est, temperature, tis, size):
     hidden, weight, targets, mask, adv, noise = inputs(masked_tile=True)
     with torch.no_grad():
-        cur = HEADS["dense"].logprobs(hidden, weight, targets, temperature)
+        cur = registry.get("head", "dense").logprobs(hidden, weight, targets, temperature)
     old, ref, gen = cur + noise(0.5), cur + noise(0.2), cur + noise(0.1)
 
     def make_objective():
@@ -97,7 +98,7 @@ def test_entropy_metric_is_the_tempered_distributions_entropy(name):
     logits = (hidden @ weight.T) / 0.8
     expected = torch.distributions.Categorical(logits=logits).entropy()[mask].mean().item()
     f = objective("dapo", adv, None)
-    _, stats = HEADS[name].loss(hidden, weight, targets, mask, f, int(mask.sum()), 0.8, 6)
+    _, stats = registry.get("head", name).loss(hidden, weight, targets, mask, f, int(mask.sum()), 0.8, 6)
     assert summarize(stats, mask)["entropy"] == pytest.approx(expected, rel=1e-6)
 
 
@@ -105,15 +106,16 @@ def test_entropy_metric_is_the_tempered_distributions_entropy(name):
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_logprobs_match_dense_with_and_without_grad(name, temperature):
     hidden, weight, targets, *_ = inputs(1)
-    ref = HEADS["dense"].logprobs(hidden, weight, targets, temperature)
+    ref = registry.get("head", "dense").logprobs(hidden, weight, targets, temperature)
     with torch.no_grad():
-        assert_close(HEADS[name].logprobs(hidden, weight, targets, temperature, 6), ref, "no-grad logprobs")
+        got = registry.get("head", name).logprobs(hidden, weight, targets, temperature, 6)
+        assert_close(got, ref, "no-grad logprobs")
     # with grad: any loss on top (here a weighted sum) gets dense's gradients
     coef = torch.randn(N)
     grads = []
     for head in ("dense", name):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        (HEADS[head].logprobs(h, w, targets, temperature, 6) * coef).sum().backward()
+        (registry.get("head", head).logprobs(h, w, targets, temperature, 6) * coef).sum().backward()
         grads.append((h.grad, w.grad))
     assert_close(grads[1][0], grads[0][0], "grad hidden")
     assert_close(grads[1][1], grads[0][1], "grad weight")
@@ -121,8 +123,8 @@ def test_logprobs_match_dense_with_and_without_grad(name, temperature):
 
 def test_bf16_weight_accumulates_in_fp32():
     hidden, weight, targets, *_ = inputs(2)
-    ref = HEADS["dense"].logprobs(hidden.bfloat16().float(), weight.bfloat16().float(), targets)
-    got = HEADS["chunked"].logprobs(hidden.bfloat16(), weight.bfloat16(), targets, 1.0, 8)
+    ref = registry.get("head", "dense").logprobs(hidden.bfloat16().float(), weight.bfloat16().float(), targets)
+    got = registry.get("head", "chunked").logprobs(hidden.bfloat16(), weight.bfloat16(), targets, 1.0, 8)
     assert got.dtype == torch.float32
     assert (got - ref).abs().max() < 0.05  # bf16 matmul, fp32 logsumexp
 
@@ -166,7 +168,7 @@ def test_memory_is_one_tile_not_all_tokens(name):
 
     def step(head):
         f = objective("dapo", adv, None)
-        loss, _ = HEADS[head].loss(hidden, weight, targets, mask, f, n, 1.0, size)
+        loss, _ = registry.get("head", head).loss(hidden, weight, targets, mask, f, n, 1.0, size)
         return loss
 
     dense_saved, _ = saved_bytes(lambda: step("dense"))
@@ -203,7 +205,8 @@ def test_real_model_tied_embeddings_all_heads_same_grads():
         model.zero_grad()
         hid = models.hidden_states(backbone, ids, mask)[:, :-1].reshape(-1, 32)
         f = objective("cispo", adv, None, clip_low=None)
-        loss, _ = HEADS[name].loss(hid, weight, ids[:, 1:].reshape(-1), torch.ones(24, dtype=bool), f, 24, 0.8, 5)
+        head = registry.get("head", name)
+        loss, _ = head.loss(hid, weight, ids[:, 1:].reshape(-1), torch.ones(24, dtype=bool), f, 24, 0.8, 5)
         loss.backward()
         grads[name] = {k: p.grad.clone() for k, p in model.named_parameters()}
     for name in ("tiled", "chunked"):

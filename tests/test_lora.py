@@ -9,9 +9,8 @@ import torch
 from conftest import make_cfg, new_store
 from helpers import history, runs
 
-from rlrun import models
+from rlrun import models, registry
 from rlrun.config import ConfigError, validate
-from rlrun.heads import HEADS
 
 pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[lora]'")
 
@@ -28,7 +27,7 @@ def tiny(tie=False):
 def token_logprobs(model, ids):
     backbone, weight = models.split(model)
     hidden = models.hidden_states(backbone, ids, torch.ones_like(ids))[:, :-1].reshape(-1, weight.shape[1])
-    return HEADS["dense"].logprobs(hidden, weight, ids[:, 1:].reshape(-1))
+    return registry.get("head", "dense").logprobs(hidden, weight, ids[:, 1:].reshape(-1))
 
 
 def train_adapters(policy, ids, steps=3):

@@ -112,3 +112,24 @@ def test_summarize_ignores_masked_tokens():
     stats = {"ratio": torch.tensor([1.0, 100.0]), "clipped": torch.tensor([1.0, 1.0])}
     m = summarize(stats, torch.tensor([True, False]))
     assert m["ratio_max"] == 1.0 and m["clipfrac"] == 1.0
+
+
+def test_library_defaults_are_the_config_defaults():
+    # the one-call library forms keep keyword defaults; they must be conf/loss/*.yaml's
+    import inspect
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from rlrun import losses
+    from rlrun.losses.dpo import dpo_loss
+
+    conf = Path(__file__).resolve().parent.parent / "conf" / "loss"
+    dapo, cispo, dpo = (OmegaConf.load(conf / f"{n}.yaml") for n in ("dapo", "cispo", "dpo"))
+    objective = inspect.signature(losses.objective).parameters
+    for key in ("clip_low", "clip_high", "kl_coef", "kl_estimator", "entropy_coef"):
+        assert objective[key].default == dapo[key], key
+    assert objective["tis_cap"].default is None and not dapo.tis.enabled
+    assert cispo.clip_low is None and cispo.clip_high == dapo.clip_high  # cispo_loss: clip_low=None, as its doc says
+    for key in ("beta", "label_smoothing", "sft_coef"):
+        assert inspect.signature(dpo_loss).parameters[key].default == dpo[key], key

@@ -10,9 +10,8 @@ import torch
 from conftest import make_cfg, new_store
 from helpers import history, runs
 
-from rlrun import plan
+from rlrun import plan, registry
 from rlrun.config import ConfigError, validate
-from rlrun.heads import HEADS
 from rlrun.losses import objective
 from rlrun.meters import MIB, Meter
 
@@ -41,11 +40,12 @@ def test_head_arithmetic_is_what_the_heads_allocate(name, grad):
         with meter.phase("call"):
             if grad:
                 f = objective("dapo", torch.randn(n), torch.randn(n) - 5, None, None, clip_low=0.2, clip_high=0.28)
-                loss, _ = HEADS[name].loss(h, w, targets, torch.ones(n, dtype=torch.bool), f, n, 1.0, size)
+                head = registry.get("head", name)
+                loss, _ = head.loss(h, w, targets, torch.ones(n, dtype=torch.bool), f, n, 1.0, size)
                 loss.backward()
             else:
                 with torch.no_grad():
-                    HEADS[name].logprobs(h, w, targets, 1.0, size)
+                    registry.get("head", name).logprobs(h, w, targets, 1.0, size)
         h.grad = w.grad = None
     predicted = sum(plan.head_parts(name, size, n, shapes(vocab, hidden), grad=grad).values())
     predicted += vocab * hidden * 4 if grad else 0  # w.grad

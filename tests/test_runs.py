@@ -179,11 +179,11 @@ def test_the_default_run_visibly_learns(tmp_path):
 def nan_loss_after(monkeypatch, good_steps: int) -> None:
     """Make the GRPO policy loss (dapo) NaN once `good_steps` steps are logged, in this process: a non-finite loss
     from the objective itself (a reward can no longer provoke one: Task.score refuses a NaN reward)."""
-    from rlrun import losses
+    from rlrun.losses import dapo
     from rlrun.runner import Frame
 
     logged = []
-    frame_log, token_loss = Frame.log, losses.POLICY_LOSSES["dapo"]
+    frame_log, token_loss = Frame.log, dapo.token_loss
 
     def log(self, step, m, **postfix):
         frame_log(self, step, m, **postfix)
@@ -194,7 +194,7 @@ def nan_loss_after(monkeypatch, good_steps: int) -> None:
         return (loss * math.nan if len(logged) >= good_steps else loss), stats
 
     monkeypatch.setattr(Frame, "log", log)
-    monkeypatch.setitem(losses.POLICY_LOSSES, "dapo", nan_token_loss)
+    monkeypatch.setattr(dapo, "token_loss", nan_token_loss)  # registry.get("loss", "dapo") finds it
 
 
 def test_nan_loss_marks_run_failed_and_keeps_logged_steps(tmp_path, monkeypatch):

@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-from omegaconf import OmegaConf
 
 from rlrun import tasks
 
@@ -30,9 +29,9 @@ def test_jsonl_task_and_custom_reward(tmp_path, cfg_factory):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"prompt": "hi", "answer": "yo"}) + "\n\n" + json.dumps({"prompt": "a", "answer": "b"}))
     cfg = cfg_factory("task=jsonl", f"task.path={path}", "task.reward=rlrun.tasks:exact_match")
-    examples, reward = tasks.build(cfg.task, 0)
-    assert examples == [{"prompt": "hi", "answer": "yo"}, {"prompt": "a", "answer": "b"}]
-    assert reward is tasks.exact_match
+    task = tasks.load(cfg.task, 0, None)
+    assert task.train == [{"prompt": "hi", "answer": "yo"}, {"prompt": "a", "answer": "b"}] and task.eval == []
+    assert [r.fn for r in task.rewards] == [tasks.exact_match]
 
 
 @pytest.mark.parametrize("content,needle", [
@@ -66,26 +65,26 @@ def test_prompt_stream_covers_each_epoch():
 # --- the new API on the historic tasks: identical rows, rewards and pairs ---------------------------------------
 
 
-def test_arith_through_load_is_build_bit_for_bit(cfg_factory):
-    cfg = cfg_factory("task.ops=[+,-,*]", "task.max_operand=9", "task.eval_size=0")  # build() holds nothing out
-    old, reward = tasks.build(cfg.task, 3)
+def test_arith_through_load_is_the_seeded_examples_bit_for_bit(cfg_factory):
+    cfg = cfg_factory("task.ops=[+,-,*]", "task.max_operand=9", "task.eval_size=0")
+    old = tasks.arith_examples(1000, 9, ["+", "-", "*"], 3)
     task = tasks.load(cfg.task, 3, None)
     assert task.train == old and task.eval == [] and task.reward_names == ["partial_credit"]
     completions = ["7", "12", "", "x", " 9 ", "a1b2", "100", "-3"] * 4
     rows = task.train[: len(completions)]
     totals, per = task.score(completions, rows)
-    expected = [reward(c, r["answer"]) for c, r in zip(completions, rows)]
+    expected = [tasks.partial_credit(c, r["answer"]) for c, r in zip(completions, rows)]
     assert totals == expected and per == {"partial_credit": expected}
     assert all(type(v) is float for v in totals)
-    assert tasks.load_pairs(cfg.task, 3, None) == (tasks.build_pairs(cfg.task, 3), [])
+    assert tasks.load_pairs(cfg.task, 3, None) == (tasks.arith_pairs(old, 3), [])
 
 
-def test_jsonl_through_load_is_build(tmp_path, cfg_factory):
+def test_jsonl_through_load_is_the_file_and_its_pairs(tmp_path, cfg_factory):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"prompt": "hi", "answer": "yo"}) + "\n\n" + json.dumps({"prompt": "a", "answer": "b"}))
     cfg = cfg_factory("task=jsonl", f"task.path={path}", "task.reward=rlrun.tasks:exact_match")
     task = tasks.load(cfg.task, 0, None)
-    assert task.train == tasks.build(cfg.task, 0)[0] and task.eval == []
+    assert task.train == tasks.read_jsonl(str(path), ("prompt", "answer")) and task.eval == []
     assert task.score(["yo", "a"], task.train) == ([1.0, 0.0], {"exact_match": [1.0, 0.0]})
     path.write_text('{"prompt": "a", "answer": "b"}\n{oops\n')
     with pytest.raises(tasks.TaskError, match=r"t.jsonl:2: not valid JSON"):  # the historic reader's errors
@@ -118,20 +117,25 @@ def test_arith_eval_size_holds_out_distinct_prompts(cfg_factory):
     held = {r["prompt"] for r in task.eval}
     assert len(task.eval) == len(held) == 5  # one row per held-out prompt
     assert not held & {r["prompt"] for r in task.train}
-    assert len(task.train) + sum(r["prompt"] in held for r in tasks.build(cfg.task, 0)[0]) == 1000
+    examples = tasks.arith_examples(1000, 9, ["+"], 0)  # conf/task/arith.yaml's problems
+    assert len(task.train) + sum(r["prompt"] in held for r in examples) == 1000
     assert tasks.load(cfg.task, 0, None).eval == task.eval != tasks.load(cfg.task, 1, None).eval
 
 
-def test_check_config_is_cheap_and_says_what_is_wrong(cfg_factory):
-    assert tasks.check_config(cfg_factory().task) == []
-    bad = OmegaConf.create({"name": "arith", "size": 0, "max_operand": 4, "ops": ["/"], "reward": "m:f",
-                            "rewards": ["m:g"], "eval_size": 1.5, "chat_template": "maybe"})
-    problems = " ".join(tasks.check_config(bad))
-    for needle in ("task.chat_template='maybe'", "set task.reward (one function) or task.rewards",
-                   "task.eval_size=1.5", "task.ops=['/']", "task.size=0"):
-        assert needle in problems
-    assert tasks.check_config(OmegaConf.create({"name": "csv"})) == [
-        "task='csv' is not supported; supported: ['arith', 'jsonl', 'dataset']."]
+def test_task_problems_are_the_configs(cfg_factory):
+    # one validator: the typed config refuses what the task loader would trip on, every problem at once
+    from rlrun.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(cfg_factory("task.size=0", "task.ops=[/]", "task.eval_size=1.5", "task.chat_template=maybe",
+                             "task.system_prompt=' '"))
+    for needle in ("task.size=0", "task.ops[0]='/'", "task.eval_size=1.5", "task.chat_template='maybe'",
+                   "task.system_prompt=' ' must be a non-empty string"):
+        assert needle in str(e.value)
+    with pytest.raises(ConfigError, match=r"task.eval_split='train' must name another split than task.split="):
+        validate(cfg_factory("task=dataset", "task.path=x", "task.eval_split=train"))
+    with pytest.raises(ConfigError, match=r"set task.eval_split \(a split of the data\) or task.eval_size"):
+        validate(cfg_factory("task=dataset", "task.path=x", "task.eval_split=test", "task.eval_size=2"))
 
 
 def test_package_import_stays_light():
@@ -245,28 +249,13 @@ def test_reward_library():
     assert R.exact_match is tasks.exact_match and R.partial_credit is tasks.partial_credit
 
 
-def test_a_typed_config_node_reads_like_a_composed_one(tmp_path):
-    """The `task` node may reach load() as a dataclass (the validated config): same rows, same rewards."""
-    from dataclasses import dataclass
+def test_a_typed_config_node_reads_like_a_composed_one(cfg_factory):
+    """The `task` node reaches load() as a dataclass (the validated config): same rows, same rewards."""
+    from rlrun.config import validate
 
-    @dataclass
-    class Entry:
-        fn: str
-        weight: float
-        name: str | None
-        kwargs: dict
-
-    @dataclass
-    class Node:
-        name: str
-        size: int
-        max_operand: int
-        ops: list
-        reward: str | None
-        rewards: list | None
-        eval_size: int
-
-    typed = Node("arith", 50, 4, ["+"], None, [Entry("rlrun.tasks:exact_match", 2.0, "em", {})], 0)
-    task = tasks.load(typed, 0, None)
-    assert task.train == tasks.arith_examples(50, 4, ["+"], 0) and task.reward_names == ["em"]
+    cfg = cfg_factory("task.size=50", "task.max_operand=4", "task.eval_size=0", "task.reward=null",
+                      "task.rewards=[{fn: 'rlrun.tasks:exact_match', weight: 2.0, name: em}]")
+    task = tasks.load(validate(cfg).task, 0, None)
+    assert task.train == tasks.load(cfg.task, 0, None).train == tasks.arith_examples(50, 4, ["+"], 0)
+    assert task.reward_names == ["em"]
     assert task.score([task.train[0]["answer"]], task.train[:1]) == ([2.0], {"em": [1.0]})

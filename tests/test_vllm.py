@@ -15,11 +15,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(
 
 
 def trainer_logprobs(policy, roll, temperature):
-    from rlrun import heads
+    from rlrun import registry
     from rlrun.recipes.grpo import group_advantages, logprob_pass, split_rollout
 
     micros = split_rollout(roll, group_advantages(torch.zeros(len(roll.completions)), 4), 64)
-    (lp,) = logprob_pass(policy, micros, heads.HEADS["dense"], None, temperature)
+    (lp,) = logprob_pass(policy, micros, registry.get("head", "dense"), None, temperature)
     return lp, micros[0].mask
 
 

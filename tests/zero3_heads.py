@@ -8,7 +8,7 @@ import torch
 from conftest import make_cfg
 from deepspeed.utils import safe_get_full_grad
 
-from rlrun import heads, losses, models
+from rlrun import losses, models, registry
 from rlrun.engine import deepspeed as ds_engine
 
 
@@ -31,8 +31,8 @@ def main(out: str, tied: str):
         old = torch.full_like(a, -4.0)  # off-policy: ratio != 1, some tokens clipped
         objective = losses.objective("dapo", a, old, None, old, clip_low=0.2, clip_high=0.28, kl_coef=0.0,
                                      kl_estimator="k3", tis_cap=None)
-        loss, _ = heads.HEADS[name].loss(hidden, weight, targets, mask, objective, int(mask.numel()) * engine.world,
-                                         1.0, 7)
+        head = registry.get("head", name)
+        loss, _ = head.loss(hidden, weight, targets, mask, objective, int(mask.numel()) * engine.world, 1.0, 7)
         engine.ds.backward(loss * engine.world, scale_wrt_gas=False)
         grad = safe_get_full_grad(weight)  # collective: every rank gathers the reduced lm-head gradient
         total = sum(engine.gather(loss.item()))

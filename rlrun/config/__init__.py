@@ -12,7 +12,6 @@ after composition. They are also the one place where default values live: the da
 """
 
 from .schema import (
-    OPTIONS,
     AlwaysPolicy,
     ArithTask,
     CheckpointConfig,
@@ -39,7 +38,7 @@ from .schema import (
     VLLMRollout,
     WindowPolicy,
 )
-from .validate import ConfigError, validate
+from .validate import OPTIONS, ConfigError, validate
 
 __all__ = ["OPTIONS", "ConfigError", "RunConfig", "validate", "AlwaysPolicy", "ArithTask", "CheckpointConfig",
            "ChunkedHead", "CispoLoss", "DapoLoss", "DeepSpeedEngine", "DenseHead", "DpoLoss", "HFModel", "HFRollout",

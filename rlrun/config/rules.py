@@ -166,6 +166,18 @@ def tiled_needs_per_token_loss(c, world):
                "head=chunked (same memory profile: any loss on top of per-token logprobs) or head=dense.")
 
 
+# -- task ---------------------------------------------------------------------------------------------------------
+@rule("task.name", "task.eval_split", "task.split", "task.eval_size")
+def one_held_out_source(c, world):
+    t = c.task
+    if t.name == "dataset" and t.eval_split is not None:
+        if t.eval_split == t.split:
+            yield f"task.eval_split={t.eval_split!r} must name another split than task.split={t.split!r}."
+        if t.eval_size:
+            yield ("set task.eval_split (a split of the data) or task.eval_size (rows held out of task.split), not "
+                   "both.")
+
+
 # -- rollout, model, checkpoint -----------------------------------------------------------------------------------
 @rule("rollout.name")
 def vllm_installed(c, world):

@@ -2,16 +2,16 @@
 
 Fields carry types, choices (`Literal`) and bounds (`Check` in `Annotated`), never default values: those live in
 the YAML files only, with their comments. A group field of `RunConfig` is the union of its options; `validate`
-picks the option by `name`. `OPTIONS` (group -> option name -> dataclass) is derived from `RunConfig`, so adding
-an option is adding its dataclass to the union (and its YAML file; a test checks the two agree).
+picks the option by `name` (validate.OPTIONS: group -> option name -> dataclass, derived from `RunConfig`), so
+adding an option is adding its dataclass to the union (and its YAML file; a test checks the two agree).
 """
 
 import math
 import re
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Union
 
 UNIONS = (Union, types.UnionType)  # typing.Optional[X] / Union[X, Y], and X | Y of plain classes
 
@@ -36,6 +36,7 @@ NonNeg = Annotated[float, Check(lambda v: v >= 0, ">= 0")]
 Positive = Annotated[float, Check(lambda v: v > 0, "> 0")]
 Beta = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1)")]
 PathStr = Annotated[str, Check(lambda v: v != "", "a non-empty path")]
+Text = Annotated[str, Check(lambda v: v.strip() != "", "a non-empty string")]
 Dtype = Literal["float32", "bfloat16", "float16"]  # the torch dtypes rlrun.models builds
 ImportPath = Annotated[str, Check(lambda v: re.fullmatch(r"[^:\s]+:[\w.]+", v) is not None,
                                   "module:function or path/to/file.py:function")]
@@ -59,10 +60,8 @@ class TiledHead:
 
 
 @dataclass
-class ChunkedHead:
+class ChunkedHead(TiledHead):  # the same keys
     name: Literal["chunked"]
-    size: TileSize  # auto: the planner picks the largest within memory_budget_mib (rlrun/plan.py)
-    memory_budget_mib: PosInt | None  # null: a tenth of the memory free at start
 
 
 # -- loss ---------------------------------------------------------------------------------------------------------
@@ -87,14 +86,9 @@ class DapoLoss:
 
 
 @dataclass
-class CispoLoss:
+class CispoLoss(DapoLoss):  # the same keys; clip_low may be null
     name: Literal["cispo"]
     clip_low: NonNeg | None  # null: no lower bound on the weight
-    clip_high: NonNeg
-    kl_coef: NonNeg
-    kl_estimator: KlEstimator
-    tis: TisConfig
-    entropy_coef: float  # loss - entropy_coef * token entropy (exact gradient in every head); 0: entropy logged only
 
 
 @dataclass
@@ -132,9 +126,8 @@ class OffOffload:
 
 
 @dataclass
-class OnOffload:
+class OnOffload(OffOffload):
     name: Literal["on"]
-    enabled: bool
 
 
 # -- model --------------------------------------------------------------------------------------------------------
@@ -201,7 +194,7 @@ class ArithTask:
     eval_size: EvalSize  # prompts held out of training for evaluation: a count or a fraction
     chat_template: ChatTemplate
     add_generation_prompt: bool
-    system_prompt: str | None
+    system_prompt: Text | None
     max_prompt_tokens: PosInt | None  # GRPO prompts longer than this keep their last N tokens
 
 
@@ -214,7 +207,7 @@ class JsonlTask:
     eval_size: EvalSize
     chat_template: ChatTemplate
     add_generation_prompt: bool
-    system_prompt: str | None
+    system_prompt: Text | None
     max_prompt_tokens: PosInt | None  # GRPO prompts longer than this keep their last N tokens
 
 
@@ -232,7 +225,7 @@ class DatasetTask:
     rejected_key: Annotated[str, Check(lambda v: v != "", "a column name")]
     chat_template: ChatTemplate
     add_generation_prompt: bool
-    system_prompt: str | None
+    system_prompt: Text | None
     max_prompt_tokens: PosInt | None  # GRPO prompts longer than this keep their last N tokens
     reward: ImportPath | None
     rewards: list[RewardEntry] | None
@@ -395,21 +388,3 @@ class RunConfig:
     rollout: HFRollout | VLLMRollout
     engine: SingleEngine | DeepSpeedEngine
     tracking: MLflowTracking | NoTracking
-
-
-def option_name(cls) -> str | None:
-    """The option a dataclass stands for (its `name: Literal[...]`), or None for train/checkpoint/nested nodes."""
-    name = getattr(cls, "__dataclass_fields__", {}).get("name")
-    return get_args(name.type)[0] if name is not None and get_args(name.type) else None
-
-
-def group_options(tp) -> dict[str, type] | None:
-    """{name: dataclass} when `tp` is a union of group options, else None."""
-    arms = get_args(tp) if get_origin(tp) in UNIONS else ()
-    if arms and all(option_name(a) for a in arms):
-        return {option_name(a): a for a in arms}
-    return None
-
-
-OPTIONS: dict[str, dict[str, type]] = {f.name: group_options(f.type) for f in fields(RunConfig)
-                                       if group_options(f.type)}

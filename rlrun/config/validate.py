@@ -14,11 +14,29 @@ from omegaconf import OmegaConf
 
 from .. import ranks
 from . import rules
-from .schema import UNIONS, Check, RunConfig, group_options
+from .schema import UNIONS, Check, RunConfig
 
 NoneType = type(None)
 SCALARS = {bool: ("true or false", "booleans"), int: ("an integer", "integers"), float: ("a number", "numbers"),
            str: ("a string", "strings"), NoneType: ("null", "nulls"), dict: ("a mapping", "mappings")}
+
+
+def option_name(cls) -> str | None:
+    """The option a dataclass stands for (its `name: Literal[...]`), or None for train/checkpoint/nested nodes."""
+    name = getattr(cls, "__dataclass_fields__", {}).get("name")
+    return get_args(name.type)[0] if name is not None and get_args(name.type) else None
+
+
+def group_options(tp) -> dict[str, type] | None:
+    """{name: dataclass} when `tp` is a union of group options, else None."""
+    arms = get_args(tp) if get_origin(tp) in UNIONS else ()
+    if arms and all(option_name(a) for a in arms):
+        return {option_name(a): a for a in arms}
+    return None
+
+
+OPTIONS: dict[str, dict[str, type]] = {f.name: group_options(f.type) for f in fields(RunConfig)
+                                       if group_options(f.type)}
 
 
 class ConfigError(ValueError):

@@ -1,4 +1,5 @@
-"""Heads: hidden states + lm-head weight -> per-token logprobs, or the whole objective. Same contract each:
+"""Heads: hidden states + lm-head weight -> per-token logprobs, or the whole objective. Same contract each
+(`Head` in protocol.py); the recipes find them with `registry.get("head", name)`:
 
     logprobs(hidden [N, H], weight [V, H], targets [N], temperature, size) -> logprobs [N]
     logprobs(..., with_entropy=True) -> (logprobs [N], entropies [N]: the entropy as a metric, no gradient)
@@ -9,7 +10,3 @@ says which tokens the logprobs belong to; `entropy` is each token's entropy of t
 its gradient when `objective.entropy_coef` is non-zero. `size` is the tile / chunk size in tokens (ignored by
 dense).
 """
-
-from . import chunked, dense, tiled
-
-HEADS = {"dense": dense, "tiled": tiled, "chunked": chunked}

@@ -3,17 +3,16 @@
 Every GRPO objective is a per-token function (see dapo.py, cispo.py) wrapped by `objective`, which adds the KL
 term and the truncated importance-sampling weight and returns per-token losses and stats. Heads call the
 objective on slices of tokens (a tile, a chunk, or everything), so all heads compute the same numbers; `summarize`
-turns the per-token stats into metrics. `dapo_loss` / `cispo_loss` are the one-call library form.
+turns the per-token stats into metrics. `dapo_loss` / `cispo_loss` are the one-call library form; their keyword
+defaults equal conf/loss/dapo.yaml and cispo.yaml (tests/test_losses.py checks it).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import cispo, dapo
+from .. import registry
 from .kl import ESTIMATORS, kl
-
-POLICY_LOSSES = {"dapo": dapo.token_loss, "cispo": cispo.token_loss}
 
 
 def objective(
@@ -39,7 +38,7 @@ def objective(
     `entropy_coef`, rewarded: loss - entropy_coef * entropy. `f.entropy_coef` tells the heads whether the loss
     depends on the entropy (then they carry its gradient).
     """
-    token_loss = POLICY_LOSSES[name]
+    token_loss = registry.get("loss", name)  # the per-token term of loss=name (dapo.py, cispo.py)
 
     def f(logprobs: torch.Tensor, sl=slice(None), entropy: torch.Tensor | None = None):
         old = logprobs.detach() if old_logprobs is None else old_logprobs[sl]
@@ -129,5 +128,5 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, num_tokens=None, **kwar
     return _loss("cispo", logprobs, old_logprobs, advantages, mask, num_tokens, **kwargs)
 
 
-__all__ = ["ESTIMATORS", "POLICY_LOSSES", "objective", "partials", "combine", "summarize", "masked_total",
+__all__ = ["ESTIMATORS", "objective", "partials", "combine", "summarize", "masked_total",
            "dapo_loss", "cispo_loss", "kl"]

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import evaluate, logprobs, models, ranks, tasks
-from ..losses.dpo import dpo_loss, sequence_logprobs
+from .. import evaluate, logprobs, models, ranks, registry, tasks
+from ..losses.dpo import sequence_logprobs
 from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup
 
 
@@ -184,9 +184,9 @@ def train_step(cfg, s, batch: list[dict], known: dict, step: int):
             if lcfg.sft_coef:  # per-token NLL of the chosen response
                 summed = chosen if not lcfg.average_logprobs else chosen * mb.lengths[: len(mb.ids)]
                 nll = -summed / mb.lengths[: len(mb.ids)]
-            loss, metrics = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta=lcfg.beta,
-                                     label_smoothing=lcfg.label_smoothing, chosen_nll=nll,
-                                     sft_coef=lcfg.sft_coef, num_pairs=t.batch_size)
+            loss, metrics = registry.get("loss", lcfg.name)(chosen, rejected, ref[:, 0], ref[:, 1], beta=lcfg.beta,
+                                                            label_smoothing=lcfg.label_smoothing, chosen_nll=nll,
+                                                            sft_coef=lcfg.sft_coef, num_pairs=t.batch_size)
             check_finite(loss, step, "lower train.lr.")
             engine.backward(loss)
             parts.append((len(chunk_pairs), metrics))

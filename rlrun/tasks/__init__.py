@@ -9,16 +9,19 @@ The recipes call:
     task.score(completions, rows) -> (totals, {reward name: values})   # lists of floats, one per completion
     train_pairs, eval_pairs = tasks.load_pairs(cfg, seed, tokenizer)   # rows {prompt, chosen, rejected}
     warnings = tasks.check_lengths(task_or_rows, tokenizer, max_new_tokens, max_positions)
-    problems = tasks.check_config(cfg)        # cheap: reads no data, imports no reward (for the CLI)
 
-Task kinds (`task.name`): `arith` (synthetic, from the seed), `jsonl` (the historic reader: string fields
-`prompt` and `answer`, or `prompt` / `chosen` / `rejected`), `dataset` (local files or folders through the
-`datasets` library: jsonl, json, parquet, csv, arrow, a folder of such files whose names give the splits, or a
-`save_to_disk` folder; nothing is ever downloaded: a hub name is refused, saying how to download it first). Column
-mapping: task.prompt_key / answer_key / chosen_key / rejected_key. Held out: task.eval_split (another split) or
-task.eval_size (an int count or a float fraction of the distinct training prompts, drawn with the seed; all rows of
-a drawn prompt leave train). task.max_rows keeps the first rows of each split. A mapped column keeps its own
-name in the row too; a column literally named `prompt` / `answer` is replaced by the mapped values.
+`cfg` is the validated `task` node (rlrun/config holds its defaults and checks). `Task` and `TaskReader` in
+protocol.py are the contract; the reader of each kind is `registry.get("task", name)`.
+
+Task kinds (`task.name`): `arith` (synthetic, from the seed: arith.py), `jsonl` (the historic reader, jsonl.py:
+string fields `prompt` and `answer`, or `prompt` / `chosen` / `rejected`), `dataset` (dataset.py: local files or
+folders through the `datasets` library: jsonl, json, parquet, csv, arrow, a folder of such files whose names give
+the splits, or a `save_to_disk` folder; nothing is ever downloaded: a hub name is refused, saying how to download
+it first). Column mapping: task.prompt_key / answer_key / chosen_key / rejected_key. Held out: task.eval_split
+(another split) or task.eval_size (an int count or a float fraction of the distinct training prompts, drawn with
+the seed; all rows of a drawn prompt leave train). task.max_rows keeps the first rows of each split. A mapped
+column keeps its own name in the row too; a column literally named `prompt` / `answer` is replaced by the mapped
+values.
 
 check_lengths counts tokens as the rollout encodes them (no special tokens): it refuses GRPO prompts that with
 rollout.max_new_tokens overflow max_positions (task.max_prompt_tokens=N, applied by `load`, keeps each prompt's
@@ -56,7 +59,7 @@ from __future__ import annotations
 
 from .arith import arith_examples, arith_pairs
 from .base import TaskError
-from .core import NAMES, Task, build, build_pairs, check_config, load, load_pairs
+from .core import Task, load, load_pairs
 from .lengths import check_lengths
 from .loading import read_jsonl
 from .rewards import exact_match, partial_credit
@@ -64,7 +67,6 @@ from .scoring import load_reward
 from .stream import PromptStream, prompt_stream
 
 __all__ = [
-    "NAMES", "PromptStream", "Task", "TaskError", "arith_examples", "arith_pairs", "build", "build_pairs",
-    "check_config", "check_lengths", "exact_match", "load", "load_pairs", "load_reward", "partial_credit",
-    "prompt_stream", "read_jsonl",
+    "PromptStream", "Task", "TaskError", "arith_examples", "arith_pairs", "check_lengths", "exact_match", "load",
+    "load_pairs", "load_reward", "partial_credit", "prompt_stream", "read_jsonl",
 ]

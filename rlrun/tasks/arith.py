@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import random
 
+from .chat import format_rows
+
+
+def read(cfg, seed: int, fmt, pairs: bool) -> tuple[list[dict], None]:
+    """task=arith: (the problems of the seed, or pairs made from them; no eval split)."""
+    rows = arith_examples(cfg.size, cfg.max_operand, list(cfg.ops), seed)
+    return format_rows(arith_pairs(rows, seed) if pairs else rows, fmt, "task=arith"), None
+
 
 def arith_examples(n: int, max_operand: int, ops: list[str], seed: int) -> list[dict]:
     """`n` problems like "3+4=" -> "7" (results stay non-negative), reproducible from `seed`."""

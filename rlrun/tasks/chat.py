@@ -19,6 +19,14 @@ def template_setting(value):
                     "or false.")
 
 
+def format_rows(rows: list[dict], fmt, where: str) -> list[dict]:
+    """`rows` with their prompts formatted by `fmt`; without a template (the default of arith and jsonl) these
+    rows stay the very same objects."""
+    if not fmt.use:
+        return rows
+    return [dict(r, prompt=fmt(r["prompt"], f"{where} row {i}", "prompt")) for i, r in enumerate(rows)]
+
+
 def has_template(tokenizer) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
@@ -35,10 +43,6 @@ class Formatter:
                             "(tokenizer_config.json 'chat_template', or tokenizer.chat_template = '...').")
         self.tokenizer = tokenizer
         self.use = has_template(tokenizer) if setting == "auto" else setting
-        if not isinstance(add_generation_prompt, bool):
-            raise TaskError(f"task.add_generation_prompt={add_generation_prompt!r} must be true or false.")
-        if system_prompt is not None and not (isinstance(system_prompt, str) and system_prompt.strip()):
-            raise TaskError(f"task.system_prompt={system_prompt!r} must be a non-empty string or null.")
         if system_prompt is not None and not self.use:
             raise TaskError("task.system_prompt needs a chat template, and none is applied (task.chat_template="
                             f"{setting}, the tokenizer {'has none' if not has_template(tokenizer) else 'has one'}); "

@@ -1,0 +1,50 @@
+"""The engine contract: what the recipes and the run frame use of `engine=single` and `engine=deepspeed`."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Engine(Protocol):
+    """Built as `Engine(cfg, policy, reference, grad_accum)` by the run frame; owns the optimizer and the ranks."""
+
+    rank: int
+    world: int
+    main: bool  # rank 0: the one that logs and writes
+    device: object  # torch.device of this rank
+    model: object  # the policy, as the engine wraps it (models.unwrap reaches the causal LM)
+    reference: object  # a frozen reference model, or None (no reference, or LoRA's adapters-off reference)
+
+    def __init__(self, cfg, policy, reference, grad_accum: int): ...
+
+    def backward(self, loss) -> None:
+        """`loss` is this micro-batch's share of the step's loss (already divided by the step's token count)."""
+
+    def step(self) -> float:
+        """Clip, optimizer step, LR step, zero grads; the gradient norm before clipping."""
+
+    def lr(self) -> float: ...
+
+    def offload(self) -> None:
+        """Optimizer state off the device around the logprob passes (offload=on), else nothing."""
+
+    def onload(self) -> None: ...
+
+    def offload_effective(self) -> bool: ...
+
+    def generation(self):
+        """A context manager inside which the policy's full weights are ready for generate."""
+
+    def gather(self, obj) -> list:
+        """`obj` from every rank, in rank order."""
+
+    def save(self, folder: str, step: int, state: dict, keep: int) -> str:
+        """A checkpoint of the loop's `state` and the engine's own; its path."""
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class EngineModule(Protocol):
+    """What `registry.get("engine", name)` is: a module whose `Engine` class satisfies `Engine`."""
+
+    Engine: type[Engine]

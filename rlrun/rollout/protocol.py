@@ -1,0 +1,24 @@
+"""The rollout contract: what the GRPO recipe uses of `rollout=hf` and `rollout=vllm`."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from . import Rollout as Batch  # the dataclass a generate call returns
+
+
+class Rollout(Protocol):
+    """A sampler: completions for prompts, one sampling seed per prompt."""
+
+    needs_sync: bool  # False: it samples from the trainer's `model` itself, nothing to copy
+
+    def generate(self, model, prompts: list[str], seeds: list[int]) -> Batch: ...
+
+    def sync(self, model) -> None:
+        """Copy the current weights of `model` into the sampler."""
+
+
+class RolloutModule(Protocol):
+    """What `registry.get("rollout", name)` is: a module whose `build` returns a `Rollout`."""
+
+    def build(self, cfg, model, tokenizer, device) -> Rollout: ...
