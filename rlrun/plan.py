@@ -20,7 +20,7 @@ tensor bytes, written next to the code that allocates it:
 Tokens per micro-batch are an upper bound: GRPO responses as long as rollout.max_new_tokens (a rollout stops when
 every row has ended), prompts as long as the longest one of the task; DPO pairs as long as the longest pair.
 On CPU the measured growth is the process RSS (meters.py), so allocator slack and first-call buffers add a few MiB.
-The README ("Memory you can know before the run") has the measured accuracy.
+docs/plan.md and docs/benchmarks.md have the measured accuracy.
 """
 
 from __future__ import annotations

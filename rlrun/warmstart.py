@@ -2,7 +2,7 @@
 
 Why: real RL post-training starts from a model that already knows the task's format (pretraining / SFT). A
 random-init tiny model asked to discover arithmetic from reward alone sits on a reward plateau for hundreds of
-steps (README, "The embedded default"). The default run therefore starts from a warm start that teaches the
+steps (docs/default-run.md). The default run therefore starts from a warm start that teaches the
 format and a *biased* answer, and lets RL remove the bias:
 
 - the teacher's label is the answer with probability 1 - `wrong_prob`, else the answer plus one of `offsets`
@@ -12,7 +12,7 @@ format and a *biased* answer, and lets RL remove the bias:
   0-4), while the correct answer keeps a quarter of the probability mass, so a group of 16 samples holds
   correct answers and their rewards differ: GRPO's advantages point at the fix from the first step;
 - GRPO with the task's reward then lifts held-out greedy accuracy to 0.95-1.0 within 200 steps (the numbers, the
-  configuration and the controls are in the module's report / README). What RL learns is a property of the
+  configuration and the controls are in the module's report / docs/default-run.md). What RL learns is a property of the
   policy (stop adding one), so it carries over to held-out prompts it never trained on; the warm start alone
   never gets there.
 

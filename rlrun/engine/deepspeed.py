@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-2/3 data parallel: the same loops across processes and machines.
 
-Launch one process per device with `deepspeed` or `torchrun` (README, "Scaling out"); a plain `rlrun
+Launch one process per device with `deepspeed` or `torchrun` (docs/deepspeed.md); a plain `rlrun
 engine=deepspeed` runs one rank. Each rank holds a slice of every rollout / DPO batch; DeepSpeed averages
 gradients over ranks, so `backward` multiplies the rank's loss (already divided by the GLOBAL token or pair count)
 by the world size: the gradient is then exactly the 1-rank gradient of the same global batch.

