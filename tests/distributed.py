@@ -1,18 +1,13 @@
 """Launch rlrun (or a script) on N CPU ranks with torchrun and gloo, as a user would."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from helpers import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(nproc: int, args: list[str], cwd, timeout: int = 600, wait: bool = True):

@@ -1,4 +1,5 @@
-"""Reward functions for tests, plugged in through `task.reward=helpers:NAME`, and MLflow store readers.
+"""Reward functions for tests, plugged in through `task.reward=helpers:NAME`, MLflow store readers, and what several
+test files share: `free_port`, an `mlflow server`, the tiny model (`tiny_cfg`, `tiny_model`).
 
 The counting rewards keep their counts in `calls`, which conftest's autouse fixture empties before every test
 (`reset`): a test that runs one of them in-process never sees the calls of a test that ran before it. Under
@@ -8,6 +9,9 @@ torchrun every rank imports this module afresh, so each process counts from zero
 import math
 import os
 from collections import Counter
+from pathlib import Path
+
+TINY_YAML = Path(__file__).resolve().parent.parent / "conf" / "model" / "tiny.yaml"
 
 calls: Counter = Counter()  # completions scored so far by each counting reward, in this process
 
@@ -114,3 +118,19 @@ def stop_server(proc) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def tiny_cfg(**overrides):
+    """The `model=tiny` config as shipped (conf/model/tiny.yaml) with `overrides`, as an OmegaConf node."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(TINY_YAML)
+    cfg.update(overrides)
+    return cfg
+
+
+def tiny_model(seed: int = 0, **overrides):
+    """(model, tokenizer) as rlrun builds `model=tiny` with `overrides` (tokenizer padded on the left)."""
+    from rlrun import models
+
+    return models.build(tiny_cfg(**overrides), seed)

@@ -1,20 +1,13 @@
 """Held-out evaluation: accuracy where the answer is known, determinism, pass@k, and the DPO pair metrics."""
 
-import os
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from helpers import tiny_model
 
-from rlrun import evaluate, models
+from rlrun import evaluate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [f"{a}+{b}=" for a in range(5) for b in range(4)]  # one length: no padding in any batch split
-
-
-def tiny(seed: int = 0):
-    cfg = OmegaConf.load(os.path.join(ROOT, "conf", "model", "tiny.yaml"))
-    return models.build(cfg, seed)
 
 
 def exact(completions, rows):
@@ -35,7 +28,7 @@ def greedy_text(model, tok, prompts, n=3):
 
 
 def test_greedy_accuracy_where_the_answer_is_known():
-    model, tok = tiny()
+    model, tok = tiny_model()
     known, lengths = greedy_text(model, tok, PROMPTS)
     # every other row's answer is what greedy decoding produces, the others' can never be produced
     rows = [{"prompt": p, "answer": k if i % 2 == 0 else "<never>"} for i, (p, k) in enumerate(zip(PROMPTS, known))]
@@ -54,7 +47,7 @@ def test_greedy_accuracy_where_the_answer_is_known():
 
 
 def test_deterministic_and_independent_of_batch_size():
-    model, tok = tiny()
+    model, tok = tiny_model()
     rows = [{"prompt": p, "answer": "3"} for p in PROMPTS]
     seen = []
 
@@ -75,7 +68,7 @@ def test_deterministic_and_independent_of_batch_size():
 
 
 def test_pass_at_k_from_the_samples():
-    model, tok = tiny(seed=1)
+    model, tok = tiny_model(seed=1)
     rows = [{"prompt": p, "answer": "?"} for p in PROMPTS]
     seen = []
 
@@ -93,7 +86,7 @@ def test_pass_at_k_from_the_samples():
 
 
 def test_greedy_with_several_samples_is_refused():
-    model, tok = tiny()
+    model, tok = tiny_model()
     with pytest.raises(ValueError, match="greedy"):
         evaluate.evaluate(model, tok, [{"prompt": "1+1=", "answer": "2"}], exact, max_new_tokens=2, samples=4)
 
@@ -130,8 +123,8 @@ def dpo_functions():
 
 @torch.no_grad()
 def test_pair_metrics_match_a_plain_computation():
-    policy, tok = tiny(seed=0)
-    reference, _ = tiny(seed=1)
+    policy, tok = tiny_model(seed=0)
+    reference, _ = tiny_model(seed=1)
     pairs = [{"prompt": "3+4=", "chosen": "7", "rejected": "8"}, {"prompt": "2+2=", "chosen": "4", "rejected": "11"},
              {"prompt": "9+9=", "chosen": "18", "rejected": "0"}]
     beta = 0.1

@@ -8,19 +8,17 @@ import sys
 
 import pytest
 import torch
+from helpers import tiny_model
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlrun import export, models
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = ["3+4=7", "12+30=42", "hello, world!", "a b?"]
 
 
 def tiny(tie: bool = False, seed: int = 0):
-    cfg = OmegaConf.load(os.path.join(ROOT, "conf", "model", "tiny.yaml"))
-    cfg.tie_embeddings = tie
-    model, tok = models.build(cfg, seed)
+    model, tok = tiny_model(seed, tie_embeddings=tie)
     with torch.no_grad():  # not the init: any weight the export dropped or re-initialised would show
         for p in model.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import free_port  # tests/ is on sys.path: conftest, or this script's folder
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -73,12 +73,6 @@ def current_names(fixture_keys) -> dict[str, str]:
     from rlrun.tracking import metric_key
 
     return {k: metric_key(RENAMES.get(k, k)) for k in fixture_keys}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_env(code_root: Path) -> dict[str, str]:

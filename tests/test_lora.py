@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import make_cfg, new_store
-from helpers import history, runs
+from helpers import history, runs, tiny_model
 
 from rlrun import models, registry
 from rlrun.config import ConfigError, validate
@@ -19,9 +19,8 @@ LORA = SimpleNamespace(enabled=True, rank=4, alpha=8.0, dropout=0.0, target_modu
 
 
 def tiny(tie=False):
-    cfg = SimpleNamespace(name="tiny", arch="qwen2", hidden_size=32, intermediate_size=64, layers=2, heads=2,
-                          kv_heads=1, max_positions=64, vocab_size=None, tie_embeddings=tie, dtype="float32")
-    return models.build(cfg, seed=0)
+    return tiny_model(0, arch="qwen2", intermediate_size=64, layers=2, heads=2, max_positions=64,
+                      tie_embeddings=tie)
 
 
 def token_logprobs(model, ids):

@@ -1,3 +1,4 @@
+import helpers
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -6,9 +7,8 @@ from rlrun import models
 
 
 def tiny_cfg(**kw):
-    base = dict(name="tiny", arch="llama", hidden_size=32, intermediate_size=64, layers=1, heads=4, kv_heads=2,
-                max_positions=64, vocab_size=None, tie_embeddings=False, dtype="float32")
-    return OmegaConf.create({**base, **kw})
+    return helpers.tiny_cfg(**{"intermediate_size": 64, "layers": 1, "heads": 4, "kv_heads": 2, "max_positions": 64,
+                               **kw})
 
 
 def test_char_tokenizer_roundtrip():

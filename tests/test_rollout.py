@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import tiny_model
 from transformers import LogitsProcessorList
 
 from rlrun import models
@@ -12,11 +13,8 @@ from rlrun.rollout import Rollout, hf
 
 
 def tiny(arch="llama", tie=False, seed=0):
-    cfg = SimpleNamespace(arch=arch, hidden_size=32, intermediate_size=64, layers=2, heads=2, kv_heads=1,
-                          max_positions=128, vocab_size=None, tie_embeddings=tie, dtype="float32")
-    tok = models.char_tokenizer()
-    tok.padding_side = "left"
-    return models.tiny_model(cfg, tok, seed), tok
+    return tiny_model(seed, arch=arch, intermediate_size=64, layers=2, heads=2, max_positions=128,
+                      tie_embeddings=tie)
 
 
 def with_generate(model, tok, prompts, cfg, seeds) -> Rollout:

@@ -1,16 +1,14 @@
 """Warm start: deterministic, a cache hit gives bit-identical weights, and the cache key follows every input."""
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_model
 from omegaconf import OmegaConf
 
 from rlrun import warmstart
-from rlrun.models import build
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = {"steps": 4, "lr": 3e-3, "batch_size": 16, "weight_decay": 0.1, "wrong_prob": 0.5, "offsets": [1]}
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)][:60]
 
@@ -20,12 +18,6 @@ def _cache(tmp_path, monkeypatch):
     with monkeypatch.context() as m:  # undone when this fixture ends: the environment is as it was
         m.setenv("RLRUN_CACHE", str(tmp_path / "cache"))
         yield
-
-
-def tiny(seed=0, **overrides):
-    cfg = OmegaConf.load(os.path.join(ROOT, "conf", "model", "tiny.yaml"))
-    cfg.update(overrides)
-    return build(cfg, seed)
 
 
 def weights(model):
@@ -39,10 +31,10 @@ def assert_identical(a, b):
 
 
 def test_deterministic_and_it_trains():
-    init = weights(tiny()[0])
+    init = weights(tiny_model()[0])
     runs = []
     for _ in range(2):
-        model, tok = tiny()
+        model, tok = tiny_model()
         warmstart.warm_start(model, tok, ROWS, CFG, seed=0, cache=False)
         runs.append(weights(model))
     assert_identical(runs[0], runs[1])
@@ -51,12 +43,12 @@ def test_deterministic_and_it_trains():
 
 
 def test_cache_hit_is_bit_identical_to_a_fresh_warm_start():
-    model, tok = tiny()
+    model, tok = tiny_model()
     warmstart.warm_start(model, tok, ROWS, CFG, seed=0)
     fresh = weights(model)
     files = list(warmstart.cache_dir().glob("*.pt"))
     assert len(files) == 1 and not list(warmstart.cache_dir().glob("*.tmp*"))  # written atomically
-    model, tok = tiny()
+    model, tok = tiny_model()
     calls = []
     real_fit = warmstart.fit
     warmstart.fit = lambda *a, **k: calls.append(1) or real_fit(*a, **k)
@@ -69,7 +61,7 @@ def test_cache_hit_is_bit_identical_to_a_fresh_warm_start():
 
 
 def test_the_rng_outside_is_left_alone():
-    model, tok = tiny()
+    model, tok = tiny_model()
     torch.manual_seed(123)
     before = torch.get_rng_state()
     warmstart.warm_start(model, tok, ROWS, CFG, seed=0, cache=False)
@@ -77,7 +69,7 @@ def test_the_rng_outside_is_left_alone():
 
 
 def key(model=None, rows=ROWS, cfg=CFG, seed=0):
-    return warmstart.cache_key(model if model is not None else tiny()[0], rows, cfg, seed)
+    return warmstart.cache_key(model if model is not None else tiny_model()[0], rows, cfg, seed)
 
 
 def test_cache_key_changes_with_every_input():
@@ -88,8 +80,8 @@ def test_cache_key_changes_with_every_input():
     assert key(cfg={**CFG, "wrong_prob": 0.4}) != base
     assert key(rows=ROWS[:-1]) != base
     assert key(rows=[dict(r, answer="9") if i == 0 else r for i, r in enumerate(ROWS)]) != base
-    assert key(model=tiny(seed=1)[0]) != base  # other initial weights
-    assert key(model=tiny(hidden_size=64, heads=2)[0]) != base  # other model config
+    assert key(model=tiny_model(seed=1)[0]) != base  # other initial weights
+    assert key(model=tiny_model(hidden_size=64, heads=2)[0]) != base  # other model config
 
 
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
@@ -106,7 +98,7 @@ def test_options_from_a_config_node():
     node = OmegaConf.create({"enabled": True, "cache": False, "steps": 7, "offsets": [1, 2]})
     opts = warmstart.options(node)
     assert opts == {**warmstart.DEFAULTS, "steps": 7, "offsets": [1, 2]}  # enabled / cache: not part of the result
-    model, tok = tiny()
+    model, tok = tiny_model()
     assert warmstart.cache_key(model, ROWS, node, 0) == warmstart.cache_key(model, ROWS, opts, 0)
     assert warmstart.distinct(ROWS + ROWS[:3]) == ROWS  # repeats do not change the data or the key
     assert warmstart.cache_key(model, ROWS + ROWS[:3], opts, 0) == warmstart.cache_key(model, ROWS, opts, 0)
@@ -136,7 +128,7 @@ def test_the_default_scenario_starts_wrong_but_within_reach():
 
     task = tasks.load(OmegaConf.create(SCENARIO_TASK), 0)
     assert not {r["prompt"] for r in task.eval} & {r["prompt"] for r in task.train}
-    model, tok = tiny(**SCENARIO_MODEL)
+    model, tok = tiny_model(**SCENARIO_MODEL)
     warmstart.warm_start(model, tok, task.train, warmstart.DEFAULTS, seed=0, cache=False)
     greedy = evaluate.evaluate(model, tok, task.eval, task.score, max_new_tokens=4).metrics
     sampled = evaluate.evaluate(model, tok, task.eval, task.score, max_new_tokens=4, greedy=False, samples=16,
