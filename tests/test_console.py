@@ -5,6 +5,7 @@ import io
 import re
 import sys
 
+from conftest import new_store
 from omegaconf import OmegaConf
 
 from rlrun import runner, tracking
@@ -46,7 +47,12 @@ def test_results_hint_gives_the_command_or_the_url(tmp_path, monkeypatch):
     assert "mlflow ui" not in runner.results_hint(none, tracking.Null())
 
 
-def test_not_on_a_terminal_progress_writes_a_line_every_n_steps():
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_not_on_a_terminal_progress_writes_a_line_every_n_steps(monkeypatch):
     out = io.StringIO()
     bar = runner.PlainProgress(0, 400, "rlrun grpo", out=out)
     for step in bar:
@@ -55,11 +61,15 @@ def test_not_on_a_terminal_progress_writes_a_line_every_n_steps():
     assert len(lines) == 40 and lines[-1].startswith("rlrun grpo: step 400/400") and "reward=0.998" in lines[-1]
     out = io.StringIO()
     assert list(runner.PlainProgress(5, 8, "x", out=out)) == [5, 6, 7] and out.getvalue().count("\n") == 3
-    assert isinstance(runner.progress(0, 3, "x", enabled=True), runner.PlainProgress) != sys.stderr.isatty()
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file: plain lines
+    assert isinstance(runner.progress(0, 3, "x", enabled=True), runner.PlainProgress)
+    monkeypatch.setattr(sys, "stderr", Terminal())  # a terminal: tqdm's bar
+    bar = runner.progress(0, 3, "x", enabled=True)
+    assert not isinstance(bar, runner.PlainProgress) and list(bar) == [0, 1, 2] and "3/3" in sys.stderr.getvalue()
 
 
 def test_runs_carry_source_tags_and_a_description(tmp_path):
-    cfg = OmegaConf.create({"uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "rlrun", "parent_run_id": None})
+    cfg = OmegaConf.create({"uri": new_store(tmp_path), "experiment": "rlrun", "parent_run_id": None})
     config = {"loss": {"name": "dpo"}, "head": {"name": "chunked"}, "logprob_policy": {"name": "window"},
               "offload": {"name": "on"}, "rollout": {"name": "hf"}, "engine": {"name": "single"},
               "model": {"name": "tiny"}, "task": {"name": "jsonl"}, "train": {"steps": 7}}
@@ -80,7 +90,7 @@ def test_runs_carry_source_tags_and_a_description(tmp_path):
 
 
 def test_an_experiment_that_already_says_its_kind_keeps_it(tmp_path):
-    client = tracking.open_client(f"sqlite:///{tmp_path}/mlflow.db")
+    client = tracking.open_client(new_store(tmp_path))
     exp = client.create_experiment("genai", tags={"mlflow.experimentKind": "genai_development"})
     tracking.mark_experiment_kind(client, exp)
     assert client.get_experiment(exp).tags["mlflow.experimentKind"] == "genai_development"
@@ -94,7 +104,7 @@ def test_git_commit_is_none_outside_a_checkout(tmp_path):
 
 
 def test_a_resumed_run_keeps_its_description_and_replaces_the_result(tmp_path):
-    cfg = OmegaConf.create({"uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "rlrun", "parent_run_id": None})
+    cfg = OmegaConf.create({"uri": new_store(tmp_path), "experiment": "rlrun", "parent_run_id": None})
     first = tracking.MLflow(cfg, {"loss": {"name": "dapo"}, "train": {"steps": 4}}, "x")
     first.describe(tracking.headline({"reward_first": 0.1, "reward_last": 0.2}))
     first.flush()  # writes go through a background sender; the first process ends before the resume starts

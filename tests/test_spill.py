@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import new_store
 from helpers import free_port, start_server, stop_server
 
 from rlrun import report, spill, tracking
@@ -277,7 +278,7 @@ def test_server_killed_for_good_the_spill_holds_the_rest_and_sync_fills_the_run(
 def test_a_resume_sends_what_the_interrupted_process_kept_first(tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.create({"uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "rlrun", "parent_run_id": None})
+    cfg = OmegaConf.create({"uri": new_store(tmp_path), "experiment": "rlrun", "parent_run_id": None})
     first = tracking.MLflow(cfg, {"train": {"steps": 4}}, "x")
     first.log(0, {"loss": 0.5})
     first.finish("KILLED")
