@@ -305,11 +305,13 @@ def test_misspelled_key_through_a_hydra_override(cfg_factory):
 @pytest.mark.parametrize("over", [(), *((f"{g}={n}", *REQUIRED.get(f"{g}={n}", ())) for g in OPTIONS
                                        for n in OPTIONS[g])], ids=lambda o: ",".join(o) or "default")
 def test_every_option_as_shipped_is_valid_and_typed(over, pretend_installed):
-    typed = validate(composed(*over))
+    cfg = composed(*over)
+    typed = validate(cfg)
     assert isinstance(typed, RunConfig) and isinstance(typed.train, TrainConfig)
     assert isinstance(typed.checkpoint, CheckpointConfig)
-    for group, options in OPTIONS.items():
-        assert type(getattr(typed, group)) is options[getattr(typed, group).name]
+    for group, options in OPTIONS.items():  # the option the YAML names, not whichever arm validate picked
+        assert getattr(typed, group).name == cfg[group].name
+        assert type(getattr(typed, group)) is options[cfg[group].name], group
 
 
 def test_typed_values():
