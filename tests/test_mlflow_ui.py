@@ -14,7 +14,7 @@ from rlrun import tracking
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PYTHONPATH": str(ROOT / "tests")}
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("mlflow_ui")]  # one server and one sweep for the module
 
 
 @pytest.fixture(scope="module")
