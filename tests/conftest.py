@@ -45,6 +45,17 @@ def pytest_unconfigure(config):
             del os.environ["RLRUN_CACHE"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(items):
+    """Tiers (pyproject's markers): unmarked tests are quick unit tests, `slow` ones end-to-end runs, `distributed`
+    ones run several processes. Under pytest-xdist (CI: -n 2 --dist loadgroup) the `distributed` tests share one
+    worker and run one after another: two at once would put 4+ processes on 2 cores, and their deadlines and races
+    would measure the machine, not rlrun."""
+    for item in items:
+        if item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.xdist_group("distributed"))
+
+
 # The environment rlrun, its launchers and its tests read (others, e.g. KMP_* that libraries set once when first
 # imported, are left alone). Such a variable that a test changes is put back, and reported unless EXPECTED.
 WATCHED_ENV_PREFIXES = ("RLRUN_", "MLFLOW_", "HF_", "TRANSFORMERS_", "VLLM_", "DS_", "CUDA_", "TORCH_")
