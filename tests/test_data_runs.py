@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import history, runs
+from helpers import history, runs, tiny_model
 from test_data import TEMPLATE, write
 
 from rlrun.cli import run
@@ -50,13 +50,7 @@ def test_gsm8k_style_file_with_numeric_match_trains(tmp_path, cfg_factory):
 
 def test_messages_prompts_through_a_models_chat_template(tmp_path, cfg_factory):
     """A local model (model=hf) whose tokenizer has a chat template; prompts given as message lists."""
-    from omegaconf import OmegaConf
-
-    from rlrun import models
-
-    model, tok = models.build(OmegaConf.create(dict(
-        name="tiny", arch="llama", hidden_size=32, intermediate_size=64, layers=1, heads=1, kv_heads=1,
-        max_positions=128, vocab_size=None, tie_embeddings=False, dtype="float32")), seed=0)
+    model, tok = tiny_model(0, intermediate_size=64, layers=1, max_positions=128)
     tok.chat_template = TEMPLATE
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")

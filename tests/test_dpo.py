@@ -6,10 +6,10 @@ import subprocess
 
 import pytest
 import torch
-from helpers import history, runs
+from helpers import history, runs, tiny_model
 from omegaconf import OmegaConf
 
-from rlrun import models, registry, tasks
+from rlrun import registry, tasks
 from rlrun.losses.dpo import dpo_loss, sequence_logprobs
 from rlrun.recipes.dpo import encode_pairs, pair_logprobs
 
@@ -44,10 +44,10 @@ def test_sequence_logprobs_sum_and_mean():
 
 @pytest.mark.parametrize("average", [False, True])
 def test_chunked_equals_dense_for_dpo_loss_and_gradients(average):
-    cfg = OmegaConf.create(dict(name="tiny", arch="llama", hidden_size=32, intermediate_size=64, layers=1, heads=4,
-                                kv_heads=2, max_positions=64, vocab_size=300, tie_embeddings=True, dtype="float32"))
-    model, tok = models.build(cfg, seed=0)
-    reference, _ = models.build(cfg, seed=1)
+    sizes = dict(intermediate_size=64, layers=1, heads=4, kv_heads=2, max_positions=64, vocab_size=300,
+                 tie_embeddings=True)
+    model, tok = tiny_model(0, **sizes)
+    reference, _ = tiny_model(1, **sizes)
     pairs = [  # uneven prompt and response lengths: padding inside the batch
         {"id": 0, "prompt": "1+2=", "chosen": "3", "rejected": "14"},
         {"id": 1, "prompt": "12+30=", "chosen": "42", "rejected": "7"},

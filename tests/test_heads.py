@@ -188,13 +188,12 @@ def test_memory_is_one_tile_not_all_tokens(name):
 
 
 def test_real_model_tied_embeddings_all_heads_same_grads():
-    from omegaconf import OmegaConf
+    from helpers import tiny_model
 
     from rlrun import models
 
-    cfg = OmegaConf.create(dict(name="tiny", arch="qwen2", hidden_size=32, intermediate_size=64, layers=1, heads=4,
-                                kv_heads=2, max_positions=64, vocab_size=None, tie_embeddings=True, dtype="float32"))
-    model, tok = models.build(cfg, seed=0)
+    model, tok = tiny_model(0, arch="qwen2", intermediate_size=64, layers=1, heads=4, kv_heads=2, max_positions=64,
+                            tie_embeddings=True)
     backbone, weight = models.split(model)
     assert weight is model.get_input_embeddings().weight  # tied: one parameter
     ids = torch.randint(4, len(tok), (3, 9))
