@@ -6,10 +6,11 @@ import subprocess
 
 import pytest
 import torch
+from conftest import make_cfg
 from helpers import history, runs, tiny_model
-from omegaconf import OmegaConf
 
 from rlrun import registry, tasks
+from rlrun.config import validate
 from rlrun.losses.dpo import dpo_loss, sequence_logprobs
 from rlrun.recipes.dpo import encode_pairs, pair_logprobs
 
@@ -82,7 +83,7 @@ def test_synthetic_pairs_and_jsonl_pairs(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')
     with pytest.raises(tasks.TaskError, match=r"p.jsonl:2: missing or non-string field\(s\) \['rejected'\]"):
-        tasks.build_pairs(OmegaConf.create({"name": "jsonl", "path": str(path)}), 0)
+        tasks.load_pairs(validate(make_cfg("loss=dpo", "task=jsonl", f"task.path={path}")).task, 0)
 
 
 def dpo_run(tmp_path, *overrides):
