@@ -20,7 +20,7 @@ REGISTRY: dict[str, dict[str, str]] = {
     "task": {"arith": "rlrun.tasks:load", "jsonl": "rlrun.tasks:load", "dataset": "rlrun.tasks:load"},
     "rollout": {"hf": "rlrun.rollout.hf", "vllm": "rlrun.rollout.vllm"},
     "engine": {"single": "rlrun.engine.single", "deepspeed": "rlrun.engine.deepspeed"},
-    "tracking": {"mlflow": "rlrun.tracking:MLflow", "none": "rlrun.tracking:Null"},
+    "tracking": {"mlflow": "rlrun.tracking.mlflow:MLflow", "none": "rlrun.tracking.tracker:Null"},
 }
 
 

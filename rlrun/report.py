@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from . import spill  # noqa: E402
+from .tracking import spill  # noqa: E402
 from .meters import PHASES, growth_key, peak_key, plan_growth_key, time_key  # noqa: E402
 from .tracking import log_figures, metric_key, open_client  # noqa: E402
 

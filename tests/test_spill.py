@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import free_port, start_server, stop_server
 
-from rlrun import report, spill, tracking
+from rlrun import report, tracking
+from rlrun.tracking import spill
 
 
 class Refused(Exception):
