@@ -16,7 +16,7 @@ LAYERS = [
      "engine", "plan"},
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},
-    {"cli", "sweep", "report", "bench", "bench_trl", "bench_plan", "__main__"},
+    {"cli", "sweep", "tools", "bench", "__main__"},  # bench: the `python -m rlrun.bench` name of tools/bench.py
 ]
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import free_port, start_server, stop_server
 
-from rlrun import report, tracking
+from rlrun import tracking
+from rlrun.tools import report
 from rlrun.tracking import spill
 
 

@@ -63,3 +63,20 @@ def test_params_and_metrics_are_batched_and_cut_to_mlflow_limits(store):
     data = client.get_run(run_id).data
     assert len(data.params) == 251 and data.params["p7"] == "7" and len(data.params["long"]) == 6000
     assert len(data.metrics) == 1200 and client.get_metric_history(run_id, "m5")[0].step == 3
+
+
+def test_every_registered_tracker_satisfies_the_protocol():
+    """Each tracking option's class has every method of `Tracker` with its parameters, and a `run_id`."""
+    import inspect
+
+    from rlrun import registry
+
+    wanted = {n: inspect.signature(f) for n, f in vars(tracking.Tracker).items()
+              if inspect.isfunction(f) and not n.startswith("_")}
+    assert {"log", "tags", "summary", "text", "table", "artifacts", "describe", "flush", "finish"} <= set(wanted)
+    for name in registry.REGISTRY["tracking"]:
+        cls = registry.get("tracking", name)
+        for method, sig in wanted.items():
+            assert list(inspect.signature(getattr(cls, method)).parameters) == list(sig.parameters), (name, method)
+        assert "run_id" in dir(cls) or "run_id" in inspect.getsource(cls.__init__), name
+    assert isinstance(tracking.Null(), tracking.Tracker)
