@@ -200,8 +200,8 @@ def test_figures_are_legible_in_the_artifact_viewer(tmp_path):
 
 
 def test_sweep_parent_carries_the_table_and_children_get_short_full_names(tmp_path):
-    from rlrun.tools import report
     from rlrun.sweep import SweepCallback
+    from rlrun.tools import report
 
     client, parent, children = fake_sweep(tmp_path)
     cb = SweepCallback()
