@@ -23,7 +23,7 @@ REGISTRY: dict[str, dict[str, str]] = {
              "dataset": "rlrun.tasks.dataset:read"},
     "rollout": {"hf": "rlrun.rollout.hf", "vllm": "rlrun.rollout.vllm"},
     "engine": {"single": "rlrun.engine.single", "deepspeed": "rlrun.engine.deepspeed"},
-    "tracking": {"mlflow": "rlrun.tracking:MLflow", "none": "rlrun.tracking:Null"},
+    "tracking": {"mlflow": "rlrun.tracking.mlflow:MLflow", "none": "rlrun.tracking.tracker:Null"},
     "recipe": {"dapo": "rlrun.recipes.grpo", "cispo": "rlrun.recipes.grpo", "dpo": "rlrun.recipes.dpo"},
 }
 KEYED_BY = {"recipe": "loss"}  # groups that are not config groups: the config group whose options key them
@@ -34,7 +34,7 @@ PROTOCOLS: dict[str, str] = {
     "engine": "rlrun.engine.protocol:EngineModule",
     "rollout": "rlrun.rollout.protocol:RolloutModule",
     "task": "rlrun.tasks.protocol:TaskReader",
-    # TRACKER HOOK: "tracking": "rlrun.tracking.protocol:Tracker", once rlrun/tracking/ is a package
+    "tracking": "rlrun.tracking.tracker:Tracker",
 }
 
 

@@ -106,7 +106,7 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config, **kwargs):
         if self.parent_id is None:
             return
-        from . import report
+        from .tools import report
 
         os.environ.pop(ENV, None)
         self.ended = True  # the parent gets its status here: nothing left for end_interrupted

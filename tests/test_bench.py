@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from rlrun import bench
+from rlrun.tools import bench
 
 TINY = ["--hidden", "8", "--vocab", "64", "--tile-size", "8"]
 
@@ -91,7 +91,7 @@ def fake_run(step_s, reward, length=2.0, rss=2**30, phases=None):
 def test_trl_table_from_measured_runs():
     """Rounds -> rows: each round's median step after the warm-up, medians over rounds, the mean reward over seeds
     of the last steps, and the speed ratio in the table."""
-    from rlrun import bench_trl
+    from rlrun.tools import bench_trl
 
     a = trl_args("--rounds", "2", "--warmup", "1", "--last", "2")
     rounds = [{"rlrun": fake_run([9.0, 0.1, 0.1, 0.3], [0.1, 0.5, 0.7, 0.9], phases={"generate": [9, 0.03, 0.03]}),
@@ -122,7 +122,7 @@ def test_rlrun_learns_like_trl_on_the_same_work():
 
 
 def test_plan_table_and_figure_from_measured_runs(tmp_path):
-    from rlrun import bench_plan
+    from rlrun.tools import bench_plan
 
     grid = [dict(head="tiled", vocab=65536, tokens=512, lora=False), dict(head="dense", vocab=16384, tokens=2048,
                                                                           lora=True), dict(head="chunked", vocab=1024,

@@ -142,8 +142,8 @@ def test_a_run_logs_its_plan_and_the_tile_it_chose(tmp_path):
                                    dict(head="tiled", vocab=65536, tokens=2048, lora=True)],
                          ids=["dense-16k-512", "chunked-65k-512", "tiled-65k-2048-lora"])
 def test_plan_predicts_what_runs_measure(point):
-    from rlrun import bench_plan
-    from rlrun.bench import in_child
+    from rlrun.render import in_child
+    from rlrun.tools import bench_plan
 
     result = in_child(bench_plan.child, point, 2)  # the largest growth of 2 steps (the first has first-call buffers)
     assert set(bench_plan.CHECKED) <= set(result), result

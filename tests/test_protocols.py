@@ -98,7 +98,7 @@ OPTIONS = [(g, n) for g in registry.PROTOCOLS for n in registry.REGISTRY[g]]
 
 
 def test_the_groups_with_a_contract_have_a_protocol():
-    assert {"head", "engine", "rollout", "task"} <= set(registry.PROTOCOLS)
+    assert {"head", "engine", "rollout", "task", "tracking"} <= set(registry.PROTOCOLS)
     assert all(is_protocol(registry.protocol(g)) for g in registry.PROTOCOLS)
 
 

@@ -146,7 +146,7 @@ def pause(orig):
 if os.environ["HOOK_AT"] == "model build":
     models.build = pause(models.build)
 elif os.environ["HOOK_AT"] == "run just created":
-    tracking.log_params = pause(tracking.log_params)  # called right after create_run
+    tracking.mlflow.log_params = pause(tracking.mlflow.log_params)  # called right after create_run
 from rlrun.cli import main
 main()
 """

@@ -4,7 +4,8 @@ import subprocess
 
 import pytest
 
-from rlrun import report, tracking
+from rlrun import tracking
+from rlrun.tools import report
 
 
 @pytest.fixture(scope="module")

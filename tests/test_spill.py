@@ -14,7 +14,9 @@ import pytest
 from conftest import new_store
 from helpers import free_port, start_server, stop_server
 
-from rlrun import report, spill, tracking
+from rlrun import tracking
+from rlrun.tools import report
+from rlrun.tracking import spill
 
 
 class Refused(Exception):

@@ -67,7 +67,7 @@ def test_equivalence_holds_across_the_smoke_sweep(smoke):
 def test_figures_have_one_series_per_job_and_report_redraws_them_from_the_store(smoke):
     from mlflow.tracking import MlflowClient
 
-    from rlrun import report
+    from rlrun.tools import report
 
     tmp, _, all_runs = smoke
     parent = next(r for r in all_runs if r.data.tags.get("rlrun.kind") == "sweep")
@@ -141,7 +141,8 @@ def fake_sweep(tmp, kinds=("dapo", "dpo", "cispo")):
     from conftest import new_store
     from mlflow.tracking import MlflowClient
 
-    from rlrun import report, tracking
+    from rlrun import tracking
+    from rlrun.tools import report
 
     client = MlflowClient(new_store(tmp))  # a copy of an empty store: no schema migrations per test
     exp = tracking.experiment_id(client, "rlrun")
@@ -166,7 +167,7 @@ def fake_sweep(tmp, kinds=("dapo", "dpo", "cispo")):
 
 
 def test_report_colours_legend_dpo_panels_and_dashes(tmp_path):
-    from rlrun import report
+    from rlrun.tools import report
 
     client, _, children = fake_sweep(tmp_path)
     names = report.labels(children)
@@ -189,7 +190,7 @@ def test_report_colours_legend_dpo_panels_and_dashes(tmp_path):
 
 
 def test_figures_are_legible_in_the_artifact_viewer(tmp_path):
-    from rlrun import report
+    from rlrun.tools import report
 
     client, _, children = fake_sweep(tmp_path)
     figs, _ = report.figures(client, children)
@@ -205,8 +206,8 @@ def test_figures_are_legible_in_the_artifact_viewer(tmp_path):
 
 
 def test_sweep_parent_carries_the_table_and_children_get_short_full_names(tmp_path):
-    from rlrun import report
     from rlrun.sweep import SweepCallback
+    from rlrun.tools import report
 
     client, parent, children = fake_sweep(tmp_path)
     cb = SweepCallback()

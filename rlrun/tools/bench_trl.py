@@ -15,6 +15,7 @@ Round r uses seed r, so the rounds also give the mean reward curve over seeds (l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import resource
@@ -24,7 +25,8 @@ import time
 
 import torch
 
-from .meters import MIB
+from .. import render
+from ..meters import MIB
 
 PROMPTS_PER_STEP, GROUP, MICRO, NEW_TOKENS, LR = 8, 16, 64, 4, 1e-3
 IMPLS = ("rlrun", "trl")
@@ -42,7 +44,7 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from .cli import CONF_DIR
+    from ..cli import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose("config", overrides=overrides)
@@ -51,9 +53,9 @@ def compose(overrides: list[str]):
 def prepare(folder: str, seed: int, steps: int) -> list[dict]:
     """Write the warm-started embedded model to `folder` (save_pretrained) and return the first `steps` steps'
     prompt rows in the order rlrun draws them with `seed`."""
-    from . import export, models, tasks
-    from .config import validate
-    from .warmstart import warm_start
+    from .. import export, models, tasks
+    from ..config import validate
+    from ..warmstart import warm_start
 
     cfg = validate(compose(["tracking=none", f"seed={seed}"]))
     policy, tokenizer = models.build(cfg.model, seed)
@@ -73,30 +75,28 @@ def rlrun_overrides(model_dir: str, steps: int, seed: int, uri: str, extra: list
             "eval.every=0", "export.enabled=false", "progress=false", f"tracking.uri={uri}", *extra]
 
 
-def quiet(log_path: str) -> None:
-    """This child's output goes to `log_path` (shown if it fails): the table is what the bench prints."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+@contextlib.contextmanager
+def rlrun_run(overrides, run_name: str):
+    """rlrun with `overrides(uri)` in this process, in a temporary folder with its own store `uri` (the run's spill
+    file and output stay there); yields `history(name)`: the run's metric `name` (the code's name) by step."""
+    from .. import cli
+    from ..tracking import metric_key, open_client
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        uri = f"sqlite:///{tmp}/mlflow.db"
+        cli.run(compose(overrides(uri)), run_name)
+        client = open_client(uri)
+        [run] = client.search_runs([client.get_experiment_by_name("rlrun").experiment_id])
+        yield lambda name: sorted(client.get_metric_history(run.info.run_id, metric_key(name)), key=lambda m: m.step)
 
 
 def rlrun_child(a, model_dir: str, seed: int, log_path: str, out_path: str) -> None:
     """One rlrun run of the workload in this (fresh) process; saves per-step wall times, rewards and lengths."""
-    quiet(log_path)
+    render.quiet(log_path)
     torch.set_num_threads(a.threads)
-    from . import cli
-    from .tracking import metric_key, open_client
-
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)  # the run's spill file and any output stay in the temporary folder
-        uri = f"sqlite:///{tmp}/mlflow.db"
-        cli.run(compose(rlrun_overrides(model_dir, a.steps, seed, uri, a.rlrun_args)), "bench-trl-rlrun")
-        client = open_client(uri)
-        [run] = client.search_runs([client.get_experiment_by_name("rlrun").experiment_id])
-
-        def history(name):
-            return sorted(client.get_metric_history(run.info.run_id, metric_key(name)), key=lambda m: m.step)
-
+    with rlrun_run(lambda uri: rlrun_overrides(model_dir, a.steps, seed, uri, a.rlrun_args),
+                   "bench-trl-rlrun") as history:
         # a step's metrics are logged as it ends: consecutive timestamps (ms) bound each step's wall time
         ends = [m.timestamp / 1000 for m in history("loss")]
         phases = {k: [m.value for m in history(f"time/{k}_s")] for k in
@@ -110,14 +110,14 @@ def rlrun_child(a, model_dir: str, seed: int, log_path: str, out_path: str) -> N
 
 def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, out_path: str) -> None:
     """One TRL GRPOTrainer run of the workload in this (fresh) process."""
-    quiet(log_path)
+    render.quiet(log_path)
     torch.set_num_threads(a.threads)
     import datasets
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from . import tasks
-    from .config import validate
+    from .. import tasks
+    from ..config import validate
 
     task = tasks.load(validate(compose(["tracking=none", f"seed={seed}"])).task, seed)
 
@@ -198,14 +198,13 @@ def table(rows: list[dict], a) -> str:
              f"{MICRO}, {NEW_TOKENS} new tokens, fp32, {a.threads} thread(s); {a.rounds} interleaved round(s) of "
              f"{a.steps} steps; medians over rounds of the median step after {a.warmup}"
              + (f"\n(--jobs {a.jobs}: the runs overlapped, so the speed columns are not measurements)"
-                if a.jobs > 1 else ""),
-             f"{'impl':<6} {'steps/s':>8} {'rounds':>18} {'step ms':>8} {'compl tok/s':>12} {'peak RSS MiB':>13} "
-             f"{'reward, all steps':>18} {f'last {a.last}':>8}"]
-    for r in rows:
-        rounds = ",".join(f"{x:.2f}" for x in r["rounds_steps_per_s"])
-        lines.append(f"{r['impl']:<6} {r['steps_per_s']:>8.2f} {rounds:>18} {r['step_s'] * 1000:>8.0f} "
-                     f"{r['tokens_per_s']:>12.0f} {r['peak_rss_mib']:>13.0f} {r['reward_mean']:>18.3f} "
-                     f"{r['reward_last']:>8.3f}")
+                if a.jobs > 1 else "")]
+    num = render.num
+    body = [[r["impl"], num(r["steps_per_s"], ".2f"), ",".join(num(x, ".2f") for x in r["rounds_steps_per_s"]),
+             num(r["step_s"] * 1000, ".0f"), num(r["tokens_per_s"], ".0f"), num(r["peak_rss_mib"], ".0f"),
+             num(r["reward_mean"], ".3f"), num(r["reward_last"], ".3f")] for r in rows]
+    lines.append(render.table(["impl", "steps/s", "rounds", "step ms", "compl tok/s", "peak RSS MiB",
+                               "reward, all steps", f"last {a.last}"], body))
     by = {r["impl"]: r for r in rows}
     if len(by) == 2:
         diff = {k: by["rlrun"][k] - by["trl"][k] for k in ("reward_mean", "reward_last")}
@@ -220,24 +219,17 @@ def table(rows: list[dict], a) -> str:
 
 
 def figure(rows: list[dict], path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax,) = render.figure(7, [4])
     for r in rows:
         ax.plot(range(len(r["reward_curve"])), r["reward_curve"], label=f"{r['impl']} ({r['steps_per_s']:.2f} steps/s)")
     ax.set(xlabel="optimizer step", ylabel="mean reward (mean over seeds)", title="rlrun vs TRL GRPOTrainer: same work")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return render.save(fig, path, dpi=120)
 
 
-def run_children(todo: list[tuple], in_child, jobs: int) -> dict:
+def run_children(todo: list[tuple], jobs: int) -> dict:
     """{(round, impl): result} of each child in `todo` [(round, impl, log path, (target, *args))], `jobs` at a
     time (more than one: the runs overlap, so their speeds are not measured)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -246,21 +238,19 @@ def run_children(todo: list[tuple], in_child, jobs: int) -> dict:
 
     def one(item):
         r, impl, log_path, call = item
-        res = in_child(*call)
+        res = render.in_child(*call)
         if "error" in res:
-            with open(log_path) as f:
-                tail = f.read()[-3000:]
-            raise SystemExit(f"{tail}\ntrl bench: the {impl} run of round {r} failed ({res['error']}); the end of "
-                             "its output is above")
+            raise SystemExit(f"{render.tail(log_path)}\ntrl bench: the {impl} run of round {r} failed "
+                             f"({res['error']}); the end of its output is above")
         return (r, impl), res
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         return dict(tqdm(pool.map(one, todo), total=len(todo), desc="trl bench", unit="run"))
 
 
-def bench(a, in_child, log_mlflow) -> list[dict]:
-    """The benchmark; `in_child(target, *args)` runs a child process, `log_mlflow` logs the result (rlrun.bench's
-    own, passed in so that this module does not import the one that imports it)."""
+def bench(a, log_mlflow) -> list[dict]:
+    """The benchmark; `log_mlflow` logs the result (rlrun.tools.bench's own, passed in so that this module does not
+    import the one that imports it)."""
     impls = [i for i in a.impls.split(",") if i]
     if "trl" in impls and not available():
         print("(skipped trl: not installed; pip install -e '.[bench]')")
@@ -275,7 +265,7 @@ def bench(a, in_child, log_mlflow) -> list[dict]:
                 call = ((rlrun_child, a, model_dir, r, log_path) if impl == "rlrun"
                         else (trl_child, a, model_dir, rows, r, log_path))
                 todo.append((r, impl, log_path, call))
-        results = run_children(todo, in_child, a.jobs)
+        results = run_children(todo, a.jobs)
     rounds = [{impl: results[r, impl] for impl in impls} for r in range(a.rounds)]
     rows = summarize(rounds, a.warmup, a.last)
     text = table(rows, a)

@@ -14,9 +14,10 @@ disabling the adapters).
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
+
+from .. import render
 
 PHASES = ("generate", "old_logprobs", "ref_logprobs", "train")
 CHECKED = ("old_logprobs", "ref_logprobs", "train")  # the phases the target is about
@@ -35,22 +36,13 @@ def overrides(head: str, vocab: int, tokens: int, steps: int, lora: bool, uri: s
 
 def child(point: dict, steps: int, out_path: str) -> None:
     """One run of `point` in this fresh process; saves {phase: (predicted, measured)} growth in MiB."""
-    from . import cli
-    from .bench_trl import compose, quiet
-    from .meters import growth_key, plan_growth_key
-    from .tracking import metric_key, open_client
+    from ..meters import growth_key, plan_growth_key
+    from .bench_trl import rlrun_run
 
-    with tempfile.TemporaryDirectory() as tmp:
-        quiet(os.path.join(tmp, "log.txt"))
-        os.chdir(tmp)
-        uri = f"sqlite:///{tmp}/mlflow.db"
-        cli.run(compose(overrides(**point, steps=steps, uri=uri)), "bench-plan")
-        client = open_client(uri)
-        [run] = client.search_runs([client.get_experiment_by_name("rlrun").experiment_id])
-
+    render.quiet(os.devnull)  # the table is what the bench prints
+    with rlrun_run(lambda uri: overrides(**point, steps=steps, uri=uri), "bench-plan") as history:
         def top(name):
-            hist = client.get_metric_history(run.info.run_id, metric_key(name))
-            return max((m.value for m in hist), default=None)
+            return max((m.value for m in history(name)), default=None)
 
         result = {p: (top(plan_growth_key(p)), top(growth_key(p))) for p in PHASES}
     torch.save({p: v for p, v in result.items() if None not in v}, out_path)
@@ -86,15 +78,15 @@ def rows_of(grid: list[dict], results: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'run':<28} {'phase':<13} {'predicted MiB':>13} {'measured MiB':>12} {'error':>7}  target",
-             "-" * 84]
+    body = []
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['impl']:<28} failed: {r['error']}")
+            body.append([r["impl"], f"failed: {r['error']}"])
             continue
         target = ("ok" if r["ok"] else "MISSED") if r["phase"] in CHECKED else "(not a target)"
-        lines.append(f"{r['point']:<28} {r['phase']:<13} {r['predicted_mib']:>13.0f} {r['measured_mib']:>12.0f} "
-                     f"{r['error_pct']:>+6.1f}%  {target}")
+        body.append([r["point"], r["phase"], render.num(r["predicted_mib"], ".0f"),
+                     render.num(r["measured_mib"], ".0f"), render.num(r["error_pct"], "+.1f") + "%", target])
+    lines = [render.table(["run", "phase", "predicted MiB", "measured MiB", "error", "target"], body, left=2)]
     checked = [r for r in rows if r.get("phase") in CHECKED]
     lines.append(f"{sum(r['ok'] for r in checked)} of {len(checked)} train / logprob phases within "
                  f"{TOLERANCE:.0%} or {FLOOR_MIB:.0f} MiB")
@@ -103,14 +95,10 @@ def table(rows: list[dict]) -> str:
 
 def figure(rows: list[dict], path: str) -> str:
     """Predicted vs measured growth, log-log, one marker per head, with the target band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     done = [r for r in rows if "error" not in r]
-    fig, ax = plt.subplots(figsize=(8, 6.5), dpi=100)
+    fig, (ax,) = render.figure(8, [6.5])
     lo = max(min(min(r["predicted_mib"], r["measured_mib"]) for r in done), 1.0) / 1.5
     hi = max(max(r["predicted_mib"], r["measured_mib"]) for r in done) * 1.5
     x = np.geomspace(lo, hi, 200)
@@ -132,16 +120,14 @@ def figure(rows: list[dict], path: str) -> str:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, ncol=2, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return render.save(fig, path)
 
 
-def bench(a, in_child, log_mlflow) -> list[dict]:
+def bench(a, log_mlflow) -> list[dict]:
     from tqdm import tqdm
 
     grid = points(a)
-    results = [in_child(child, p, a.steps) for p in tqdm(grid, desc="plan", unit="run")]
+    results = [render.in_child(child, p, a.steps) for p in tqdm(grid, desc="plan", unit="run")]
     rows = rows_of(grid, results)
     text = table(rows)
     print(text)

@@ -16,16 +16,13 @@ import json
 import os
 import sys
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from . import spill  # noqa: E402
-from .meters import PHASES, growth_key, peak_key, plan_growth_key, time_key  # noqa: E402
-from .tracking import log_figures, metric_key, open_client  # noqa: E402
+from .. import render
+from ..meters import PHASES, growth_key, peak_key, plan_growth_key, time_key
+from ..render import num
+from ..tracking import log_figures, metric_key, open_client, spill
+from .charts import DPI, FONT, colors, figure, hbars, heatmap, panel_height, wrap
 
 STYLES = ["-", "--", ":", "-."]
 EFFICIENCY_AXES = ("head.", "logprob_policy.", "offload.")
@@ -64,11 +61,7 @@ def histories(client, run, keys):
 CURVES = (("loss", "loss"), ("reward_mean", "mean reward (GRPO)"), ("rewards/accuracy", "reward accuracy (DPO)"),
           ("rewards/margin", "reward margin (DPO)"), ("entropy", "token entropy (policy)"),
           ("eval/accuracy", "held-out accuracy"))
-# Figures are drawn 8 inches wide at 100 dpi: 800 px, so the artifact viewer shows them at (about) their own size
-# (shrunk at most ~15% beside MLflow's assistant panel) and 10-12 pt text stays >= 12 px; one panel per row.
-DPI = 100
-WIDTH = 8.0
-FONT = 11
+
 
 
 def collect(client, runs):
@@ -77,98 +70,17 @@ def collect(client, runs):
     return [histories(client, r, keys) for r in runs]
 
 
-def colors(n: int) -> list:
-    """One distinct colour per run, the same in every panel and figure."""
-    if n <= 10:
-        cmap, xs = plt.get_cmap("tab10"), range(n)
-    elif n <= 20:
-        cmap, xs = plt.get_cmap("tab20"), range(n)
-    else:
-        cmap, xs = plt.get_cmap("turbo"), np.linspace(0.05, 0.95, n)
-    return [cmap(x) for x in xs]
-
-
-def _figure(rows_of_panels: list[float], extra: float = 0.0):
-    """A figure WIDTH inches wide with one panel per row, panel heights in inches (+ `extra` for a legend)."""
-    fig = plt.figure(figsize=(WIDTH, sum(rows_of_panels) + extra), dpi=DPI)
-    gs = fig.add_gridspec(len(rows_of_panels), 1, height_ratios=rows_of_panels)
-    return fig, [fig.add_subplot(gs[i]) for i in range(len(rows_of_panels))]
-
-
-def wrap(name: str, width: int = 34) -> str:
-    """A long run name broken after commas into lines of about `width` characters (tick labels stay narrow)."""
-    if "\n" in name:  # already broken
-        return name
-    lines, line = [], ""
-    for part in name.split(","):
-        if line and len(line) + 1 + len(part) > width:
-            lines.append(line + ",")
-            line = part
-        else:
-            line = f"{line},{part}" if line else part
-    return "\n".join(lines + [line])
-
-
-def _height(n: int, lines: int = 1) -> float:
-    return 1.4 + (0.3 + 0.18 * (lines - 1)) * max(n, 2)
-
-
-def _lines(names) -> int:
-    return max((wrap(n).count("\n") + 1 for n in names), default=1)
-
-
-def _hbars(ax, names, series: dict[str, list[float]], xlabel, title, stacked=False, log=False):
-    """Horizontal bars, one row per run (readable for many runs); grouped or stacked series."""
-    y = np.arange(len(names))
-    height = 0.8 if stacked else 0.8 / max(len(series), 1)
-    left = np.zeros(len(names))
-    for i, (label, values) in enumerate(series.items()):
-        values = np.nan_to_num(np.array(values, dtype=float))
-        if stacked:
-            ax.barh(y, values, height, left=left, label=label)
-            left += values
-        else:
-            ax.barh(y - 0.4 + height * (i + 0.5), values, height, label=label)
-    ax.set_yticks(y, [wrap(n) for n in names], fontsize=FONT - 1)
-    if not ax.yaxis_inverted():  # first run on top, in sweep order
-        ax.invert_yaxis()
-    ax.set_xlabel(xlabel, fontsize=FONT)
-    ax.set_title(title, fontsize=FONT + 1)
-    ax.tick_params(axis="x", labelsize=FONT - 1)
-    if log:
-        ax.set_xscale("log")
-    ax.legend(fontsize=FONT - 1, loc="best", framealpha=0.85)
-    ax.grid(axis="x", alpha=0.3)
-
-
-def _heatmap(fig, ax, names, columns, values, unit, title):
-    """Runs x phases, each cell annotated; NaN (phase absent) left blank."""
-    values = np.array(values, dtype=float)
-    im = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="viridis")
-    ax.set_xticks(range(len(columns)), columns, rotation=20, fontsize=FONT - 1)
-    ax.set_yticks(range(len(names)), [wrap(n) for n in names], fontsize=FONT - 1)
-    ax.set_title(title, fontsize=FONT + 1)
-    bar = fig.colorbar(im, ax=ax, label=unit, pad=0.01)
-    bar.ax.tick_params(labelsize=FONT - 1)
-    finite = values[np.isfinite(values)]
-    mid = (finite.min() + finite.max()) / 2 if finite.size else 0
-    for (r, c), v in np.ndenumerate(values):
-        if np.isfinite(v):
-            ax.text(c, r, f"{v:.0f}" if abs(v) >= 10 else f"{v:.2g}", ha="center", va="center", fontsize=FONT - 1,
-                    color="black" if v > mid else "white")
-
-
 def _stat(h, key, fn):
     return float(fn(h[key][1])) if key in h else float("nan")
 
 
 def memory_figure(names, data, device):
     present = [p for p in PHASES if any(peak_key(p) in h for h in data)]
-    fig, axes = _figure([_height(len(names), _lines(names))] * 2)
+    fig, axes = figure([panel_height(names)] * 2)
     what = "CUDA peak allocated" if device == "cuda" else "process peak RSS"
-    _heatmap(fig, axes[0], names, present, [[_stat(h, peak_key(p), np.max) for p in present] for h in data],
+    heatmap(fig, axes[0], names, present, [[_stat(h, peak_key(p), np.max) for p in present] for h in data],
              "MiB", f"Peak memory per phase, MiB ({what}, {device})")
-    _heatmap(fig, axes[1], names, present, [[_stat(h, growth_key(p), np.max) for p in present] for h in data],
+    heatmap(fig, axes[1], names, present, [[_stat(h, growth_key(p), np.max) for p in present] for h in data],
              "MiB", "Peak growth over the phase's starting memory, MiB")
     fig.tight_layout()
     return fig
@@ -179,9 +91,9 @@ def plan_figure(names, data):
     present = [p for p in PHASES if any(plan_growth_key(p) in h and growth_key(p) in h for h in data)]
     if not present:
         return None
-    fig, axes = _figure([_height(len(names), _lines(names))] * len(present))
+    fig, axes = figure([panel_height(names)] * len(present))
     for ax, p in zip(axes, present):
-        _hbars(ax, names, {"predicted": [_stat(h, plan_growth_key(p), np.max) for h in data],
+        hbars(ax, names, {"predicted": [_stat(h, plan_growth_key(p), np.max) for h in data],
                            "measured": [_stat(h, growth_key(p), np.max) for h in data]},
                "MiB", f"{p}: predicted vs measured peak growth, MiB")
     fig.tight_layout()
@@ -189,12 +101,12 @@ def plan_figure(names, data):
 
 
 def throughput_figure(names, data):
-    fig, axes = _figure([_height(len(names), _lines(names))] * 2)
-    _hbars(axes[0], names, {"generated": [_stat(h, "throughput/gen_tokens_per_s", np.mean) for h in data],
+    fig, axes = figure([panel_height(names)] * 2)
+    hbars(axes[0], names, {"generated": [_stat(h, "throughput/gen_tokens_per_s", np.mean) for h in data],
                             "trained": [_stat(h, "throughput/train_tokens_per_s", np.mean) for h in data]},
            "tokens / s (mean over steps)", "Throughput")
     present = [p for p in PHASES if any(time_key(p) in h for h in data)]
-    _hbars(axes[1], names, {p: [_stat(h, time_key(p), np.mean) for h in data] for p in present},
+    hbars(axes[1], names, {p: [_stat(h, time_key(p), np.mean) for h in data] for p in present},
            "seconds (mean per step)", "Step time by phase", stacked=True)
     fig.tight_layout()
     return fig
@@ -206,7 +118,9 @@ def curves_figure(names, data):
     present = [(k, label) for k, label in CURVES if any(k in h for h in data)] or [CURVES[0]]
     ncol = 1 if max((len(n) for n in names), default=0) > 45 else 2
     legend_h = 0.3 + 0.24 * -(-len(names) // ncol)
-    fig, axes = _figure([3.0] * len(present), extra=legend_h)
+    fig, axes = figure([3.0] * len(present), extra=legend_h)
+    from matplotlib.ticker import MaxNLocator
+
     palette = colors(len(names))
     handles = {}
     for ax, (key, ylabel) in zip(axes, present):
@@ -215,7 +129,7 @@ def curves_figure(names, data):
                 line, = ax.plot(*h[key], lw=1.5, alpha=0.85, ls=STYLES[i % len(STYLES)], color=palette[i],
                                 marker="o" if len(h[key][0]) == 1 else None)
                 handles.setdefault(i, line)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_xlabel("optimizer step", fontsize=FONT)
         ax.set_ylabel(ylabel, fontsize=FONT)
         ax.set_title(f"{ylabel} per step", fontsize=FONT + 1)
@@ -257,21 +171,14 @@ def equivalence(runs, names, data):
 
 def equivalence_figure(rows):
     names = [f"{wrap(r['run'])}\nvs {wrap(r['baseline'])}" for r in rows]
-    fig, (ax,) = _figure([_height(len(rows), _lines(names))])
+    fig, (ax,) = figure([panel_height(names)])
     floor = 1e-12
-    _hbars(ax, names, {"loss": [max(r.get("loss", 0), floor) for r in rows],
+    hbars(ax, names, {"loss": [max(r.get("loss", 0), floor) for r in rows],
                        "reward": [max(r.get("reward_mean", 0), floor) for r in rows]},
            f"max |difference| over steps (log scale; {floor:g} = identical)",
            "Curves vs the dense / always / off baseline", log=True)
     fig.tight_layout()
     return fig
-
-
-def fmt(v, spec: str = ".4g") -> str:
-    """A number for a table; '–' where there is none (NaN / missing)."""
-    if v is None or not np.isfinite(v):
-        return "–"
-    return format(v, spec)
 
 
 COLUMNS = ("run", "reward / acc", "step s", "gen tok/s", "train tok/s", "peak MiB", "growth MiB")
@@ -298,23 +205,18 @@ SPECS = {"reward / acc": ".3f", "step s": ".4f", "gen tok/s": ".0f", "train tok/
          "growth MiB": ".0f"}
 
 
-def _cells(rows) -> list[list[str]]:
-    return [[r["run"]] + [fmt(r[c], SPECS[c]) for c in COLUMNS[1:]] for r in rows]
+def _cells(names, data) -> list[list[str]]:
+    return [[r["run"]] + [num(r[c], SPECS[c]) for c in COLUMNS[1:]] for r in rows_of(names, data)]
 
 
 def table(names, data) -> str:
     """The comparison as aligned text: full run names, '–' where a run has no value."""
-    cells = [list(COLUMNS)] + _cells(rows_of(names, data))
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-                     for row in cells)
+    return render.table(list(COLUMNS), _cells(names, data))
 
 
 def markdown(names, data) -> str:
     """The comparison as a markdown table (the sweep parent's description)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join([":---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in _cells(rows_of(names, data))]
-    return "\n".join(lines)
+    return render.markdown(list(COLUMNS), _cells(names, data))
 
 
 def figures(client, runs, device="cpu"):
@@ -339,8 +241,8 @@ def write(figs, rows, out_dir):
         fig.savefig(os.path.join(out_dir, name), dpi=DPI)
     if rows:
         width = max(len(r["run"]) for r in rows)
-        text = "\n".join(f"{r['run']:<{width}} vs {r['baseline']:<30} max|dloss|={fmt(r.get('loss'), '.3g')} "
-                         f"max|dreward|={fmt(r.get('reward_mean'), '.3g')}" for r in rows)
+        text = "\n".join(f"{r['run']:<{width}} vs {r['baseline']:<30} max|dloss|={num(r.get('loss'))} "
+                         f"max|dreward|={num(r.get('reward_mean'))}" for r in rows)
         with open(os.path.join(out_dir, "equivalence.txt"), "w") as f:
             f.write(text + "\n")
         print(text)

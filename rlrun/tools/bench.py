@@ -1,0 +1,372 @@
+"""Benchmarks: commands that print a table and log it to MLflow (never timed tests).
+
+    python -m rlrun.bench heads --tokens 2048 --hidden 512 --vocab 151936 --tile-size 256
+    python -m rlrun.bench dpo --vocab 151936 --lengths 256,512,1024,2048,4096 --budget-mib 4096
+    python -m rlrun.bench trl                     # needs TRL: pip install -e '.[bench]'
+    python -m rlrun.bench plan                    # the memory plan's accuracy (rlrun/tools/bench_plan.py)
+
+`heads`: one DAPO forward+backward of the lm head + loss per implementation, each in its own process (so peaks do
+not mix), on identical seeded inputs: rlrun's dense / tiled / chunked heads and the peers a user would pick
+instead, DeepSpeed's TiledFusedLogitsLoss and (if liger-kernel is installed) Liger's LigerFusedLinearGRPOLoss.
+Reports time, peak extra memory (peak minus memory in use before the call: CPU RSS or CUDA allocated), and the
+max relative error of loss and gradients against dense.
+
+`dpo`: one DPO step (reference logprob pass + policy forward and backward) of the embedded tiny model with a
+large vocabulary, per head and response length, each in its own process; reports time and peak extra memory and
+the longest length each head fits within `--budget-mib`. Points whose dense logits alone would not fit in this
+machine's available memory are skipped rather than run into the OOM killer.
+
+`trl`: rlrun's default GRPO run and TRL's GRPOTrainer on the same work, interleaved (rlrun/tools/bench_trl.py).
+
+`plan`: the memory plan's prediction vs the measured peak growth per phase of short runs (rlrun/tools/bench_plan.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from .. import registry
+from ..heads.common import chunked_logprobs_nograd
+from ..losses import objective
+from ..losses.dapo import token_loss as dapo_token_loss
+from ..meters import MIB, Meter, proc_bytes
+from ..render import in_child, num, table
+from ..tracking import MLflow, TrackingError, check_uri, log_metrics
+from . import bench_plan, bench_trl
+
+PEERS = ("deepspeed", "liger")
+CLIP = dict(clip_low=0.2, clip_high=0.28)
+BENCH_EXPERIMENT = "rlrun-bench"
+CALL = "call"  # the one phase a benchmark meters: the whole measured call, not the loop's PHASES
+
+
+def metered(meter, prepare, call, runs: int):
+    """`call()` `runs` times, each metered by `meter` as the loop meters a phase (`prepare()` before each, not
+    metered); its last result and, per run, (seconds, peak growth in bytes)."""
+    readings = []
+    for _ in range(runs):
+        prepare()
+        meter.new_step()
+        with meter.phase(CALL):
+            out = call()
+        readings.append((meter.seconds[CALL], meter.growth[CALL]))
+    return out, readings
+
+
+def make_inputs(a, device):
+    g = torch.Generator().manual_seed(a.seed)
+    dtype = getattr(torch, a.dtype)
+    n = a.tokens
+    hidden = torch.randn(n, a.hidden, generator=g).to(device, dtype)
+    weight = (torch.randn(a.vocab, a.hidden, generator=g) / math.sqrt(a.hidden)).to(device, dtype)
+    targets = torch.randint(0, a.vocab, (n,), generator=g).to(device)
+    seq_adv = torch.randn(a.seqs, generator=g)
+    adv = seq_adv.repeat_interleave(n // a.seqs).to(device)
+    mask = torch.ones(n, dtype=torch.bool, device=device)
+    # old logprobs near the current ones, so that some ratios clip
+    old = chunked_logprobs_nograd(hidden, weight, targets, 1.0, a.tile_size)
+    old = old + 0.3 * torch.randn(n, generator=g).to(device)
+    return hidden, weight, targets, mask, adv, seq_adv.to(device), old
+
+
+def run_impl(name, a, hidden, weight, targets, mask, adv, seq_adv, old):
+    n = targets.shape[0]
+    if name in registry.REGISTRY["head"]:
+        f = objective("dapo", adv, old, **CLIP)
+        loss, _ = registry.get("head", name).loss(hidden, weight, targets, mask, f, n, 1.0, a.tile_size)
+        return loss
+    if name == "deepspeed":
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+        def shard_loss(_self, x, y, m):  # dense DAPO on one (flattened) shard, normalised by the global count
+            lp = torch.log_softmax((x @ weight.T).float(), -1).gather(-1, y[:, 0].long()[:, None]).squeeze(-1)
+            tok, _ = dapo_token_loss(lp, y[:, 1], y[:, 2], **CLIP)
+            return torch.where(m, tok, 0.0).sum() / n
+
+        y = torch.stack([targets.float(), old, adv], -1)[None]
+        shards = math.ceil(n / a.tile_size)
+        return TiledFusedLogitsLoss.apply(shard_loss, None, hidden[None], y, mask[None], shards, [weight], "sum")
+    if name == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        rows = a.seqs
+        fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=False, loss_type="dapo",
+                                      chunk_size=max(1, a.tile_size // (n // rows)), epsilon_low=0.2, epsilon_high=0.28)
+        out = fn(hidden.view(rows, n // rows, -1), weight, targets.view(rows, -1), mask.view(rows, -1).long(), seq_adv,
+                 old_per_token_logps=old.view(rows, -1))
+        return out[0] if isinstance(out, tuple) else out
+    raise ValueError(name)
+
+
+def child(name, a, out_path):
+    torch.set_num_threads(a.threads or torch.get_num_threads())
+    device = torch.device(a.device)
+    hidden, weight, targets, mask, adv, seq_adv, old = make_inputs(a, device)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+
+    def zero_grads():
+        hidden.grad = weight.grad = None
+
+    def step():
+        loss = run_impl(name, a, hidden, weight, targets, mask, adv, seq_adv, old)
+        loss.backward()
+        return loss
+
+    # the first call warms up (allocator, lazy imports) and is not counted
+    loss, readings = metered(Meter(device, phases=(CALL,)), zero_grads, step, a.repeat + 1)
+    times, peaks = zip(*readings[1:])
+    torch.save({"loss": loss.detach().double().cpu(), "grad_h": hidden.grad.double().cpu(),
+                "grad_w": weight.grad.double().cpu(), "time": min(times), "peak": max(peaks)}, out_path)
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+def available(name):
+    if name in registry.REGISTRY["head"]:
+        return True
+    try:
+        __import__({"deepspeed": "deepspeed", "liger": "liger_kernel"}[name])
+        return True
+    except ImportError:
+        return False
+
+
+def heads_rows(names, results) -> list[dict]:
+    """One table row per implementation; errors relative to dense where dense ran."""
+    ref = results.get("dense")
+    rows = []
+    for name in names:
+        r = results[name]
+        if "error" in r:
+            rows.append({"impl": name, "error": r["error"]})
+            continue
+        row = {"impl": name, "time_s": r["time"], "peak_extra_mib": r["peak"] / MIB, "loss": r["loss"].item()}
+        if ref is not None and "error" not in ref:
+            row.update(err_loss=rel_err(r["loss"], ref["loss"]), err_grad_h=rel_err(r["grad_h"], ref["grad_h"]),
+                       err_grad_w=rel_err(r["grad_w"], ref["grad_w"]))
+        rows.append(row)
+    return rows
+
+
+def heads_bench(a):
+    from tqdm import tqdm
+
+    names = [n for n in a.impls.split(",") if n]
+    missing = [n for n in names if not available(n)]
+    names = [n for n in names if n not in missing]
+    results = {name: in_child(child, name, a) for name in tqdm(names, desc="heads", unit="impl")}
+    rows = heads_rows(names, results)
+    table = format_table(rows, a)
+    print(table)
+    for name in missing:
+        print(f"(skipped {name}: not installed)")
+    log_mlflow(a, rows, table, "heads")
+    return rows
+
+
+def format_table(rows, a):
+    head = (f"DAPO fwd+bwd, {a.dtype}, {a.tokens} tokens x hidden {a.hidden} x vocab {a.vocab}, "
+            f"tile {a.tile_size} tokens, device {a.device}")
+    body = [[r["impl"], f"failed: {r['error']}"] if "error" in r else
+            [r["impl"], num(r["time_s"], ".2f"), num(r["peak_extra_mib"], ".0f"), num(r["loss"], ".6f"),
+             *(num(r.get(k), ".1e") for k in ("err_loss", "err_grad_h", "err_grad_w"))] for r in rows]
+    return head + "\n" + table(["impl", "time s", "peak extra MiB", "loss", "err loss", "err dh", "err dW"], body)
+
+
+def log_mlflow(a, rows, table, kind, curves=None, files=()):
+    """One run in experiment rlrun-bench, through the loop's tracker: arguments as params, each float of each row
+    as `{column}/{impl}`, the table as `{kind}.txt`, each of `curves` ({name: values}) as a metric over steps, and
+    `files` as artifacts."""
+    if a.tracking_uri == "none":
+        return
+    cfg = argparse.Namespace(uri=a.tracking_uri, experiment=BENCH_EXPERIMENT, parent_run_id=None)
+    tracker = MLflow(cfg, {k: v for k, v in vars(a).items() if k != "func"}, f"bench-{kind}")
+    # A benchmark's columns, not a training run's metrics: logged under their own names (no train/ or system/).
+    log_metrics(tracker.client, tracker.run_id,
+                {f"{k}/{r['impl']}": v for r in rows for k, v in r.items() if isinstance(v, float)})
+    for name, values in (curves or {}).items():
+        for step, v in enumerate(values):
+            log_metrics(tracker.client, tracker.run_id, {name: v}, step=step)
+    for path in files:
+        tracker.client.log_artifact(tracker.run_id, path)
+    tracker.text(table, f"{kind}.txt")
+    tracker.finish("FINISHED")
+    print(f"logged to MLflow run {tracker.run_id} ({a.tracking_uri}, experiment {BENCH_EXPERIMENT})")
+
+
+def dpo_child(head_name, length, a, out_path):
+    import random
+
+    from omegaconf import OmegaConf
+
+    from .. import models
+    from ..losses.dpo import dpo_loss
+    from ..recipes.dpo import encode_pairs, pair_logprobs
+
+    torch.set_num_threads(a.threads or torch.get_num_threads())
+    device = torch.device(a.device)
+    mcfg = OmegaConf.create(dict(name="tiny", arch="llama", hidden_size=a.hidden, intermediate_size=4 * a.hidden,
+                                 layers=2, heads=4, kv_heads=2, max_positions=length + 64, vocab_size=a.vocab,
+                                 tie_embeddings=False, dtype="float32"))
+    policy, tok = models.build(mcfg, seed=0)
+    reference, _ = models.build(mcfg, seed=1)
+    policy.to(device), reference.to(device).requires_grad_(False)
+    rng = random.Random(0)
+    text = lambda: "".join(rng.choice(models.CHARS[:36]) for _ in range(length - 1))  # noqa: E731
+    pairs = [{"id": i, "prompt": "1+2=", "chosen": text(), "rejected": text()} for i in range(a.pairs)]
+    batch = encode_pairs(tok, pairs, device)
+    head = registry.get("head", head_name)
+
+    def step():
+        with torch.no_grad():
+            rc, rr = pair_logprobs(reference, batch, head, a.tile_size, False)
+        pc, pr = pair_logprobs(policy, batch, head, a.tile_size, False)
+        loss, _ = dpo_loss(pc, pr, rc, rr, beta=0.1)
+        loss.backward()
+        return loss
+
+    # two calls: a warm-up, then the one measured
+    loss, readings = metered(Meter(device, phases=(CALL,)), lambda: policy.zero_grad(set_to_none=True), step, 2)
+    torch.save({"time": readings[-1][0], "peak": readings[-1][1], "loss": loss.item()}, out_path)
+
+
+def available_bytes() -> int:
+    return proc_bytes("/proc/meminfo", "MemAvailable")
+
+
+def dpo_bench(a):
+    from tqdm import tqdm
+
+    lengths = [int(x) for x in a.lengths.split(",")]
+    heads = [h for h in a.impls.split(",") if h]
+    bad = [h for h in heads if h not in ("dense", "chunked")]
+    if bad:
+        raise SystemExit(f"--impls {bad}: DPO runs on dense and chunked (tiled is refused for DPO)")
+    rows = []
+    for head in heads:
+        for length in tqdm(lengths, desc=f"dpo {head}", unit="len"):
+            tokens = 2 * a.pairs * length
+            # dense holds ~4 [tokens, vocab] fp32 tensors at its peak (logits, log-softmax, their gradients)
+            need = 4 * tokens * a.vocab * 4 if head == "dense" else 0
+            if a.device == "cpu" and need > 0.8 * available_bytes():
+                rows.append({"impl": head, "length": length, "error": f"skipped: needs ~{need / 2**30:.0f} GiB"})
+                continue
+            r = in_child(dpo_child, head, length, a)
+            rows.append({"impl": head, "length": length, **r} if "error" in r else
+                        {"impl": head, "length": length, "time_s": r["time"], "peak_extra_mib": r["peak"] / MIB,
+                         "loss": r["loss"]})
+    table = dpo_table(rows, heads, a)
+    print(table)
+    log_mlflow(a, [dict(r, impl=f"{r['impl']}-{r['length']}") for r in rows], table, "dpo")
+    return rows
+
+
+def dpo_table(rows, heads, a) -> str:
+    head = (f"DPO step (reference pass + policy fwd/bwd), {a.pairs} pair(s), tiny model hidden {a.hidden}, "
+            f"vocab {a.vocab}, chunk {a.tile_size}, device {a.device}")
+    body = []
+    for r in rows:
+        cells = [r["impl"], str(r["length"]), str(2 * a.pairs * r["length"])]
+        body.append(cells + ([r["error"]] if "error" in r else
+                             [num(r["time_s"], ".2f"), num(r["peak_extra_mib"], ".0f")]))
+    lines = [head, table(["impl", "length", "tokens", "time s", "peak extra MiB"], body)]
+    for h in heads:
+        fits = [r["length"] for r in rows
+                if r["impl"] == h and "error" not in r and r["peak_extra_mib"] <= a.budget_mib]
+        lines.append(f"longest response length within {a.budget_mib} MiB, {h}: {max(fits) if fits else 'none'}")
+    return "\n".join(lines)
+
+
+def trl_bench(a):
+    return bench_trl.bench(a, log_mlflow)
+
+
+def plan_bench(a):
+    return bench_plan.bench(a, log_mlflow)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rlrun.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(required=True)
+    h = sub.add_parser("heads", help="lm head + DAPO loss: time, peak memory, agreement")
+    h.add_argument("--tokens", type=int, default=2048)
+    h.add_argument("--seqs", type=int, default=8, help="sequences the tokens form (Liger takes [seqs, len, hidden])")
+    h.add_argument("--hidden", type=int, default=512)
+    h.add_argument("--vocab", type=int, default=151936)
+    h.add_argument("--tile-size", type=int, default=256, help="tokens per tile / chunk / shard")
+    h.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    h.add_argument("--impls", default="dense,tiled,chunked,deepspeed,liger")
+    h.add_argument("--repeat", type=int, default=1, help="timed calls after one warm-up; min time, max peak")
+    h.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    h.add_argument("--threads", type=int, default=0)
+    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
+    h.set_defaults(func=heads_bench)
+    d = sub.add_parser("dpo", help="DPO step memory, dense vs chunked, as the response length grows")
+    d.add_argument("--lengths", default="256,512,1024,2048,4096", help="response tokens per sequence")
+    d.add_argument("--pairs", type=int, default=1)
+    d.add_argument("--hidden", type=int, default=64)
+    d.add_argument("--vocab", type=int, default=151936)
+    d.add_argument("--tile-size", type=int, default=256, help="tokens per chunk")
+    d.add_argument("--impls", default="dense,chunked")
+    d.add_argument("--budget-mib", type=float, default=4096)
+    d.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    d.add_argument("--threads", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
+    d.set_defaults(func=dpo_bench, tokens=None, seqs=None)
+    t = sub.add_parser("trl", help="rlrun's default GRPO run vs TRL's GRPOTrainer on the same work (needs .[bench])",
+                       description=bench_trl.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--steps", type=int, default=50, help="optimizer steps per run")
+    t.add_argument("--rounds", type=int, default=3, help="interleaved rounds; round r uses seed r")
+    t.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of its median")
+    t.add_argument("--last", type=int, default=10, help="steps at the end whose mean reward is compared")
+    t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--jobs", type=int, default=1, help="runs at a time; > 1 for learning parity only (the runs "
+                   "overlap, so their speeds are not measured)")
+    t.add_argument("--impls", default="rlrun,trl")
+    t.add_argument("--rlrun-args", nargs="*", default=[], help="extra rlrun overrides, e.g. logprob_policy=always")
+    t.add_argument("--figure", default="bench_trl.png", help="mean reward curves (PNG); '' for none")
+    t.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
+    t.set_defaults(func=trl_bench)
+    m = sub.add_parser("plan", help="the memory plan (rlrun plan) vs the measured peak growth of short runs",
+                       description=bench_plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("--heads", type=lambda t: t.split(","), default=["dense", "tiled", "chunked"])
+    m.add_argument("--vocabs", type=ints, default=[16384, 65536, 151936])
+    m.add_argument("--tokens", type=ints, default=[512, 2048], help=f"per micro-batch: {sorted(bench_plan.TOKENS)}")
+    m.add_argument("--lora", default="tiled,65536,2048", help="HEAD,VOCAB,TOKENS of a LoRA run ('' for none)")
+    m.add_argument("--steps", type=int, default=3)
+    m.add_argument("--figure", default="plan_accuracy.png", help="predicted vs measured (PNG); '' for none")
+    m.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
+    m.set_defaults(func=plan_bench)
+    return p
+
+
+def main(argv=None):
+    p = parser()
+    a = p.parse_args(argv)
+    if a.func is heads_bench and a.tokens % a.seqs:
+        p.error(f"--tokens {a.tokens} must be divisible by --seqs {a.seqs}")
+    if a.func is plan_bench and set(a.tokens) - set(bench_plan.TOKENS):
+        p.error(f"--tokens {a.tokens}: each must be one of {sorted(bench_plan.TOKENS)}")
+    if a.tracking_uri != "none":  # a store that cannot be used fails now, not after the benchmark
+        try:
+            check_uri(a.tracking_uri, "--tracking-uri", "--tracking-uri none")
+        except TrackingError as e:
+            p.error(str(e))
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    main()

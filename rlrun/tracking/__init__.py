@@ -1,0 +1,62 @@
+"""Tracking: one MLflow run per job (mlflow.py), written through a local spill that keeps what an unreachable store
+cannot take (spill.py); the store's client, experiment and metric names (store.py); the standard tags and the run
+description (tags.py). `tracking=none` gives `Null`, which records nothing; both satisfy `Tracker` (tracker.py) and
+are found through the registry's `tracking` entry.
+
+`tracking.parent_run_id` nests the run under a sweep's parent run (passed explicitly, never through MLFLOW_RUN_ID,
+which would make start_run resume that run).
+
+Metric names in MLflow (`metric_key`, the one place they are mapped): the code computes short names (`loss`,
+`time/step_s`); a run logs the learning curves as `train/...`, held-out evaluation as `eval/...` (the two sections
+of MLflow's "Model metrics" tab) and the measurements of the machine (time, memory, throughput, pass counts,
+logprob mismatch, the run's performance summary) as `system/...`, which MLflow shows on its "System metrics" tab.
+`rlrun-report` also reads runs logged before the names were namespaced.
+"""
+
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+from .. import registry
+from ..errors import TrackingError
+from .mlflow import MLflow
+from .store import (
+    SYSTEM_PREFIXES,
+    absolute_uri,
+    check_uri,
+    checkpoint_dir_of,
+    connect,
+    experiment_id,
+    flatten,
+    is_run_id,
+    log_figures,
+    log_metrics,
+    log_params,
+    mark,
+    metric_key,
+    open_client,
+    output_dir,
+    store_lock,
+)
+from .tags import EXPERIMENT_KIND, describe_run, git_commit, headline, mark_experiment_kind, standard_tags
+from .tracker import Null, Tracker
+
+__all__ = ["EXPERIMENT_KIND", "MLflow", "Null", "SYSTEM_PREFIXES", "Tracker", "TrackingError", "absolute_uri",
+           "check_uri", "checkpoint_dir_of", "connect", "describe_run", "experiment_id", "flatten", "git_commit",
+           "headline", "is_run_id", "log_figures", "log_metrics", "log_params", "mark", "mark_experiment_kind",
+           "metric_key", "open_client", "output_dir", "record_failure", "standard_tags", "start", "store_lock"]
+
+
+def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | None = None,
+          previous_spill: str | None = None) -> Tracker:
+    """The tracker of `tracking=cfg.name` (the registry's entry); `config_obj` is the resolved config (logged as
+    params). `previous_spill`: the spill file of the process that wrote the checkpoint a run resumes from."""
+    factory = registry.get("tracking", cfg.name)
+    return factory(cfg, OmegaConf.to_container(config_obj, resolve=True), run_name, resume_run_id, previous_spill)
+
+
+def record_failure(config_obj, run_name: str, error: Exception) -> None:
+    """A FAILED run for a job that was refused before training, so a sweep lists every job."""
+    tracker = MLflow(config_obj.tracking, OmegaConf.to_container(config_obj, resolve=True), run_name)
+    tracker.tags({"error": f"{type(error).__name__}: {error}"})
+    tracker.finish("FAILED")

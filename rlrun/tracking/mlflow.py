@@ -1,0 +1,151 @@
+"""tracking=mlflow: one MLflow run per job, params flattened with '.', the resolved config as an artifact, metrics
+per step, summary metrics, and a final status (FINISHED / FAILED / KILLED) that never leaves a run RUNNING. Every
+write after the run exists goes through the spill (spill.py): the step never waits for the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+from .. import signals
+from ..errors import TrackingError
+from .spill import FILE_NAME as SPILL_FILE
+from .spill import Spill, replay
+from .store import absolute_uri, connect, flatten, log_params, metric_key, output_dir
+from .tags import describe_run, mark_experiment_kind, standard_tags
+
+log = logging.getLogger("rlrun")
+
+
+class MLflow:
+    """The `Tracker` of tracking=mlflow: a new run, or the run `resume_run_id` continued (after sending what the
+    interrupted process kept in `previous_spill`); `config` is the resolved config, logged as params."""
+
+    def __init__(self, cfg, config: dict, run_name: str | None, resume_run_id: str | None = None,
+                 previous_spill: str | None = None):
+        self.client, exp_id = connect(cfg.uri, cfg.experiment)
+        self.first_step = 0  # steps below this were logged before a resume: recomputed, not logged twice
+        self.run_id, self.uri, self.spill = None, cfg.uri, None
+        self.spill_path = os.path.join(output_dir(), SPILL_FILE)
+        try:
+            self._open(cfg, exp_id, config, run_name, resume_run_id, previous_spill)
+        except BaseException as e:  # the run exists but the caller never gets it: end it here, never RUNNING
+            if self.run_id:
+                with signals.held():
+                    with contextlib.suppress(Exception):
+                        error = f"{type(e).__name__}: {e}"
+                        if isinstance(e, KeyboardInterrupt):
+                            error = f"interrupted ({error})"
+                        self.client.set_tag(self.run_id, "error", error[:5000])
+                    self.client.set_terminated(self.run_id, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+            raise
+
+    def _open(self, cfg, exp_id, config: dict, run_name: str | None, resume_run_id: str | None,
+              previous_spill: str | None):
+        if resume_run_id and not self._run_exists(resume_run_id):  # the store changed since the checkpoint
+            log.warning("resume: run %s is not in tracking.uri=%s; this continues as a new run tagged "
+                        "rlrun.resumed_from=%s (its earlier steps stay in the store it was logged to; to continue "
+                        "that run itself, set tracking.uri to that store)", resume_run_id, cfg.uri, resume_run_id)
+            config = {**config, "resumed_from": resume_run_id}
+            resume_run_id = None
+        if resume_run_id:  # the same run continues: RUNNING again, params as first logged
+            self._send_kept(previous_spill, resume_run_id)
+            self.run_id = resume_run_id
+            self.client.update_run(resume_run_id, status="RUNNING")
+            logged = self.client.get_metric_history(resume_run_id, metric_key("loss"))
+            self.first_step = max((m.step for m in logged), default=-1) + 1
+            return
+        tags = {"mlflow.runName": run_name} if run_name else {}
+        if "resumed_from" in config:
+            tags["rlrun.resumed_from"] = config.pop("resumed_from")
+        if cfg.parent_run_id:
+            tags["mlflow.parentRunId"] = cfg.parent_run_id
+        mark_experiment_kind(self.client, exp_id)
+        self.about = describe_run(config)
+        tags.update({**standard_tags(), "mlflow.note.content": self.about})
+        self.run = self.client.create_run(exp_id, tags=tags, run_name=run_name)
+        self.run_id = self.run.info.run_id
+        log_params(self.client, self.run_id, flatten(config))
+        self.client.log_dict(self.run_id, config, "config.yaml")
+
+    def _send_kept(self, path: str | None, run_id: str) -> None:
+        """What the interrupted process could not send goes in first: the steps it holds count as logged, and its
+        final status is overwritten by this run's. Refuses to resume while the store does not take them."""
+        if not path or not os.path.exists(path):
+            return
+        sent, left = replay(self.client, path)
+        if sent:
+            log.info("resume: sent %d records the interrupted run had kept in %s", sent, path)
+        if left:
+            raise TrackingError(f"resume: {left} records of run {run_id} are still kept in {path} and the store "
+                                f"at tracking.uri={self.uri!r} does not take them now; resume when it does, or send "
+                                f"them first: rlrun-report --sync {path}")
+
+    def _run_exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+            return True
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
+
+    def _send(self, op: str, args) -> None:
+        """Every write once the run exists: queued for the sender, kept in the spill file while the store is
+        unreachable (the record names the store absolutely, for `rlrun-report --sync` from any folder)."""
+        if self.spill is None:
+            self.spill = Spill(self.client, self.spill_path, self.uri)
+        self.spill.write({"op": op, "run_id": self.run_id, "uri": absolute_uri(self.uri), "args": args})
+
+    def log(self, step: int, metrics: dict[str, float]):
+        if step >= self.first_step:
+            now = int(time.time() * 1000)  # fixed here: a resent metric is then one the store already holds
+            self._send("metrics", [[metric_key(k), float(v), now, step] for k, v in metrics.items()])
+
+    def tags(self, tags: dict[str, str]):
+        self._send("tags", {k: str(v)[:5000] for k, v in tags.items()})
+
+    def summary(self, metrics: dict[str, float]):
+        """The run's performance summary (mean step time and tokens/s, peak memory per phase) as
+        `system/summary/*`. Its learning numbers (first / last reward, evaluations, last loss) are not logged again:
+        they are the curves' first and latest values, and the run description states them."""
+        perf = {k: v for k, v in metrics.items() if not k.endswith(("_first", "_last")) and not k.startswith("passes_")}
+        now = int(time.time() * 1000)
+        self._send("metrics", [[metric_key(f"summary/{k}"), float(v), now, 0] for k, v in perf.items()])
+
+    def text(self, text: str, name: str):
+        self._send("text", {"text": text, "name": name})
+
+    def table(self, rows: list[dict], name: str):
+        """Rows of equal keys as an MLflow table (`name` ends in .json); the UI shows it under Artifacts."""
+        self._send("table", {"columns": {k: [r.get(k) for r in rows] for k in rows[0]}, "name": name})
+
+    def artifacts(self, folder: str, name: str):
+        self._send("artifacts", {"folder": os.path.abspath(folder), "name": name})
+
+    def flush(self):
+        """Wait until everything logged so far is in the store (or kept in the spill file)."""
+        if self.spill is not None:
+            self.spill.flush()
+
+    def finish(self, status: str):
+        """The final status, after everything logged before it. A run stopped by a signal or an error does not
+        wait for an unreachable store (what is left is kept in the spill file)."""
+        self._send("status", status)
+        self.spill.close(wait=status == "FINISHED")
+
+    def describe(self, text: str):
+        """Append `text` (e.g. `headline(summary)`) to the run's description (`mlflow.note.content`)."""
+        about = getattr(self, "about", None)
+        if about is None:  # a resumed run: keep what its description says, replace an earlier result
+            try:
+                about = self.client.get_run(self.run_id).data.tags.get("mlflow.note.content", "").split(" Result: ")[0]
+            except Exception:  # noqa: BLE001 - the store is away: leave the description as it is
+                return
+        self.tags({"mlflow.note.content": f"{about} {text}" if about else text})
+

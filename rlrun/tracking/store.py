@@ -1,0 +1,196 @@
+"""The tracking store: open a client, get or create an experiment, log params, metrics and figures, and the one
+place metric names are mapped to MLflow's (`metric_key`). The run's tracker (mlflow.py), the sweep callback,
+`rlrun.bench` and `rlrun-report` share these; mlflow is imported inside them, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from urllib.parse import urlparse
+
+from ..errors import TrackingError
+
+
+def flatten(d, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = str(value)
+    return out
+
+
+def check_uri(uri: str, key: str = "tracking.uri", off: str = "tracking=none") -> None:
+    """Fail before training if the store cannot be used, naming the fix (`key`, `off`: the option as the
+    command that checks spells it, and how to turn tracking off there)."""
+    scheme = urlparse(uri).scheme
+    if scheme in ("", "file"):
+        raise TrackingError(
+            f"{key}={uri!r} is a file store, which MLflow 3.13+ rejects; use sqlite:///mlflow.db "
+            f"(a local database file), http(s)://HOST:PORT for a tracking server, or {off}."
+        )
+    if scheme == "sqlite":
+        path = uri[len("sqlite:///") :]
+        folder = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise TrackingError(f"{key}={uri!r}: cannot create folder {folder!r} ({e.strerror}).") from e
+        if not os.access(folder, os.W_OK):
+            raise TrackingError(f"{key}={uri!r}: folder {folder!r} is not writable; choose another path.")
+
+
+def open_client(uri: str):
+    """An MlflowClient that fails fast on an unreachable server instead of retrying for minutes. On a sqlite
+    store the first use (which creates the database and runs MLflow's schema migrations) happens under a file lock
+    (`<db>.lock`): two processes that start together on a new store would otherwise race in the migration."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    from mlflow.tracking import MlflowClient
+
+    if urlparse(uri).scheme != "sqlite":
+        return MlflowClient(tracking_uri=uri)
+    with store_lock(uri):  # the client creates / migrates the store: one process at a time
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)
+    return client
+
+
+@contextlib.contextmanager
+def store_lock(uri: str):
+    """An exclusive fcntl lock on `<db>.lock` beside a sqlite store's file (none where it cannot be made: a
+    read-only folder, a platform without fcntl, an in-memory database)."""
+    path = uri[len("sqlite:///"):].split("?")[0]
+    if not path or path == ":memory:":
+        yield
+        return
+    try:
+        import fcntl
+
+        fd = os.open(os.path.abspath(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def experiment_id(client, name: str) -> str:
+    """The id of experiment `name`, created if missing. Jobs of a sweep may start together: if another process
+    creates it between our read and our create, the create fails and we read theirs."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def connect(uri: str, experiment: str):
+    """(client, experiment id) for writing runs; TrackingError naming the fix if the store cannot be used."""
+    check_uri(uri)
+    try:
+        client = open_client(uri)  # a sqlite store is opened (and created or migrated) here
+        return client, experiment_id(client, experiment)
+    except Exception as e:  # noqa: BLE001 - any failure here means the store is unusable
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        if urlparse(uri).scheme == "sqlite":
+            path = os.path.abspath(uri[len("sqlite:///"):])
+            raise TrackingError(f"tracking.uri={uri!r}: {path} cannot be used as an MLflow store ({why}). If it is "
+                                "not an MLflow database or is damaged, move it aside (a new one is created), point "
+                                "tracking.uri at another file, or run with tracking=none.") from e
+        raise TrackingError(f"tracking.uri={uri!r} cannot be reached or used ({why}). Start the server, fix the "
+                            "URI, or run with tracking=none.") from e
+
+
+def log_params(client, run_id: str, params: dict) -> None:
+    """Params as strings cut to MLflow's 6000-character limit, in batches of MLflow's 100."""
+    from mlflow.entities import Param
+
+    batch = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    for i in range(0, len(batch), 100):
+        client.log_batch(run_id, params=batch[i : i + 100])
+
+
+# Measurements of the machine rather than of learning: logged under system/ (MLflow's "System metrics" tab).
+SYSTEM_PREFIXES = ("time/", "mem/", "plan/", "throughput/", "passes/", "mismatch/", "summary/")
+
+
+def metric_key(name: str) -> str:
+    """The MLflow name of a metric the code calls `name`: `loss` -> `train/loss`, `eval/accuracy` unchanged,
+    `time/step_s` -> `system/time/step_s` (names already namespaced stay as they are)."""
+    if name.startswith(("train/", "eval/", "system/")):
+        return name
+    if name.startswith(SYSTEM_PREFIXES):
+        return "system/" + name
+    return "train/" + name
+
+
+def log_metrics(client, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    """Metrics at one step, in batches of 500 (under MLflow's 1000 per request)."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+    for i in range(0, len(batch), 500):
+        client.log_batch(run_id, metrics=batch[i : i + 500])
+
+
+def log_figures(client, run_id: str, figs: dict) -> None:
+    """{artifact file name: matplotlib figure} as artifacts of the run."""
+    for name, fig in figs.items():
+        client.log_figure(run_id, fig, name)
+
+
+def absolute_uri(uri: str) -> str:
+    """A sqlite URI with an absolute path (`sqlite:///mlflow.db` -> `sqlite:////cwd/mlflow.db`); others as given."""
+    if urlparse(uri).scheme == "sqlite" and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
+    return uri
+
+
+def output_dir() -> str:
+    """The run's output folder (Hydra's), or the working folder outside a Hydra run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
+
+
+def is_run_id(text: str) -> bool:
+    return re.fullmatch(r"[0-9a-f]{32}", text) is not None
+
+
+def mark(uri: str, run_id: str, status: str) -> None:
+    open_client(uri).set_terminated(run_id, status)
+
+
+def checkpoint_dir_of(cfg, run_id: str) -> str:
+    """`checkpoint.dir` of an MLflow run, for `resume=<run id>`."""
+    if cfg.name != "mlflow":
+        raise TrackingError(f"resume={run_id} looks up an MLflow run, but tracking=none; set tracking=mlflow and "
+                            "tracking.uri to the store the run was logged to, or resume=CHECKPOINT_FOLDER.")
+    try:
+        params = open_client(cfg.uri).get_run(run_id).data.params
+    except Exception as e:  # noqa: BLE001 - not found, or the store is unreachable: one message either way
+        raise TrackingError(f"resume={run_id}: no such MLflow run in tracking.uri={cfg.uri!r} ({type(e).__name__}); "
+                            "point tracking.uri at the store the run was logged to, or give resume=CHECKPOINT_FOLDER."
+                            ) from e
+    folder = params.get("checkpoint.dir")
+    if folder in (None, "None", ""):
+        raise TrackingError(f"resume={run_id}: that run wrote no checkpoints (checkpoint.dir was not set).")
+    return folder
+

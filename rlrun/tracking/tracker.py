@@ -1,0 +1,75 @@
+"""The contract every tracker keeps (`Tracker`), and tracking=none's tracker, which records nothing."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Tracker(Protocol):
+    """What the run frame, the recipes and the bench call on a tracker. A tracker is built by `tracking.start` as
+    `Factory(cfg, config, run_name, resume_run_id, previous_spill)` (the registry's `tracking` entry)."""
+
+    run_id: str | None  # the store's id of the run; None where nothing is stored
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """The metrics of one step (the code's names: `loss`, `time/step_s`, `eval/accuracy`)."""
+
+    def tags(self, tags: dict[str, str]) -> None: ...
+
+    def summary(self, metrics: dict[str, float]) -> None:
+        """The run's summary (`Summary.result()`), once at the end."""
+
+    def text(self, text: str, name: str) -> None:
+        """`text` as a file `name` of the run."""
+
+    def table(self, rows: list[dict], name: str) -> None:
+        """Rows with the same keys as a table `name` (ends in .json)."""
+
+    def artifacts(self, folder: str, name: str) -> None:
+        """The files of `folder` under `name` in the run."""
+
+    def describe(self, text: str) -> None:
+        """Append `text` to the run's description."""
+
+    def flush(self) -> None:
+        """Return once everything logged so far is stored (or kept to send later)."""
+
+    def finish(self, status: str) -> None:
+        """The final status: FINISHED, FAILED or KILLED; the last call."""
+
+
+class Null:
+    """tracking=none: records nothing."""
+
+    run_id = None
+
+    def __init__(self, *_args, **_kwargs):  # takes what MLflow takes, so `start` builds either the same way
+        pass
+
+    def log(self, step, metrics):
+        pass
+
+    def tags(self, tags):
+        pass
+
+    def summary(self, metrics):
+        pass
+
+    def text(self, text, name):
+        pass
+
+    def table(self, rows, name):
+        pass
+
+    def artifacts(self, folder, name):
+        pass
+
+    def describe(self, text):
+        pass
+
+    def flush(self):
+        pass
+
+    def finish(self, status):
+        pass
