@@ -3,13 +3,12 @@ plain lines when stdout is not one)."""
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 
 from tqdm import tqdm
 
-from .. import tracking
+from .. import render, tracking
 
 
 def format_rows(rows: list[dict], width: int = 40) -> str:
@@ -20,13 +19,7 @@ def format_rows(rows: list[dict], width: int = 40) -> str:
         return text if len(text) <= width else text[: width - 1] + "…"
 
     keys = list(rows[0])
-    table = [keys] + [[cell(r.get(k)) for k in keys] for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(keys))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table)
-
-
-def _num(v: float | None, spec: str = ".3g") -> str:
-    return "–" if v is None or not math.isfinite(v) else format(v + 0.0, spec)  # + 0.0: no "-0"
+    return render.table(keys, [[cell(r.get(k)) for k in keys] for r in rows], left=len(keys))
 
 
 def end_table(summary: dict[str, float], steps: int | None = None) -> str:
@@ -35,17 +28,17 @@ def end_table(summary: dict[str, float], steps: int | None = None) -> str:
     for curve, label in (("reward", "reward (mean of first / last 3 steps)"),
                          ("accuracy", "reward accuracy (mean of first / last 3 steps)")):
         if f"{curve}_first" in summary:
-            rows.append((label, f"{_num(summary[f'{curve}_first'], '.3f')} → "
-                                f"{_num(summary.get(f'{curve}_last'), '.3f')}"))
+            rows.append((label, f"{render.num(summary[f'{curve}_first'], '.3f')} → "
+                                f"{render.num(summary.get(f'{curve}_last'), '.3f')}"))
     for key in sorted(k for k in summary if k.startswith("eval_") and k.endswith("_first")):
         name = key.removeprefix("eval_").removesuffix("_first").replace("_", " ")
-        rows.append((f"eval {name} (first / last evaluation)", f"{_num(summary[key], '.3f')} → "
-                                                                f"{_num(summary.get(key[:-6] + '_last'), '.3f')}"))
+        first, last = render.num(summary[key], ".3f"), render.num(summary.get(key[:-6] + "_last"), ".3f")
+        rows.append((f"eval {name} (first / last evaluation)", f"{first} → {last}"))
     if "loss_last" in summary:
-        rows.append(("loss (last step)", _num(summary["loss_last"], ".4g")))
+        rows.append(("loss (last step)", render.num(summary["loss_last"], ".4g")))
     if "step_s" in summary:
-        rows.append(("step time (mean)", f"{_num(summary['step_s'], '.3g')} s"))
-    toks = [f"{_num(summary[k], '.0f')} {what}" for k, what in
+        rows.append(("step time (mean)", f"{render.num(summary['step_s'], '.3g')} s"))
+    toks = [f"{render.num(summary[k], '.0f')} {what}" for k, what in
             (("gen_tokens_per_s", "generated"), ("train_tokens_per_s", "trained")) if k in summary]
     if toks:
         rows.append(("tokens / s (mean)", ", ".join(toks)))
@@ -53,7 +46,7 @@ def end_table(summary: dict[str, float], steps: int | None = None) -> str:
 
     peaks = [(p, summary[f"max_{p}_peak_mib"]) for p in PHASES if f"max_{p}_peak_mib" in summary]  # step order
     if peaks:
-        rows.append(("peak memory, MiB", "  ".join(f"{p} {_num(v, '.0f')}" for p, v in peaks)))
+        rows.append(("peak memory, MiB", "  ".join(f"{p} {render.num(v, '.0f')}" for p, v in peaks)))
     width = max((len(k) for k, _ in rows), default=0)
     head = f"rlrun: run finished ({steps} steps)" if steps is not None else "rlrun: run finished"
     return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows])
