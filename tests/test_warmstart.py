@@ -116,17 +116,20 @@ def test_noisy_answers():
 
 
 SCENARIO_MODEL = {"hidden_size": 32, "intermediate_size": 128, "layers": 3, "heads": 1, "kv_heads": 1}
-SCENARIO_TASK = {"name": "arith", "size": 1000, "max_operand": 9, "ops": ["+"], "eval_size": 20,
-                 "reward": "rlrun.tasks:partial_credit"}
+SCENARIO_TASK = ["task=arith", "task.size=1000", "task.max_operand=9", "task.ops=[+]", "task.eval_size=20",
+                 "task.reward=rlrun.tasks:partial_credit"]
 
 
 @pytest.mark.slow
 def test_the_default_scenario_starts_wrong_but_within_reach():
     """The warm start of the default run does not solve the held-out problems (greedy), yet samples the right
     answer often enough for GRPO's groups to see it: RL has something to learn and a signal to learn it from."""
-    from rlrun import evaluate, tasks
+    from conftest import make_cfg
 
-    task = tasks.load(OmegaConf.create(SCENARIO_TASK), 0)
+    from rlrun import evaluate, tasks
+    from rlrun.config import validate
+
+    task = tasks.load(validate(make_cfg(*SCENARIO_TASK)).task, 0)
     assert not {r["prompt"] for r in task.eval} & {r["prompt"] for r in task.train}
     model, tok = tiny_model(**SCENARIO_MODEL)
     warmstart.warm_start(model, tok, task.train, warmstart.DEFAULTS, seed=0, cache=False)
