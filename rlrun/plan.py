@@ -308,12 +308,17 @@ def detail(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def resolve_size(cfg, s: Shapes, tokens: int, device_type: str, world: int = 1) -> int | None:
-    """head.size, with `auto` replaced by the largest tile within head.memory_budget_mib (null: default_budget)."""
+def resolve_size(cfg, s: Shapes, tokens: int, device_type: str, world: int = 1,
+                 device_bytes: int | None = None) -> int | None:
+    """head.size, with `auto` replaced by the largest tile within head.memory_budget_mib (null: a tenth of
+    `device_bytes` when given, the device a plan is for; else default_budget, from the memory free now)."""
     if cfg.head.size != "auto":
         return cfg.head.size
     budget = cfg.head.memory_budget_mib
-    budget = budget * MIB if budget is not None else default_budget(device_type)
+    if budget is not None:
+        budget = budget * MIB
+    else:
+        budget = device_bytes // 10 if device_bytes else default_budget(device_type)
     grad_accum = max(cfg.train.batch_size // (cfg.train.micro_batch * world), 1)
     return auto_size(budget, tokens, s, cfg.head.name, grad_accum > 1)
 
@@ -334,13 +339,15 @@ def report(cfg) -> str:
     this machine's CPU, plus whether it fits a CUDA device of plan.device_gib; then every part."""
     s, n_rows, seq_len, tokens = inputs(cfg)
     world, gib = world_size(cfg), cfg.plan.device_gib
-    size = resolve_size(cfg, s, tokens, "cpu", world)
+    # head.size=auto with no budget: a tenth of the device planned for (plan.device_gib), as a run on it would take
+    size = resolve_size(cfg, s, tokens, "cpu", world, device_bytes=int(gib * 2**30) if gib else None)
     cpu = predict(cfg, s, n_rows, seq_len, tokens, world=world, head_size=size)
     cuda = predict(cfg, s, n_rows, seq_len, tokens, world=world, device_type="cuda", head_size=size,
                    device_gib=gib) if gib else None
     note = ""
     if cfg.head.size == "auto":
         within = (f"head.memory_budget_mib={cfg.head.memory_budget_mib}" if cfg.head.memory_budget_mib else
-                  "a tenth of this machine's free memory; a run chooses from its own device's free memory")
+                  f"a tenth of plan.device_gib={gib:g} GiB; a run chooses from its own device's free memory" if gib
+                  else "a tenth of this machine's free memory; a run chooses from its own device's free memory")
         note = f"head.size=auto: {size} tokens per tile, within {within}\n"
     return note + table(cpu, cuda, gib) + "\n\nparts (MiB, CPU):\n" + detail(cpu)

@@ -116,7 +116,8 @@ class SweepCallback(Callback):
             failed = [r for r in runs if r.info.status != "FINISHED"]
             finished = [r for r in runs if r.info.status == "FINISHED"]
             if finished:
-                self.draw(report, finished, os.path.join(str(config.hydra.sweep.dir), "figures"))
+                baseline = OmegaConf.select(config, "report.baseline", default=None)
+                self.draw(report, finished, os.path.join(str(config.hydra.sweep.dir), "figures"), baseline)
             status = "FAILED" if failed or not runs else "FINISHED"
         except Exception as e:
             self.client.set_tag(self.parent_id, "error", f"{type(e).__name__}: {e}"[:5000])
@@ -129,16 +130,25 @@ class SweepCallback(Callback):
             print(f"rlrun: {len(failed)} of {len(runs)} sweep jobs failed:\n" + "\n".join(lines), file=sys.stderr)
             sys.exit(1)
 
-    def draw(self, report, runs, out):
-        figs, rows = report.figures(self.client, runs, runs[0].data.tags.get("rlrun.device", "cpu"))
-        report.write(figs, rows, out)
+    def draw(self, report, runs, out, baseline=None):
+        """The sweep's figures on the parent, its comparison table, and its equivalence check: equivalence/*
+        metrics and equivalence.txt, or (no baseline among the jobs) a warning and the tag rlrun.equivalence."""
+        figs, (rows, problems) = report.figures(self.client, runs, runs[0].data.tags.get("rlrun.device", "cpu"),
+                                                baseline)
+        report.write(figs, (rows, problems), out)
         tracking.log_figures(self.client, self.parent_id, figs)
         self.describe(report, runs)
-        if rows:
+        if rows or problems:
             self.client.log_artifact(self.parent_id, os.path.join(out, "equivalence.txt"))
+        if rows:
             diffs = {k: [r[k] for r in rows if k in r] for k in ("loss", "reward_mean")}
             tracking.log_metrics(self.client, self.parent_id,
-                                 {f"equivalence/max_abs_diff_{k}": max(v) for k, v in diffs.items() if v})
+                                 {f"equivalence/max_abs_diff_{k}": max(v) for k, v in diffs.items() if v}
+                                 | {"equivalence/runs_compared": float(len(rows))})
+        for problem in problems:
+            log.warning("equivalence: %s", problem)
+        self.client.set_tag(self.parent_id, "rlrun.equivalence", "; ".join(problems) if problems else
+                            f"{len(rows)} run(s) compared with their baseline" if rows else "nothing to compare")
         log.info("figures: %s", out)
 
     def describe(self, report, runs):

@@ -25,6 +25,11 @@ def nan_reward(completion: str, answer: str) -> float:
     return math.nan
 
 
+def constant_reward(completion: str, answer: str) -> float:
+    """The same reward for every completion: every prompt group ties, every advantage is 0."""
+    return 0.5
+
+
 def interrupt_after_two_rollouts(completion: str, answer: str) -> float:
     calls["interrupt"] += 1
     if calls["interrupt"] > 16:  # smoke rollouts have 8 completions: the third rollout is interrupted

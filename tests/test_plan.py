@@ -150,3 +150,17 @@ def test_plan_predicts_what_runs_measure(point):
     for phase in bench_plan.CHECKED:
         predicted, measured = result[phase]
         assert bench_plan.within(predicted, measured), (phase, predicted, measured)
+
+
+def test_rlrun_plan_sizes_an_auto_tile_for_the_device_planned_for():
+    """`rlrun plan head.size=auto` with no budget takes a tenth of plan.device_gib (the device the plan is for), not
+    of this machine's free memory."""
+    from rlrun.config import validate
+
+    def tile(gib):
+        cfg = validate(make_cfg("head=tiled", "head.size=auto", "model.vocab_size=151936", f"plan.device_gib={gib}"))
+        text = plan.report(cfg)
+        assert f"within a tenth of plan.device_gib={gib:g} GiB" in text, text[:300]
+        return int(text.split("head.size=auto: ")[1].split()[0])
+
+    assert tile(0.5) < tile(80)

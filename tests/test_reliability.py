@@ -16,7 +16,8 @@ from collections import Counter, OrderedDict
 import numpy as np
 import pytest
 import torch
-from helpers import runs
+from conftest import make_cfg, new_store
+from helpers import history, runs
 
 from rlrun import checkpoint, runner, signals
 
@@ -270,6 +271,31 @@ def test_watch_gradients_resets_on_a_live_step():
             assert runner.watch_gradients(h, 0.0) is None
         assert runner.watch_gradients(h, 1e-9) is None  # tiny but alive: the count starts again
     assert runner.watch_gradients(h, 0.5) is None
+
+
+def test_watch_gradients_blames_equal_rewards_not_the_learning_rate_when_every_group_tied():
+    h = {}
+    for _ in range(runner.DEAD_GRADIENT_STEPS - 1):
+        assert runner.watch_gradients(h, 0.0, equal_rewards=True) is None
+    text = runner.watch_gradients(h, 0.0, equal_rewards=True)
+    assert "every prompt group had equal rewards" in text and "learning rate is not the cause" in text
+    mixed = {}  # one dead step with signal in the rewards: the weights, not the reward
+    runner.watch_gradients(mixed, 0.0, equal_rewards=False)
+    for _ in range(runner.DEAD_GRADIENT_STEPS - 1):
+        text = runner.watch_gradients(mixed, 0.0, equal_rewards=True)
+    assert "lower train.lr" in text and "equal rewards" not in text
+
+
+@pytest.mark.slow  # a 2-step run
+def test_a_grpo_step_logs_the_share_of_groups_without_reward_signal(tmp_path):
+    from rlrun.cli import run
+
+    new_store(tmp_path)
+    cfg = make_cfg("experiment=smoke", "train.steps=2", "eval.every=0", "task.reward=helpers:constant_reward",
+                   tmp_path=tmp_path)
+    run(cfg, "constant")
+    client, [r] = runs(tmp_path / "mlflow.db")
+    assert history(client, r.info.run_id, "equal_reward_groups_frac") == [1.0, 1.0]
 
 
 # --- two processes, one new sqlite store ----------------------------------------------------------------------

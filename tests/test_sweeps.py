@@ -53,13 +53,32 @@ def test_smoke_sweep_has_one_parent_and_a_child_per_job(smoke):
 @pytest.mark.slow
 @SMOKE_SWEEP
 def test_equivalence_holds_across_the_smoke_sweep(smoke):
-    tmp, _, _ = smoke
+    tmp, _, all_runs = smoke
     lines = (tmp / "sweep" / "figures" / "equivalence.txt").read_text().splitlines()
     assert len(lines) == 16  # per loss: 8 efficient variants vs the dense/always/off baseline
     for line in lines:
         dloss = float(line.split("max|dloss|=")[1].split()[0])
         dreward = float(line.split("max|dreward|=")[1])
         assert dloss < 1e-5 and dreward == 0, line
+    parent = next(r for r in all_runs if r.data.tags.get("rlrun.kind") == "sweep")
+    assert parent.data.metrics["equivalence/runs_compared"] == 16
+    assert parent.data.metrics["equivalence/max_abs_diff_loss"] < 1e-5
+    assert parent.data.tags["rlrun.equivalence"] == "16 run(s) compared with their baseline"
+
+
+@pytest.mark.slow
+def test_a_head_sweep_under_the_default_policy_checks_equivalence(tmp_path):
+    """`rlrun -m head=dense,tiled,chunked`: no job is logprob_policy=always (the default is window), and the
+    parent still carries the equivalence check against dense."""
+    r = sweep(tmp_path, "-m", "head=dense,tiled,chunked", "experiment=smoke")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _, all_runs = runs(tmp_path / "mlflow.db")
+    parent = next(r for r in all_runs if r.data.tags.get("rlrun.kind") == "sweep")
+    assert parent.data.metrics["equivalence/runs_compared"] == 2
+    assert parent.data.metrics["equivalence/max_abs_diff_loss"] < 1e-5
+    lines = (tmp_path / "sweep" / "figures" / "equivalence.txt").read_text().splitlines()
+    assert len(lines) == 2 and all("vs head=dense" in line for line in lines), lines
+    assert (tmp_path / "sweep" / "figures" / "equivalence.png").exists()
 
 
 @pytest.mark.slow
@@ -73,7 +92,7 @@ def test_figures_have_one_series_per_job_and_report_redraws_them_from_the_store(
     parent = next(r for r in all_runs if r.data.tags.get("rlrun.kind") == "sweep")
     client = MlflowClient(f"sqlite:///{tmp}/mlflow.db")
     _, children = report.child_runs(client, parent.info.run_id)
-    figs, rows = report.figures(client, children)
+    figs, _ = report.figures(client, children)
     loss_ax, reward_ax = figs["curves.png"].axes[:2]
     assert len(loss_ax.get_lines()) == len(reward_ax.get_lines()) == 18
     assert {t.get_text() for t in figs["curves.png"].legends[0].get_texts()} == set(report.labels(children))
@@ -194,7 +213,7 @@ def test_figures_are_legible_in_the_artifact_viewer(tmp_path):
 
     client, _, children = fake_sweep(tmp_path)
     figs, _ = report.figures(client, children)
-    report.write(figs, [], tmp_path / "out")
+    report.write(figs, ([], []), tmp_path / "out")
     import matplotlib.image as mpimg
 
     for name, fig in figs.items():

@@ -367,6 +367,11 @@ class PlanConfig:
 
 
 @dataclass
+class ReportConfig:
+    baseline: str | None  # a sweep's equivalence baseline by run name; null: the reference setting of each axis
+
+
+@dataclass
 class RunConfig:
     seed: NonNegInt  # numpy refuses negative seeds
     run_name: str | None
@@ -378,6 +383,7 @@ class RunConfig:
     log: LogConfig
     export: ExportConfig
     plan: PlanConfig
+    report: ReportConfig
     train: TrainConfig
     model: TinyModel | HFModel
     task: ArithTask | JsonlTask | DatasetTask

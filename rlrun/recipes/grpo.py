@@ -284,6 +284,8 @@ def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_to
          "grad_norm": grad_norm, "lr": frame.engine.lr()}
     if got.rewards:
         r = torch.cat([x for p in by_rank for x in p["rewards"]])
+        grouped = r.view(-1, frame.cfg.train.group_size)  # whole groups on every rank, in order
+        m["equal_reward_groups_frac"] = (grouped.amax(1) == grouped.amin(1)).float().mean().item()  # no signal
         m.update({"reward_mean": r.mean().item(), "reward_std": r.std().item(),
                   "solved_frac": (r >= 1.0).float().mean().item(),  # completions with full reward
                   "response_len_mean": torch.cat([x for p in by_rank for x in p["lengths"]]).mean().item(),

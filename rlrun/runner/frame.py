@@ -194,7 +194,7 @@ class Frame:
         return self.engine.gather({**part, "meter": self.meter.metrics()})
 
     def log(self, step: int, m: dict[str, float], **postfix) -> None:
-        text = watch_gradients(self.grad_watch, m["grad_norm"])
+        text = watch_gradients(self.grad_watch, m["grad_norm"], m.get("equal_reward_groups_frac") == 1.0)
         if text:  # training that died quietly: say so once, in the console and on the run
             log.warning(text)
             self.tracker.tags({DEAD_GRADIENTS_TAG: text})

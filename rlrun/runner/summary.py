@@ -78,20 +78,32 @@ DEAD_GRADIENT_STEPS = 5  # consecutive steps of a zero or non-finite gradient no
 DEAD_GRADIENTS_TAG = "rlrun.warning.dead_gradients"
 
 
-def watch_gradients(history_state: dict, grad_norm: float) -> str | None:
-    """Training that died quietly (e.g. train.lr=1e6: the weights blew up, then every gradient is exactly 0): the
-    warning text the first time the gradient norm has been exactly 0 or non-finite for DEAD_GRADIENT_STEPS
-    consecutive steps, else None. `history_state` is a dict the caller keeps for the run (start with {}); the
-    warning is given once per run. Call once per optimizer step with that step's grad norm; on a text, warn in the
-    console and set the run tag DEAD_GRADIENTS_TAG to it."""
+def watch_gradients(history_state: dict, grad_norm: float, equal_rewards: bool = False) -> str | None:
+    """Training that died quietly: the warning text the first time the gradient norm has been exactly 0 or
+    non-finite for DEAD_GRADIENT_STEPS consecutive steps, else None. `history_state` is a dict the caller keeps for
+    the run (start with {}); the warning is given once per run. Call once per optimizer step with that step's grad
+    norm and whether every prompt group of the step had equal rewards (GRPO); on a text, warn in the console and
+    set the run tag DEAD_GRADIENTS_TAG to it.
+
+    Two causes read differently: every group had equal rewards on every dead step (all advantages are 0, so there is
+    nothing to learn: the reward or the task, not the optimizer), or the weights broke (e.g. train.lr=1e6)."""
     dead = not math.isfinite(grad_norm) or grad_norm == 0.0
     history_state["dead"] = history_state.get("dead", 0) + 1 if dead else 0
+    history_state["equal"] = history_state.get("equal", 0) + 1 if dead and equal_rewards else 0
     history_state["steps"] = history_state.get("steps", 0) + 1
     if history_state["dead"] < DEAD_GRADIENT_STEPS or history_state.get("warned"):
         return None
     history_state["warned"] = True
+    n, step = history_state["dead"], history_state["steps"] - 1
+    if history_state["equal"] == n:
+        return (f"the gradient norm has been exactly 0 for {n} consecutive steps (step {step} of this process) "
+                "because every prompt group had equal rewards: all completions of a prompt scored the same, so "
+                "every advantage is 0 and there is nothing to learn from. The learning rate is not the cause: the "
+                "task is too hard or too easy for this policy, or the reward does not tell completions apart; check "
+                "the reward and the samples (log.samples_every=N), or raise train.group_size or "
+                "rollout.temperature.")
     what = "exactly 0" if grad_norm == 0.0 else f"non-finite ({grad_norm})"
-    return (f"the gradient norm has been zero or non-finite for {history_state['dead']} consecutive steps "
-            f"(now {what}, step {history_state['steps'] - 1} of this process): training has stopped learning, "
+    return (f"the gradient norm has been zero or non-finite for {n} consecutive steps "
+            f"(now {what}, step {step} of this process): training has stopped learning, "
             "usually from a learning rate far too high (train.lr) that broke the weights; lower train.lr or check "
             "the loss and reward.")

@@ -5,8 +5,8 @@
 
 Draws memory.png (peak memory per phase), memory_plan.png (predicted vs measured growth per phase),
 throughput.png (tokens/s and step time by phase), curves.png (loss and reward per step, one line per run) and,
-where runs differ only in an efficiency axis (head, logprob_policy, offload), equivalence.png (max difference of
-each curve from its dense/always/off baseline).
+where runs differ only in efficiency axes, equivalence.png and equivalence.txt (max difference of each curve from
+its group's baseline, tools/equivalence.py; a group with no baseline is named there, with the job to add).
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ from .. import render
 from ..meters import PHASES, growth_key, peak_key, plan_growth_key, time_key
 from ..render import num
 from ..tracking import log_figures, metric_key, open_client, spill
+from . import equivalence as eq
 from .charts import DPI, FONT, colors, figure, hbars, heatmap, panel_height, wrap
 
 STYLES = ["-", "--", ":", "-."]
-EFFICIENCY_AXES = ("head.", "logprob_policy.", "offload.")
-BASELINE = {"head.name": "dense", "logprob_policy.name": "always", "offload.name": "off"}
-IGNORED_PARAMS = ("run_name", "tracking.", "progress")
 
 
 def child_runs(client, parent_run_id: str):
@@ -142,31 +140,9 @@ def curves_figure(names, data):
     return fig
 
 
-def equivalence(runs, names, data):
-    """Max |curve - baseline curve| for runs that differ from a dense/always/off run only in efficiency axes."""
-    def key(run):
-        return tuple(sorted((k, v) for k, v in run.data.params.items()
-                            if not k.startswith(EFFICIENCY_AXES + IGNORED_PARAMS)))
-
-    rows = []
-    groups: dict = {}
-    for i, r in enumerate(runs):
-        groups.setdefault(key(r), []).append(i)
-    for idx in groups.values():
-        base = [i for i in idx if all(runs[i].data.params.get(k) == v for k, v in BASELINE.items())]
-        if not base:
-            continue
-        b = base[0]
-        for i in idx:
-            if i == b:
-                continue
-            row = {"run": names[i], "baseline": names[b]}
-            for k in ("loss", "reward_mean"):
-                if k in data[i] and k in data[b]:
-                    n = min(len(data[i][k][1]), len(data[b][k][1]))
-                    row[k] = float(np.max(np.abs(data[i][k][1][:n] - data[b][k][1][:n]))) if n else float("nan")
-            rows.append(row)
-    return rows
+def equivalence(runs, names, data, baseline: str | None = None):
+    """Each run vs the baseline of its group (tools/equivalence.py): (rows, problems)."""
+    return eq.rows([r.data.params for r in runs], names, data, baseline)
 
 
 def equivalence_figure(rows):
@@ -176,7 +152,7 @@ def equivalence_figure(rows):
     hbars(ax, names, {"loss": [max(r.get("loss", 0), floor) for r in rows],
                        "reward": [max(r.get("reward_mean", 0), floor) for r in rows]},
            f"max |difference| over steps (log scale; {floor:g} = identical)",
-           "Curves vs the dense / always / off baseline", log=True)
+           "Curves vs each group's baseline (reference setting: dense / always / off)", log=True)
     fig.tight_layout()
     return fig
 
@@ -219,8 +195,8 @@ def markdown(names, data) -> str:
     return render.markdown(list(COLUMNS), _cells(names, data))
 
 
-def figures(client, runs, device="cpu"):
-    """{filename: figure} comparing `runs`, plus the equivalence rows."""
+def figures(client, runs, device="cpu", baseline: str | None = None):
+    """{filename: figure} comparing `runs`, plus the equivalence rows and problems (`baseline`: a run's name)."""
     names = labels(runs)
     data = collect(client, runs)
     figs = {"memory.png": memory_figure(names, data, device), "throughput.png": throughput_figure(names, data),
@@ -229,20 +205,20 @@ def figures(client, runs, device="cpu"):
     if plan is not None:
         figs["memory_plan.png"] = plan
     print(table(names, data))
-    rows = equivalence(runs, names, data)
+    rows, problems = equivalence(runs, names, data, baseline)
     if rows:
         figs["equivalence.png"] = equivalence_figure(rows)
-    return figs, rows
+    return figs, (rows, problems)
 
 
-def write(figs, rows, out_dir):
+def write(figs, equivalence_result, out_dir):
+    """The figures as PNGs and, where any group could be checked or should have been, equivalence.txt."""
     os.makedirs(out_dir, exist_ok=True)
     for name, fig in figs.items():
         fig.savefig(os.path.join(out_dir, name), dpi=DPI)
-    if rows:
-        width = max(len(r["run"]) for r in rows)
-        text = "\n".join(f"{r['run']:<{width}} vs {r['baseline']:<30} max|dloss|={num(r.get('loss'))} "
-                         f"max|dreward|={num(r.get('reward_mean'))}" for r in rows)
+    rows, problems = equivalence_result
+    if rows or problems:
+        text = eq.text(rows, problems, num)
         with open(os.path.join(out_dir, "equivalence.txt"), "w") as f:
             f.write(text + "\n")
         print(text)
@@ -316,6 +292,8 @@ def main(argv=None):
     p.add_argument("--uri", default="sqlite:///mlflow.db", help="tracking URI (default: %(default)s)")
     p.add_argument("--out", help="folder for the PNGs (default: report-<id or experiment>)")
     p.add_argument("--log", action="store_true", help="also log the figures on the parent run")
+    p.add_argument("--baseline", metavar="NAME", help="the run the others are compared with (default: in each "
+                                                      "group, the run with dense/always/off/padded/keep)")
     p.add_argument("--sync", metavar="FILE", help="send what a run kept while its tracking store was unreachable "
                                                   "(the mlflow_spill.jsonl in its output folder) to that store")
     a = p.parse_args(argv)
@@ -329,9 +307,9 @@ def main(argv=None):
     except ReportError as e:
         print(f"rlrun-report: {e}", file=sys.stderr)
         sys.exit(2)
-    figs, rows = figures(client, runs, runs[0].data.tags.get("rlrun.device", "cpu"))
+    figs, result = figures(client, runs, runs[0].data.tags.get("rlrun.device", "cpu"), a.baseline)
     out = a.out or f"report-{a.parent_run_id or a.experiment}"
-    write(figs, rows, out)
+    write(figs, result, out)
     if a.log and a.parent_run_id:
         log_figures(client, a.parent_run_id, figs)
     print(f"{len(runs)} runs -> {', '.join(os.path.join(out, n) for n in figs)}")
