@@ -5,6 +5,8 @@ the plan's upper bound on tokens is the real count) with a large vocabulary, `lo
 KL coefficient so that the old and reference passes both run, in its own process. The run logs its plan (plan/*)
 and its measured peak growth (mem/*); the bench reads both back from the run's MLflow store and prints, per phase,
 predicted vs measured, the error, and whether it is within the target: 15% or 32 MiB, whichever is larger.
+Measured is the median over the run's steps: on CPU it is RSS, which is process-wide, and one step's phase can
+catch an allocation that is not its own (a BLAS library's first-call buffers, a thread's); the plan is a step's.
 
 Tokens per micro-batch are micro_batch x max_new_tokens: 512 = 64 x 8 (two micro-batches per step, so gradients
 accumulate) and 2048 = 128 x 16 (one). The LoRA point adds model.lora.enabled=true (lm head frozen, reference by
@@ -14,6 +16,7 @@ disabling the adapters).
 from __future__ import annotations
 
 import os
+import statistics
 
 import torch
 
@@ -35,16 +38,18 @@ def overrides(head: str, vocab: int, tokens: int, steps: int, lora: bool, uri: s
 
 
 def child(point: dict, steps: int, out_path: str) -> None:
-    """One run of `point` in this fresh process; saves {phase: (predicted, measured)} growth in MiB."""
+    """One run of `point` in this fresh process; saves {phase: (predicted, measured)} growth in MiB: the plan and the
+    median of the steps' measured growth."""
     from ..meters import growth_key, plan_growth_key
     from .bench_trl import rlrun_run
 
     render.quiet(os.devnull)  # the table is what the bench prints
     with rlrun_run(lambda uri: overrides(**point, steps=steps, uri=uri), "bench-plan") as history:
-        def top(name):
-            return max((m.value for m in history(name)), default=None)
+        def median(name):
+            values = [m.value for m in history(name)]
+            return statistics.median(values) if values else None
 
-        result = {p: (top(plan_growth_key(p)), top(growth_key(p))) for p in PHASES}
+        result = {p: (median(plan_growth_key(p)), median(growth_key(p))) for p in PHASES}
     torch.save({p: v for p, v in result.items() if None not in v}, out_path)
 
 
