@@ -21,6 +21,7 @@ so a checkpoint without one, or with a file that no longer matches it, is incomp
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import io
@@ -33,7 +34,7 @@ import shutil
 import numpy as np
 import torch
 
-from . import ranks
+from . import folders, ranks
 from .errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -119,13 +120,21 @@ def tag(step: int) -> str:
 
 
 def _write_atomic(path: str, chunks: list[bytes]) -> None:
+    """Through `<path>.tmp`, flushed and renamed; a write that fails (disk full, permission) leaves no `.tmp`, the
+    previous checkpoints untouched, and one message with the path, the bytes needed and the fix."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        fix = "free space or set checkpoint.dir to another disk; the checkpoints written before are unchanged."
+        raise CheckpointError(folders.no_room(path, e, sum(map(len, chunks)), fix)) from None
 
 
 def write(path: str, state: dict) -> str:

@@ -22,5 +22,9 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint where one was asked for."""
 
 
+class ExportError(RuntimeError):
+    """An export folder rlrun must not replace (it holds files rlrun did not write) or cannot write."""
+
+
 class RolloutError(RuntimeError):
     """rollout=vllm cannot start (vLLM missing, or a setting it refuses)."""

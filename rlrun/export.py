@@ -3,7 +3,9 @@
 The folder loads with `AutoModelForCausalLM.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)`
 alone (the embedded character tokenizer is a `PreTrainedTokenizerFast`, saved as tokenizer.json), and through
 rlrun's own `model=hf model.path=<folder>`. It is written atomically: into `<folder>.tmp`, then renamed, so a
-crash never leaves a half-written folder under the final name. Under `engine=deepspeed` with ZeRO-3 each rank
+crash never leaves a half-written folder under the final name; it replaces only an empty folder or an earlier
+rlrun export (rlrun/folders.py). A LoRA adapter of a model built in code (model=tiny) gets its base model in
+`base/` beside it. Under `engine=deepspeed` with ZeRO-3 each rank
 holds a slice of every parameter: all ranks gather them (a collective), rank 0 writes, the others wait at a
 barrier. With ZeRO-1/2 every rank already holds the full weights; rank 0 writes.
 """
@@ -18,7 +20,8 @@ import shutil
 
 import torch
 
-from . import models
+from . import folders, models
+from .errors import ExportError
 
 
 def _zero3(engine) -> bool:
@@ -59,15 +62,40 @@ def _keep_padding_side(folder: str, tokenizer) -> None:
         json.dump(config, f, indent=2, ensure_ascii=False)
 
 
-def _replace_folder(tmp: str, folder: str) -> None:
-    """Move `tmp` to `folder`; an existing `folder` is moved aside first and removed after."""
-    old = None
-    if os.path.lexists(folder):
-        old = f"{folder}.old{os.getpid()}"
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _save(model, wrapped, state, tokenizer, tmp: str, lora: str) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one shard of a small model: no bar in rlrun's console
+    try:
+        if wrapped is not None and lora == "adapter":
+            wrapped.save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=state)
+    finally:
+        hf_logging.enable_progress_bar()
+    tokenizer.save_pretrained(tmp)
+    _keep_padding_side(tmp, tokenizer)
+
+
+def _with_base(base, base_state, tokenizer, tmp: str, folder: str) -> None:
+    """An adapter of a model built in code (model=tiny) has no base to load onto: write the base (the weights the
+    adapters were trained on) in `base/` beside the adapter and point the adapter's config at it."""
+    base.save_pretrained(os.path.join(tmp, "base"), state_dict=base_state)
+    tokenizer.save_pretrained(os.path.join(tmp, "base"))
+    path = os.path.join(tmp, "adapter_config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["base_model_name_or_path"] = os.path.join(folder, "base")  # absolute: peft resolves it from the cwd
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+
+
+def _needs_base(wrapped, lora: str) -> bool:
+    """An adapter export whose base model has no folder to load from (built in code, not from a path)."""
+    if wrapped is None or lora != "adapter":
+        return False
+    name = getattr(wrapped.get_base_model().config, "_name_or_path", "") or ""
+    return not os.path.isdir(name)
 
 
 def export(model, tokenizer, folder: str, *, engine=None, lora: str = "merged") -> str | None:
@@ -80,29 +108,37 @@ def export(model, tokenizer, folder: str, *, engine=None, lora: str = "merged") 
     lm = models.unwrap(model)
     rank = getattr(engine, "rank", 0) if engine is not None else 0
     folder = os.path.abspath(folder)
+    base = None
     with _gathered(lm, engine):  # collective: every rank enters, whoever writes
         if rank == 0 and wrapped is not None and lora == "merged":
             lm = copy.deepcopy(wrapped).merge_and_unload()  # a copy: training goes on with the adapters
+        if rank == 0 and _needs_base(wrapped, lora):
+            model_only = copy.deepcopy(wrapped).unload()  # the base without the adapter layers
+            base = (model_only, cpu_state_dict(model_only))
         state = cpu_state_dict(lm) if rank == 0 else None
     if rank == 0:
-        tmp = f"{folder}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.dirname(folder) or ".", exist_ok=True)
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # one shard of a small model: no bar in rlrun's console
-        try:
-            if wrapped is not None and lora == "adapter":
-                wrapped.save_pretrained(tmp)
-            else:
-                lm.save_pretrained(tmp, state_dict=state)
-        finally:
-            hf_logging.enable_progress_bar()
-        tokenizer.save_pretrained(tmp)
-        _keep_padding_side(tmp, tokenizer)
-        _replace_folder(tmp, folder)
+        folder = _write(lm, wrapped, state, tokenizer, folder, lora, base)
     if engine is not None and getattr(engine, "world", 1) > 1:
         import torch.distributed as dist
 
         dist.barrier()  # the folder exists for every rank once this returns
     return folder if rank == 0 else None
+
+
+def _write(lm, wrapped, state, tokenizer, folder: str, lora: str, base) -> str:
+    """Into `<folder>.tmp` (marked as rlrun's first), then renamed over `folder` (rlrun.folders.replace_export);
+    a write that fails leaves no `.tmp` and names the path, the bytes and the fix."""
+    tmp = f"{folder}.tmp"
+    folders.clear_tmp(tmp)
+    os.makedirs(tmp)
+    folders.mark(tmp)
+    try:
+        _save(lm, wrapped, state, tokenizer, tmp, lora)
+        if base is not None:
+            _with_base(*base, tokenizer, tmp, folder)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        nbytes = sum(t.numel() * t.element_size() for t in (state or {}).values())
+        raise ExportError(folders.no_room(folder, e, nbytes, "free space or set export.dir to another disk; "
+                                          "the last checkpoint, if any, holds the trained weights.")) from None
+    return folders.replace_export(tmp, folder)

@@ -100,6 +100,27 @@ def test_export_merged_or_as_adapters_loads_back_to_the_trained_policy(tmp_path,
     assert any(p.requires_grad for p in policy.parameters())  # the export left the adapters in place
 
 
+def test_an_adapter_export_of_a_model_built_in_code_carries_its_base(tmp_path, monkeypatch):
+    """model=tiny has no folder to load a base from: the export writes it in base/ and points the adapter at it,
+    so peft's AutoPeftModelForCausalLM loads the trained policy from the folder alone, from any working folder."""
+    import peft
+
+    from rlrun.export import export
+
+    model, tok = tiny()
+    policy = models.add_lora(model, LORA)
+    ids = torch.randint(4, len(tok), (4, 12))
+    train_adapters(policy, ids)
+    folder = export(policy, tok, str(tmp_path / "model"), lora="adapter")
+    monkeypatch.chdir(tmp_path.parent)
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        assert torch.allclose(token_logprobs(loaded, ids), token_logprobs(policy, ids), atol=1e-5)
+    from safetensors.torch import load_file
+
+    assert not any("lora" in k for k in load_file(f"{folder}/base/model.safetensors"))  # the base, not the adapters
+
+
 def lora_run(tmp_path, *overrides):
     from rlrun.cli import run
 

@@ -16,10 +16,10 @@ import random
 import numpy as np
 import torch
 
-from .. import checkpoint, signals
+from .. import checkpoint, folders, signals
 from ..meters import Meter
 from .console import format_rows, progress
-from .lifecycle import cfg_flat
+from .lifecycle import cfg_flat, export_dir
 from .summary import DEAD_GRADIENTS_TAG, Summary, watch_gradients
 
 log = logging.getLogger("rlrun")
@@ -90,6 +90,8 @@ class Frame:
         self.warnings: list[str] = list(s.warnings)  # about the data and settings, all in the run tag rlrun.warnings
         if self.warnings:
             tracker.tags({"rlrun.warnings": "\n".join(self.warnings)})
+        if cfg.export.enabled and self.engine.main:  # room for the export, known now that the model is built
+            folders.check_space(export_dir(cfg), folders.model_bytes(self.engine.model))
 
     def restore(self, resume: dict | None, stateful: dict) -> int:
         """Load a checkpoint's `stateful` objects, the summary and the RNGs (setup loaded the engine's state);
@@ -201,14 +203,3 @@ class Frame:
         self.summary.add(m)
         self.tracker.log(step, m)
         self.bar.set_postfix(**postfix)
-
-
-def export_dir(cfg) -> str | None:
-    """`export.dir`, or `model/` in the run's output folder (Hydra's run dir); None outside a Hydra run."""
-    if cfg.export.dir:
-        return cfg.export.dir
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return None
-    return os.path.join(HydraConfig.get().runtime.output_dir, "model")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import checkpoint, ranks, registry, signals, tracking
+from .. import checkpoint, folders, ranks, registry, signals, tracking
 from ..config import ConfigError
 from .console import end_table, results_hint
 
@@ -20,6 +20,15 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
     state = load_resume(cfg, raw) if cfg.resume else None
     checkpoint.check_writable(cfg.checkpoint.dir)
     main_rank = ranks.is_main()  # data parallel: only rank 0 talks to MLflow (and draws progress)
+    if main_rank:  # before the MLflow run exists: a refused folder leaves no run behind
+        folders.check_export(export_dir(cfg) if cfg.export.enabled else None, cfg.checkpoint.dir,
+                             cfg.tracking.uri if cfg.tracking.name == "mlflow" else None)
+    with folders.own_checkpoints(cfg.checkpoint.dir if main_rank else None, resuming=bool(cfg.resume)):
+        return _tracked(cfg, raw, run_name, train, state, main_rank)
+
+
+def _tracked(cfg, raw, run_name, train, state, main_rank) -> dict:
+    """`run` from the MLflow run's creation to its end."""
     resume_id = state and state["run_id"]
     tracker = tracking.Null()
     try:
@@ -78,3 +87,14 @@ def cfg_flat(raw) -> dict[str, str]:
     from omegaconf import OmegaConf
 
     return tracking.flatten(OmegaConf.to_container(raw, resolve=True))
+
+
+def export_dir(cfg) -> str | None:
+    """`export.dir`, or `model/` in the run's output folder (Hydra's run dir); None outside a Hydra run."""
+    if cfg.export.dir:
+        return cfg.export.dir
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return os.path.join(HydraConfig.get().runtime.output_dir, "model")

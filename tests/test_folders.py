@@ -1,0 +1,140 @@
+"""rlrun never deletes or overwrites what it did not write (rlrun/folders.py): export.dir is checked before training
+and replaced only when it is an earlier rlrun export; a checkpoint.dir belongs to one run at a time; a write that
+fails for space leaves no .tmp and says the path, the bytes and the fix."""
+
+import errno
+import os
+import subprocess
+import sys
+import time
+from collections import namedtuple
+
+import pytest
+import torch
+from conftest import make_cfg, new_store
+from helpers import runs, tiny_model
+
+from rlrun import checkpoint, export, folders
+from rlrun.errors import CheckpointError, ExportError
+
+
+def run(tmp_path, *overrides):
+    from rlrun.cli import run as cli_run
+
+    return cli_run(make_cfg("experiment=smoke", "train.steps=2", "eval.every=0", *overrides, tmp_path=tmp_path), "t")
+
+
+def users_folder(path):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "notes.txt").write_text("mine")
+    return path
+
+
+@pytest.mark.parametrize("where", [".", "cwd_parent", "user_files", "checkpoints", "a_file", "store"])
+def test_an_export_dir_rlrun_would_wipe_is_refused_before_any_run(tmp_path, where):
+    new_store(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    folder = {".": ".", "cwd_parent": str(tmp_path.parent), "user_files": str(users_folder(tmp_path / "mine")),
+              "checkpoints": str(ckpt), "a_file": str(tmp_path / "file.bin"), "store": str(tmp_path)}[where]
+    (tmp_path / "file.bin").write_bytes(b"data")
+    os.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ExportError, match="export.dir"):
+        run(tmp_path, f"export.dir={folder}", f"checkpoint.dir={ckpt}")
+    assert set(before) <= {p.name for p in tmp_path.iterdir()} and not os.listdir(ckpt)
+    assert not runs(tmp_path / "mlflow.db")[1]  # refused before the MLflow run was created
+    assert (tmp_path / "file.bin").read_bytes() == b"data"
+    if where == "user_files":
+        assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+
+
+def test_a_second_export_replaces_the_first_and_nothing_else(tmp_path):
+    new_store(tmp_path)
+    run(tmp_path, f"export.dir={tmp_path / 'model'}")
+    assert (tmp_path / "model" / folders.MARK).is_file()
+    first = (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns
+    run(tmp_path, f"export.dir={tmp_path / 'model'}", "seed=1")
+    assert (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns != first
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("model")) == ["model"]
+
+
+def test_a_folder_that_gained_user_files_during_training_is_kept_and_the_export_goes_beside_it(tmp_path):
+    model, tok = tiny_model()
+    users_folder(tmp_path / "model")
+    where = export.export(model, tok, str(tmp_path / "model"))
+    assert where != str(tmp_path / "model") and os.path.isfile(os.path.join(where, "config.json"))
+    assert sorted(os.listdir(tmp_path / "model")) == ["notes.txt"]
+
+
+def test_an_export_that_runs_out_of_space_leaves_no_tmp_and_names_the_bytes(tmp_path, monkeypatch):
+    model, tok = tiny_model()
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(model), "save_pretrained", full)
+    with pytest.raises(ExportError, match=r"no space left; it needs [0-9.]+ MiB") as e:
+        export.export(model, tok, str(tmp_path / "model"))
+    assert str(tmp_path / "model") in str(e.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_disk_without_room_for_the_model_is_refused_before_training(tmp_path, monkeypatch):
+    new_store(tmp_path)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(folders.shutil, "disk_usage", lambda p: usage(10**9, 10**9, 1000))
+    with pytest.raises(ExportError, match=r"the model needs about \d+ MiB and its file system has 0 MiB free"):
+        run(tmp_path, f"export.dir={tmp_path / 'model'}")
+    [r] = runs(tmp_path / "mlflow.db")[1]
+    assert r.info.status == "FAILED" and not r.data.metrics.get("loss")  # before the first step
+
+
+def test_a_checkpoint_write_that_runs_out_of_space_keeps_the_last_good_one(tmp_path, monkeypatch):
+    checkpoint.save(str(tmp_path), 1, {"step": 1, "w": torch.ones(3)}, keep=2)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    with pytest.raises(CheckpointError, match=r"step_00000002.pt: could not be written \(no space left; it needs"):
+        checkpoint.save(str(tmp_path), 2, {"step": 2, "w": torch.ones(3)}, keep=2)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001.pt"]  # no .tmp left
+    state, _ = checkpoint.load_latest(str(tmp_path))
+    assert state["step"] == 1
+
+
+def test_a_checkpoint_dir_is_held_by_one_run_at_a_time(tmp_path):
+    with folders.own_checkpoints(str(tmp_path), resuming=False):
+        with pytest.raises(CheckpointError, match=r"in use by another run \(pid \d+"):
+            with folders.own_checkpoints(str(tmp_path), resuming=True):
+                pass
+    with folders.own_checkpoints(str(tmp_path), resuming=True):  # released when the first run ended
+        pass
+
+
+@pytest.mark.slow  # a process that holds the lock and is killed (~2 s)
+def test_a_killed_run_leaves_no_stale_lock(tmp_path):
+    code = (f"import time; from rlrun import folders\nwith folders.own_checkpoints({str(tmp_path)!r}, False):\n"
+            "    print('held', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    with pytest.raises(CheckpointError, match=f"pid {proc.pid}"):
+        with folders.own_checkpoints(str(tmp_path), resuming=True):
+            pass
+    proc.kill()
+    proc.wait()
+    time.sleep(0.1)
+    with folders.own_checkpoints(str(tmp_path), resuming=True):
+        pass
+
+
+def test_a_new_run_refuses_a_folder_of_another_runs_checkpoints(tmp_path):
+    new_store(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    run(tmp_path, f"checkpoint.dir={ckpt}")
+    before = sorted(os.listdir(ckpt))
+    with pytest.raises(CheckpointError, match="already holds checkpoints .* resume=true continues that run"):
+        run(tmp_path, f"checkpoint.dir={ckpt}", "seed=2")
+    assert sorted(os.listdir(ckpt)) == before
+    run(tmp_path, f"checkpoint.dir={ckpt}", "resume=true", "train.steps=3")  # a resume may use it
