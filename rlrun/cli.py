@@ -102,6 +102,9 @@ def entry():
     """The `rlrun` command. A Ctrl-C or SIGTERM that reaches this far (a sweep waiting on its launcher's workers)
     ends with one line and exit 130 / 143 instead of a traceback; the sweep's runs are marked KILLED on the way
     out (sweep.SweepCallback.end_interrupted)."""
+    from .config import targets
+
+    targets.guard()  # no code from a config: checked before Hydra instantiates a callback, launcher or sweeper
     try:
         if sys.argv[1:2] == ["plan"]:
             if {"-m", "--multirun"} & set(sys.argv):
