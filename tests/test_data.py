@@ -85,7 +85,18 @@ def test_every_format_gives_the_same_rows_and_gsm8k_scores(tmp_path, fmt):
 def test_renamed_columns_and_numbers_as_answers(tmp_path):
     path = write(tmp_path, [{"q": "1+1=", "sol": 2, "level": 1}, {"q": "2+3=", "sol": 5, "level": 2}], "csv")
     task = tasks.load(task_cfg(path, prompt_key="q", answer_key="sol", max_rows=1), 0, None)
-    assert task.train == [{"q": "1+1=", "sol": 2, "level": 1, "prompt": "1+1=", "answer": "2"}]
+    assert task.train == [{"q": "1+1=", "sol": "2", "level": "1", "prompt": "1+1=", "answer": "2"}]  # CSV: text
+
+
+def test_csv_cells_reach_the_reward_as_the_text_in_the_file(tmp_path):
+    """CSV has no types: an answer column that looks numeric keeps its characters (read as float, then str()'d,
+    '007' became '7.0' and no exact match could score it)."""
+    path = tmp_path / "data.csv"
+    path.write_text("question,answer,level\nq1,007,1\nq2,1.50,2\nq3,+3,3\nq4,1e3,4\nq5,12,5\n")
+    task = tasks.load(task_cfg(str(path), prompt_key="question", rewards=["rlrun.tasks.rewards:exact_match"]), 0, None)
+    assert [r["answer"] for r in task.train] == ["007", "1.50", "+3", "1e3", "12"]
+    assert [r["level"] for r in task.train] == ["1", "2", "3", "4", "5"]
+    assert task.score(["007", "1.50"], task.train[:2])[0] == [1.0, 1.0]
 
 
 def test_messages_prompts_through_the_chat_template(tmp_path, chat_tok):

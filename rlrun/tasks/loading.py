@@ -159,6 +159,16 @@ def _quiet_datasets():
             datasets.enable_progress_bars()
 
 
+def _text_columns(p: Path, datasets):
+    """CSV has no types: every column is read as the text in the file ('007', '1.50', '+3' stay so; a number type
+    would reach a reward as '7', '1.5', '3.0', which no exact match scores)."""
+    import csv
+
+    with open(p, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
+
+
 def _open(p: Path, datasets, cache: str) -> dict:
     """{split name: datasets.Dataset} of a file or folder."""
     if p.is_dir() and ((p / "dataset_dict.json").exists() or (p / "state.json").exists()):
@@ -166,7 +176,8 @@ def _open(p: Path, datasets, cache: str) -> dict:
     elif p.is_dir():
         d = datasets.load_dataset(str(p), cache_dir=cache, keep_in_memory=True)
     else:
-        d = datasets.load_dataset(_format(p), data_files=str(p), cache_dir=cache, keep_in_memory=True)
+        text = {"features": _text_columns(p, datasets)} if _format(p) == "csv" else {}
+        d = datasets.load_dataset(_format(p), data_files=str(p), cache_dir=cache, keep_in_memory=True, **text)
     return dict(d) if isinstance(d, datasets.DatasetDict) else {"train": d}  # a single saved Dataset: 'train'
 
 
