@@ -296,3 +296,30 @@ def test_a_resume_sends_what_the_interrupted_process_kept_first(tmp_path, monkey
     again.finish("FINISHED")
     client = tracking.open_client(cfg.uri)
     assert steps_logged(client, first.run_id) == [0, 1] and client.get_run(first.run_id).info.status == "FINISHED"
+
+
+def test_sync_says_which_artifacts_were_lost_and_sends_the_rest(tmp_path, capsys, caplog):
+    """An export folder removed before `--sync` used to be 'sent' (an empty model/ artifact, no word of it)."""
+    from conftest import new_store
+
+    from rlrun.tracking import open_client
+
+    new_store(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = open_client(uri)
+    run_id = client.create_run(client.get_experiment_by_name("Default").experiment_id).info.run_id
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "config.json").write_text("{}")
+    records = [{"op": "artifacts", "run_id": run_id, "uri": uri, "args": {"folder": str(tmp_path / "gone"),
+                                                                         "name": "model"}},
+               {"op": "artifacts", "run_id": run_id, "uri": uri, "args": {"folder": str(kept), "name": "plan"}},
+               {"op": "status", "run_id": run_id, "uri": uri, "args": "FINISHED"}]
+    path = tmp_path / "mlflow_spill.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report.sync(str(path)) == 1
+    out = capsys.readouterr().out
+    assert "sent 2 records" in out and "1 could not be" in out and not path.exists()
+    assert f"artifact 'model': {tmp_path / 'gone'} is gone or empty" in caplog.text
+    assert [a.path for a in client.list_artifacts(run_id)] == ["plan"]
+    assert client.get_run(run_id).info.status == "FINISHED"

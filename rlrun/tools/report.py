@@ -274,10 +274,17 @@ def sync(path: str) -> int:
     except (ValueError, KeyError, TypeError):
         print(f"rlrun-report --sync: {path} is not a file rlrun kept for a tracking store (mlflow_spill.jsonl).")
         return 2
+    rejected = path.replace(".jsonl", "") + ".rejected.jsonl"
+    before = spill.count(rejected)
     sent, left = spill.replay(open_client(uri), path)
+    lost = spill.count(rejected) - before
     if left:
         print(f"sent {sent} records to {uri}; {left} left in {path}: the store is unreachable or refused one "
               "(try again when it is back).")
+        return 1
+    if lost:  # said above, one line each (what was lost); the records are kept, not retried
+        print(f"sent {sent - lost} records to {uri}; {lost} could not be (set aside in {rejected}, see above); "
+              f"{path} removed.")
         return 1
     print(f"sent {sent} records to {uri}; {path} removed.")
     return 0

@@ -49,9 +49,27 @@ REFUSED = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREA
            "BAD_REQUEST", "PERMISSION_DENIED", "UNAUTHENTICATED"}
 
 
+class LostArtifacts(RuntimeError):
+    """An artifact folder that is gone (or was not all sent): no retry brings it back."""
+
+
 def refused(e: BaseException) -> bool:
-    """True when the store answered and refused this record (retrying cannot help); False for outages."""
-    return getattr(e, "error_code", None) in REFUSED
+    """True when the store answered and refused this record, or its files are gone (retrying cannot help); False
+    for outages."""
+    return isinstance(e, LostArtifacts) or getattr(e, "error_code", None) in REFUSED
+
+
+def send_artifacts(client, run_id: str, folder: str, name: str) -> None:
+    """Log the files of `folder` as artifact folder `name`, and check that the store lists each of them (a folder
+    that is gone or empty would log nothing, silently)."""
+    files = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    if not files:
+        raise LostArtifacts(f"artifact {name!r}: {folder} is gone or empty, so nothing of it reached the run")
+    client.log_artifacts(run_id, folder, name)
+    listed = {os.path.basename(f.path) for f in client.list_artifacts(run_id, name)}
+    missing = [f for f in files if f not in listed]
+    if missing:
+        raise LostArtifacts(f"artifact {name!r}: {', '.join(missing[:5])} of {folder} are not in the run")
 
 
 def apply(client, record: dict) -> None:
@@ -71,7 +89,7 @@ def apply(client, record: dict) -> None:
     elif op == "table":
         client.log_table(run_id, a["columns"], a["name"])
     elif op == "artifacts":
-        client.log_artifacts(run_id, a["folder"], a["name"])
+        send_artifacts(client, run_id, a["folder"], a["name"])
     elif op == "status":
         client.set_terminated(run_id, status=a)
     else:
@@ -256,6 +274,9 @@ def reject(path: str, record: dict | str, error: BaseException) -> None:
     rejected = path.replace(".jsonl", "") + ".rejected.jsonl"
     with open(rejected, "a") as f:
         f.write(record if isinstance(record, str) else json.dumps(record, default=_plain) + "\n")
+    if isinstance(error, LostArtifacts):
+        log.error("not sent: %s (the record is set aside in %s)", error, rejected)
+        return
     log.error("MLflow refused a record of this run (%s: %s); it is set aside in %s and the rest goes on",
               type(error).__name__, str(error)[:300], rejected)
 
