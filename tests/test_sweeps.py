@@ -11,7 +11,7 @@ from helpers import runs
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PYTHONPATH": str(ROOT / "tests")}
 SMOKE_SWEEP = pytest.mark.xdist_group("smoke_sweep")  # the tests that share the module's sweep
-FIGURES = {"memory.png", "memory_plan.png", "throughput.png", "curves.png", "equivalence.png"}
+FIGURES = {"cost.png", "memory.png", "memory_plan.png", "throughput.png", "curves.png", "equivalence.png"}
 
 
 def sweep(tmp, *args):
