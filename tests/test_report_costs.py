@@ -85,15 +85,17 @@ def test_step_phases_add_up_to_the_step_and_leave_evaluation_out():
 
 def test_memory_is_growth_per_phase_and_the_absolute_peak_only_context():
     """dense grows most but, started first in the process, has the lowest RSS: growth must rank it most expensive."""
-    dense = history(job(growth=(("generate", 1.0), ("train", 40.0)), peak=620.0))
-    tiled = history(job(growth=(("generate", 1.0), ("train", 5.0)), peak=637.0))
+    dense = history(job(growth=(("generate", 1.0), ("train", 40.0)), peak=590.0))  # its train peak: 630 MiB
+    tiled = history(job(growth=(("generate", 1.0), ("train", 5.0)), peak=637.0))  # 642 MiB
     m = costs.memory([dense, tiled])
     train = m["phases"].index("train")
     assert [row[train][0] for row in m["growth"]] == [40.0, 5.0]
     fig = report.memory_figure(["dense", "tiled"], [dense, tiled], "cpu")
     coloured = np.asarray(fig.axes[0].images[0].get_array())
     assert list(coloured[:, train]) == [40.0, 5.0]  # the colours are growth, not RSS
-    assert "absolute peak" in fig.axes[1].get_title() and "context" in fig.axes[1].get_title().lower()
+    context = fig.axes[1]  # beside the rows, faint and labelled as context
+    assert "context: absolute" in context.get_xlabel()
+    assert [b.get_width() for b in context.patches] == [630.0, 642.0] and context.patches[0].get_alpha() < 0.5
     assert [r["growth MiB"] for r in report.rows_of(["dense", "tiled"], [dense, tiled])] == [40.0, 5.0]
 
 

@@ -109,7 +109,7 @@ def job_bars(ax, names, values, xlabel, title, texts, marked=(), color=None):
         bars[i].set_hatch("//")
         bars[i].set_edgecolor("black")
     ax.bar_label(bars, labels=texts, padding=3, fontsize=FONT - 1)
-    ax.set_xlim(0, max(float(v.max(initial=0.0)), 1e-12) * 1.5)  # room for the texts
+    ax.set_xlim(0, max(float(v.max(initial=0.0)), 1e-12) * 1.7)  # room for the texts
     rows(ax, names, marked)
     ax.set_xlabel(xlabel, fontsize=FONT)
     ax.set_title(title, fontsize=FONT + 1)
@@ -117,17 +117,19 @@ def job_bars(ax, names, values, xlabel, title, texts, marked=(), color=None):
     ax.grid(axis="x", alpha=0.3)
 
 
-def heatmap(fig, ax, names, columns, values, unit, title, texts=None):
-    """Runs x phases, each cell annotated (`texts`, else the value); NaN (phase absent) left blank."""
+def heatmap(fig, ax, names, columns, values, unit, title, texts=None, cax=None, vmax=None):
+    """Runs x phases, each cell annotated (`texts`, else the value); NaN (phase absent) left blank. `cax`: the
+    axes for the colour bar (default: taken from `ax`); `vmax`: the top of the colour scale (cells above it
+    saturate)."""
     values = np.array(values, dtype=float)
-    im = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="viridis")
-    ax.set_xticks(range(len(columns)), columns, rotation=20, fontsize=FONT - 1)
+    im = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="viridis", vmin=0 if vmax else None, vmax=vmax)
+    ax.set_xticks(range(len(columns)), columns, rotation=30, ha="right", rotation_mode="anchor", fontsize=FONT - 1)
     ax.set_yticks(range(len(names)), [wrap(n) for n in names], fontsize=FONT - 1)
     ax.set_title(title, fontsize=FONT + 1)
-    bar = fig.colorbar(im, ax=ax, label=unit, pad=0.01)
+    bar = fig.colorbar(im, cax=cax, label=unit) if cax is not None else fig.colorbar(im, ax=ax, label=unit, pad=0.01)
     bar.ax.tick_params(labelsize=FONT - 1)
     finite = values[np.isfinite(values)]
-    mid = (finite.min() + finite.max()) / 2 if finite.size else 0
+    mid = (finite.min() + (vmax or finite.max())) / 2 if finite.size else 0
     for (r, c), v in np.ndenumerate(values):
         if np.isfinite(v):
             text = texts[r][c] if texts else f"{v:.0f}" if abs(v) >= 10 else f"{v:.2g}"

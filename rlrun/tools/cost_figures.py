@@ -10,7 +10,7 @@ import numpy as np
 
 from ..render import num
 from . import costs
-from .charts import FONT, figure, hbars, heatmap, job_bars, legend_above, panel_height
+from .charts import DPI, FONT, WIDTH, figure, hbars, heatmap, job_bars, legend_above, panel_height
 
 
 def _mib(v: float) -> str:
@@ -28,28 +28,31 @@ def _put_note(fig, text: str, height: float) -> None:
     fig.text(0.01, 0.01, text, fontsize=FONT - 1, va="bottom", ha="left", color="dimgray")
 
 
-def _cell(median: float, largest: float, top: float) -> str:
-    """A heatmap cell: the median step, and the largest step in brackets where it stands out."""
-    if math.isfinite(largest) and largest > 1.1 * median and largest - median >= 0.01 * top:
-        return f"{_mib(median)} ({_mib(largest)})"
-    return _mib(median)
-
-
 def memory_figure(names, data, device):
-    """Peak growth per phase (median step, largest step in brackets) as the measure; the absolute peak beside it,
-    faint, as context only."""
+    """Peak growth per phase (the median step) as the measure, one row per job; beside each row, faint, the
+    absolute peak as context only. The colours span the phases of a step (evaluation may saturate them)."""
+    from ..render import pyplot
+
     m = costs.memory(data)
     med = [[g[0] for g in row] for row in m["growth"]]
-    top = max([v for row in med for v in row if math.isfinite(v)], default=0.0)
-    texts = [[_cell(a, b, top) for a, b in row] for row in m["growth"]]
-    small = 1.0 + 0.3 * max(len(names), 2)
-    fig, axes = figure([panel_height(names), small])
-    heatmap(fig, axes[0], names, m["phases"], med, "MiB", "Peak growth over the phase's start, MiB: median step "
-            "(largest step)", texts=texts)
-    what = "CUDA peak allocated" if device == "cuda" else "the process's RSS, libraries and earlier jobs in it"
-    job_bars(axes[1], names, m["peak"], f"MiB ({what})", "Context only: absolute peak, MiB",
-             [_mib(v) for v in m["peak"]], color="gray")
-    fig.tight_layout()
+    in_step = [v for row in med for p, v in zip(m["phases"], row) if p in costs.STEP_PHASES and math.isfinite(v)]
+    what = "CUDA's peak allocated" if device == "cuda" else "the process's RSS: libraries and earlier jobs in it"
+    note, extra = _note([f"Median step: the first steps of a sweep's first job carry the libraries' first-call "
+                         f"buffers (memory_plan.png marks the largest step). Grey: the absolute peak, {what}; it "
+                         "ranks jobs by the order they ran in, not by what they cost."])
+    fig = pyplot().figure(figsize=(WIDTH, panel_height(names) + extra), dpi=DPI)
+    grid = fig.add_gridspec(1, 3, width_ratios=[max(len(m["phases"]), 1), 1.6, 0.12])
+    ax = fig.add_subplot(grid[0])
+    side = fig.add_subplot(grid[1], sharey=ax)
+    heatmap(fig, ax, names, m["phases"], med, "growth MiB", "Peak growth per phase, MiB (median step)",
+            texts=[["<0.01" if 0 < v < 0.01 else _mib(v) for v in row] for row in med], cax=fig.add_subplot(grid[2]),
+            vmax=max(in_step, default=None))
+    side.barh(np.arange(len(names)), np.nan_to_num(np.array(m["peak"], dtype=float)), 0.6, color="gray", alpha=0.35)
+    for i, v in enumerate(m["peak"]):
+        side.text(0, i, f" {_mib(v)}", va="center", ha="left", fontsize=FONT - 1, color="dimgray")
+    side.set_xlabel("context: absolute\npeak, MiB", fontsize=FONT - 1, color="dimgray")
+    side.tick_params(labelleft=False, labelsize=FONT - 1, colors="dimgray")
+    _put_note(fig, note, extra)
     return fig
 
 
@@ -68,14 +71,16 @@ def plan_figure(names, data, device="cpu", floor=None):
         note.append("CPU: measured is RSS. Tensors under 1 MiB come from malloc's heap, whose slack RSS counts and "
                     "the plan (tensor bytes) does not: a small run, made of such tensors, reads above its plan.")
     text, extra = _note(note)
-    fig, axes = figure([panel_height(names)] * len(p["phases"]), extra=extra)
-    y = np.arange(len(names))
-    for ax, phase in zip(axes, p["phases"]):
-        measured = p["measured"][phase]
-        hbars(ax, names, {"predicted (plan)": p["predicted"][phase], "measured": [m[0] for m in measured]},
-              "MiB", f"{phase}: predicted vs measured peak growth, MiB", legend=False)
-        _largest(ax, [m[1] for m in measured], y + 0.2,
-                 [*p["predicted"][phase], *(m[0] for m in measured), floor or 0.0])
+    ran = {ph: [i for i, m in enumerate(p["measured"][ph]) if math.isfinite(m[0])] for ph in p["phases"]}
+    fig, axes = figure([panel_height([names[i] for i in ran[ph]]) for ph in p["phases"]], extra=extra)
+    for ax, phase in zip(axes, p["phases"]):  # the jobs that ran the phase (a skipped logprob pass has no row)
+        jobs = ran[phase]
+        predicted = [p["predicted"][phase][i] for i in jobs]
+        measured = [p["measured"][phase][i] for i in jobs]
+        hbars(ax, [names[i] for i in jobs], {"plan": predicted, "measured": [m[0] for m in measured]}, "MiB",
+              f"{phase}: predicted vs measured peak growth, MiB", legend=False)
+        _largest(ax, [m[1] for m in measured], np.arange(len(jobs)) + 0.2,
+                 [*predicted, *(m[0] for m in measured), floor or 0.0])
         if floor is not None:
             ax.axvline(floor, ls=":", color="dimgray", lw=1.5, label="empty phase")
         legend_above(ax)
@@ -111,7 +116,7 @@ def throughput_figure(names, data):
     for i, v in enumerate(t["step_s"]):
         axes[1].text(v if math.isfinite(v) else 0, i, f"  {num(v, '.3g')} s", va="center", fontsize=FONT - 1)
     hbars(axes[2], names, {"generate phase": t["generated"], "train phase": t["trained"]}, "tokens / s (mean)",
-          "Context: each phase's own rate, tokens / s of that phase's time")
+          "Context: each phase's own rate (tokens / its time)")
     fig.tight_layout()
     return fig
 
@@ -128,10 +133,10 @@ def cost_figure(rows: list[dict]):
     names = [r["run"] for r in rows]
     marked = [i for i, r in enumerate(rows) if r["is_baseline"]]
     fig, axes = figure([panel_height(names)] * 3)
-    panels = (("step_s", ".3g", " s", "seconds", "Step time, s (no evaluation): lower is cheaper"),
-              ("growth_mib", ".3g", " MiB", "MiB",
-               "Peak growth, MiB (a step's largest phase, median step): lower is cheaper"),
-              ("tokens_per_s", ".0f", "", "tokens / s", "Tokens / s, whole step: higher is faster"))
+    panels = (("step_s", ".3g", " s", "seconds per step (no evaluation)", "Step time: lower is cheaper"),
+              ("growth_mib", ".3g", " MiB", "MiB, a step's largest phase (median step)",
+               "Peak growth: lower is cheaper"),
+              ("tokens_per_s", ".0f", "", "trained tokens / s of step time", "Tokens / s: higher is faster"))
     for ax, (key, spec, unit, xlabel, title) in zip(axes, panels):
         job_bars(ax, names, [r[key] for r in rows], xlabel, title,
                  [_cost_text(r[key], r[f"{key}_ratio"], r["is_baseline"], spec, unit) for r in rows], marked)
