@@ -123,6 +123,9 @@ def test_cost_chart_marks_each_groups_baseline_and_compares_with_it():
         assert [p.get_hatch() for p in ax.patches] == ["//", None, None]
         assert "(baseline)" in ax.get_yticklabels()[0].get_text()
     assert "0.12× baseline" in [t.get_text() for t in fig.axes[1].texts][1]
+    (median,) = fig.axes[0].get_lines()  # beside the mean, the median step (a slow first step shows as the gap)
+    assert list(median.get_xdata()) == pytest.approx([r["median_step_s"] for r in rows])
+    assert rows[0]["median_step_s"] == pytest.approx(0.06 + 0.03 + 2e-5)  # steps 0, 2: generate 0.02 s; 1, 3: 0.04
 
 
 def test_the_plan_figure_draws_the_measured_median_and_the_empty_phase_floor():

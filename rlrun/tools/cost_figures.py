@@ -8,7 +8,7 @@ import textwrap
 
 import numpy as np
 
-from ..render import num
+from ..render import num, short
 from . import costs
 from .charts import DPI, FONT, WIDTH, figure, hbars, heatmap, job_bars, legend_above, panel_height
 
@@ -121,8 +121,8 @@ def throughput_figure(names, data):
     return fig
 
 
-def _cost_text(v: float, ratio: float, baseline: bool, spec: str, unit: str) -> str:
-    text = f"{num(v, spec)}{unit}"
+def _cost_text(v: float, ratio: float, baseline: bool, spec: str | None, unit: str) -> str:
+    text = f"{num(v, spec) if spec else short(v)}{unit}"
     if baseline:
         return text
     return text + (f"  {ratio:.2f}× baseline" if math.isfinite(ratio) else "")
@@ -133,8 +133,9 @@ def cost_figure(rows: list[dict]):
     names = [r["run"] for r in rows]
     marked = [i for i, r in enumerate(rows) if r["is_baseline"]]
     fig, axes = figure([panel_height(names)] * 3)
-    panels = (("step_s", ".3g", " s", "seconds per step (no evaluation)", "Step time: lower is cheaper"),
-              ("growth_mib", ".3g", " MiB", "MiB, a step's largest phase (median step)",
+    panels = (("step_s", ".3g", " s", "seconds per step (mean, as the job's console; no evaluation)",
+               "Step time: lower is cheaper"),
+              ("growth_mib", None, " MiB", "MiB, a step's largest phase (median step)",
                "Peak growth: lower is cheaper"),
               ("tokens_per_s", ".0f", "", "trained tokens / s of step time", "Tokens / s: higher is faster"))
     for ax, (key, spec, unit, xlabel, title) in zip(axes, panels):
@@ -142,5 +143,9 @@ def cost_figure(rows: list[dict]):
                  [_cost_text(r[key], r[f"{key}_ratio"], r["is_baseline"], spec, unit) for r in rows], marked)
     if not marked:
         axes[0].set_title(axes[0].get_title() + "\n(no baseline among these jobs)", fontsize=FONT + 1)
+    # the median step: a mean far above it is one slow step (the first job's first step carries the warm-up)
+    axes[0].plot([r["median_step_s"] for r in rows], np.arange(len(rows)), "|", color="black", markersize=14, mew=2,
+                 label="median step")
+    legend_above(axes[0])
     fig.tight_layout()
     return fig

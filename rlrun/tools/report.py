@@ -136,12 +136,13 @@ def rows_of(names, data) -> list[dict]:
     return out
 
 
-SPECS = {"reward / acc": ".3f", "step s (no eval)": ".4f", "tokens/s (step)": ".0f", "growth MiB": ".3g",
-         "peak MiB": ".0f"}
+SPECS = {"reward / acc": ".3f", "step s (no eval)": ".4f", "tokens/s (step)": ".0f", "growth MiB": None,
+         "peak MiB": ".0f"}  # None: render.short (1.23 MiB at tiny scale, 1234 MiB at large)
 
 
 def _cells(names, data) -> list[list[str]]:
-    return [[r["run"]] + [num(r[c], SPECS[c]) for c in COLUMNS[1:]] for r in rows_of(names, data)]
+    return [[r["run"]] + [num(r[c], SPECS[c]) if SPECS[c] else render.short(r[c]) for c in COLUMNS[1:]]
+            for r in rows_of(names, data)]
 
 
 def table(names, data) -> str:
