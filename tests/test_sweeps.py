@@ -9,9 +9,11 @@ import pytest
 from helpers import runs
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PYTHONPATH": str(ROOT / "tests")}
+# this checkout's code first (not the editable install's, which may be another worktree), then the tests' helpers
+ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+       "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
 SMOKE_SWEEP = pytest.mark.xdist_group("smoke_sweep")  # the tests that share the module's sweep
-FIGURES = {"memory.png", "memory_plan.png", "throughput.png", "curves.png", "equivalence.png"}
+FIGURES = {"cost.png", "memory.png", "memory_plan.png", "throughput.png", "curves.png", "equivalence.png"}
 
 
 def sweep(tmp, *args):
@@ -97,7 +99,7 @@ def test_figures_have_one_series_per_job_and_report_redraws_them_from_the_store(
     assert len(loss_ax.get_lines()) == len(reward_ax.get_lines()) == 18
     assert {t.get_text() for t in figs["curves.png"].legends[0].get_texts()} == set(report.labels(children))
     assert loss_ax.get_xlabel() == "optimizer step"
-    assert "MiB" in [a.get_ylabel() for a in figs["memory.png"].axes]  # the colour bars
+    assert "growth MiB" in [a.get_ylabel() for a in figs["memory.png"].axes]  # the colour bar: growth, not RSS
     out = tmp / "report"
     r = subprocess.run(["rlrun-report", parent.info.run_id, "--uri", f"sqlite:///{tmp}/mlflow.db", "--out", str(out)],
                        cwd=tmp, env=ENV, capture_output=True, text=True, timeout=600)

@@ -36,12 +36,14 @@ def end_table(summary: dict[str, float], steps: int | None = None) -> str:
         rows.append((f"eval {name} (first / last evaluation)", f"{first} → {last}"))
     if "loss_last" in summary:
         rows.append(("loss (last step)", render.num(summary["loss_last"], ".4g")))
-    if "step_s" in summary:
-        rows.append(("step time (mean)", f"{render.num(summary['step_s'], '.3g')} s"))
+    if "step_s" in summary:  # the metered phases of a step: evaluation and checkpoints are not in it
+        rows.append(("step time (mean, no eval)", f"{render.num(summary['step_s'], '.3g')} s"))
+    if "tokens_per_s" in summary:
+        rows.append(("tokens / s, whole step", f"{render.num(summary['tokens_per_s'], '.0f')} trained"))
     toks = [f"{render.num(summary[k], '.0f')} {what}" for k, what in
             (("gen_tokens_per_s", "generated"), ("train_tokens_per_s", "trained")) if k in summary]
     if toks:
-        rows.append(("tokens / s (mean)", ", ".join(toks)))
+        rows.append(("tokens / s, by phase (mean)", ", ".join(toks)))
     from ..meters import PHASES
 
     peaks = [(p, summary[f"max_{p}_peak_mib"]) for p in PHASES if f"max_{p}_peak_mib" in summary]  # step order

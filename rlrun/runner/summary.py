@@ -10,8 +10,9 @@ import numpy as np
 
 class Summary:
     """Run-level numbers accumulated step by step, so a checkpoint carries a few numbers, not every step's metrics:
-    mean throughput and step time, max peak memory per phase, pass totals, the first and last 3 values of `curve`
-    (their means are `<curve>_first` / `<curve>_last`), and the last loss."""
+    mean throughput and step time, trained tokens per second of step time (`tokens_per_s`), max peak memory per
+    phase, pass totals, the first and last 3 values of `curve` (their means are `<curve>_first` / `<curve>_last`),
+    and the last loss."""
 
     MEANS = {"gen_tokens_per_s": "throughput/gen_tokens_per_s",
              "train_tokens_per_s": "throughput/train_tokens_per_s", "step_s": "time/step_s"}
@@ -25,12 +26,15 @@ class Summary:
         self.last: deque[float] = deque(maxlen=3)
         self.latest: dict[str, float] = {}  # pass totals and the loss of the last step
         self.evals: dict[str, list[float]] = {}  # eval/* metric -> [first, last]
+        self.trained = [0.0, 0.0]  # trained tokens and step seconds, summed over the steps that logged both
 
     def add(self, m: dict[str, float]) -> None:
         for name, key in self.MEANS.items():
             if key in m and math.isfinite(m[key]):
                 self.sums[name] = self.sums.get(name, 0.0) + m[key]
                 self.counts[name] = self.counts.get(name, 0) + 1
+        if "train_tokens" in m and "time/step_s" in m:
+            self.trained = [self.trained[0] + m["train_tokens"], self.trained[1] + m["time/step_s"]]
         for key, v in m.items():
             if key.startswith("mem/"):
                 self.peaks[key] = max(self.peaks.get(key, v), v)
@@ -47,6 +51,8 @@ class Summary:
 
     def result(self) -> dict[str, float]:
         out = {name: self.sums[name] / self.counts[name] for name in self.sums}
+        if self.trained[1] > 0:  # the step's rate, not one phase's: what the report's tokens/s column shows
+            out["tokens_per_s"] = self.trained[0] / self.trained[1]
         out.update({k.replace("mem/", "max_"): v for k, v in self.peaks.items()})
         for key, v in self.latest.items():
             if key.startswith("passes/"):
@@ -65,13 +71,14 @@ class Summary:
     def state_dict(self) -> dict:
         return {"sums": dict(self.sums), "counts": dict(self.counts), "peaks": dict(self.peaks),
                 "first": list(self.first), "last": list(self.last), "latest": dict(self.latest),
-                "evals": {k: list(v) for k, v in self.evals.items()}}
+                "evals": {k: list(v) for k, v in self.evals.items()}, "trained": list(self.trained)}
 
     def load_state_dict(self, state: dict) -> None:
         self.sums, self.counts, self.peaks = dict(state["sums"]), dict(state["counts"]), dict(state["peaks"])
         self.first, self.latest = list(state["first"]), dict(state["latest"])
         self.last = deque(state["last"], maxlen=3)
         self.evals = {k: list(v) for k, v in state["evals"].items()}
+        self.trained = list(state.get("trained", [0.0, 0.0]))  # checkpoints written before it count from here
 
 
 DEAD_GRADIENT_STEPS = 5  # consecutive steps of a zero or non-finite gradient norm before the warning

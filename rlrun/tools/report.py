@@ -3,10 +3,13 @@
     rlrun-report PARENT_RUN_ID                       # the jobs of a sweep
     rlrun-report --experiment rlrun --filter "params.\\`loss.name\\` = 'dapo'"   # any runs, by MLflow filter
 
-Draws memory.png (peak memory per phase), memory_plan.png (predicted vs measured growth per phase),
-throughput.png (tokens/s and step time by phase), curves.png (loss and reward per step, one line per run) and,
-where runs differ only in efficiency axes, equivalence.png and equivalence.txt (max difference of each curve from
-its group's baseline, tools/equivalence.py; a group with no baseline is named there, with the job to add).
+Draws cost.png (per job: step time, peak growth and tokens/s, against its group's equivalence baseline),
+memory.png (peak growth per phase; the absolute peak as context), memory_plan.png (predicted vs measured growth per
+phase), throughput.png (tokens/s of the whole step, step time by phase, each phase's rate), curves.png (loss and
+reward per step, one line per run) and, where runs differ only in efficiency axes, equivalence.png and
+equivalence.txt (max difference of each curve from its group's baseline, tools/equivalence.py; a group with no
+baseline is named there, with the job to add). Step time and tokens/s leave evaluation and checkpoints out: the
+numbers each job's console prints at its end (tools/costs.py says how each number is taken).
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import sys
 import numpy as np
 
 from .. import render
-from ..meters import PHASES, growth_key, peak_key, plan_growth_key, time_key
 from ..render import num
 from ..tracking import log_figures, metric_key, open_client, spill
+from . import costs
 from . import equivalence as eq
-from .charts import DPI, FONT, colors, figure, hbars, heatmap, panel_height, wrap
+from .charts import DPI, FONT, colors, figure, hbars, panel_height, wrap
+from .cost_figures import cost_figure, memory_figure, plan_figure, throughput_figure  # noqa: F401 (report.*)
 
 STYLES = ["-", "--", ":", "-."]
 
@@ -63,51 +67,7 @@ CURVES = (("loss", "loss"), ("reward_mean", "mean reward (GRPO)"), ("rewards/acc
 
 
 def collect(client, runs):
-    keys = [k for k, _ in CURVES] + ["throughput/gen_tokens_per_s", "throughput/train_tokens_per_s"]
-    keys += [k(p) for k in (peak_key, growth_key, time_key, plan_growth_key) for p in PHASES]
-    return [histories(client, r, keys) for r in runs]
-
-
-def _stat(h, key, fn):
-    return float(fn(h[key][1])) if key in h else float("nan")
-
-
-def memory_figure(names, data, device):
-    present = [p for p in PHASES if any(peak_key(p) in h for h in data)]
-    fig, axes = figure([panel_height(names)] * 2)
-    what = "CUDA peak allocated" if device == "cuda" else "process peak RSS"
-    heatmap(fig, axes[0], names, present, [[_stat(h, peak_key(p), np.max) for p in present] for h in data],
-             "MiB", f"Peak memory per phase, MiB ({what}, {device})")
-    heatmap(fig, axes[1], names, present, [[_stat(h, growth_key(p), np.max) for p in present] for h in data],
-             "MiB", "Peak growth over the phase's starting memory, MiB")
-    fig.tight_layout()
-    return fig
-
-
-def plan_figure(names, data):
-    """Predicted (the memory plan, logged at the start) vs measured peak growth, one panel per phase."""
-    present = [p for p in PHASES if any(plan_growth_key(p) in h and growth_key(p) in h for h in data)]
-    if not present:
-        return None
-    fig, axes = figure([panel_height(names)] * len(present))
-    for ax, p in zip(axes, present):
-        hbars(ax, names, {"predicted": [_stat(h, plan_growth_key(p), np.max) for h in data],
-                           "measured": [_stat(h, growth_key(p), np.max) for h in data]},
-               "MiB", f"{p}: predicted vs measured peak growth, MiB")
-    fig.tight_layout()
-    return fig
-
-
-def throughput_figure(names, data):
-    fig, axes = figure([panel_height(names)] * 2)
-    hbars(axes[0], names, {"generated": [_stat(h, "throughput/gen_tokens_per_s", np.mean) for h in data],
-                            "trained": [_stat(h, "throughput/train_tokens_per_s", np.mean) for h in data]},
-           "tokens / s (mean over steps)", "Throughput")
-    present = [p for p in PHASES if any(time_key(p) in h for h in data)]
-    hbars(axes[1], names, {p: [_stat(h, time_key(p), np.mean) for h in data] for p in present},
-           "seconds (mean per step)", "Step time by phase", stacked=True)
-    fig.tight_layout()
-    return fig
+    return [histories(client, r, [k for k, _ in CURVES] + list(costs.KEYS)) for r in runs]
 
 
 def curves_figure(names, data):
@@ -157,32 +117,32 @@ def equivalence_figure(rows):
     return fig
 
 
-COLUMNS = ("run", "reward / acc", "step s", "gen tok/s", "train tok/s", "peak MiB", "growth MiB")
+# The table: step time and tokens/s are the console's (no evaluation, no checkpoints); growth is the largest phase's
+# peak growth (median step); peak is the absolute peak, context only (CPU: the process's RSS).
+COLUMNS = ("run", "reward / acc", "step s (no eval)", "tokens/s (step)", "growth MiB", "peak MiB")
+KEYS = {"step s (no eval)": "step_s", "tokens/s (step)": "tokens_per_s", "growth MiB": "growth_mib",
+        "peak MiB": "peak_mib"}
 
 
 def rows_of(names, data) -> list[dict]:
-    """One row per run: the last value of its reward (GRPO) or accuracy (DPO) curve, mean step time, throughput,
-    and the largest peak / growth of any phase (floats; NaN where the run has none)."""
+    """One row per run: the last value of its reward (GRPO) or accuracy (DPO) curve and its costs (tools/costs.py;
+    floats, NaN where the run has none)."""
     out = []
     for name, h in zip(names, data):
         curve = next((k for k in ("reward_mean", "rewards/accuracy") if k in h), None)
-        step = sum(_stat(h, time_key(p), np.mean) for p in PHASES if time_key(p) in h)
-        peaks = [_stat(h, peak_key(p), np.max) for p in PHASES if peak_key(p) in h]
-        growths = [_stat(h, growth_key(p), np.max) for p in PHASES if growth_key(p) in h]
+        job = costs.job(h)
         out.append({"run": name, "reward / acc": float(h[curve][1][-1]) if curve else float("nan"),
-                    "step s": step if any(time_key(p) in h for p in PHASES) else float("nan"),
-                    "gen tok/s": _stat(h, "throughput/gen_tokens_per_s", np.mean),
-                    "train tok/s": _stat(h, "throughput/train_tokens_per_s", np.mean),
-                    "peak MiB": max(peaks, default=float("nan")), "growth MiB": max(growths, default=float("nan"))})
+                    **{c: job[k] for c, k in KEYS.items()}})
     return out
 
 
-SPECS = {"reward / acc": ".3f", "step s": ".4f", "gen tok/s": ".0f", "train tok/s": ".0f", "peak MiB": ".0f",
-         "growth MiB": ".0f"}
+SPECS = {"reward / acc": ".3f", "step s (no eval)": ".4f", "tokens/s (step)": ".0f", "growth MiB": None,
+         "peak MiB": ".0f"}  # None: render.short (1.23 MiB at tiny scale, 1234 MiB at large)
 
 
 def _cells(names, data) -> list[list[str]]:
-    return [[r["run"]] + [num(r[c], SPECS[c]) for c in COLUMNS[1:]] for r in rows_of(names, data)]
+    return [[r["run"]] + [num(r[c], SPECS[c]) if SPECS[c] else render.short(r[c]) for c in COLUMNS[1:]]
+            for r in rows_of(names, data)]
 
 
 def table(names, data) -> str:
@@ -199,9 +159,12 @@ def figures(client, runs, device="cpu", baseline: str | None = None):
     """{filename: figure} comparing `runs`, plus the equivalence rows and problems (`baseline`: a run's name)."""
     names = labels(runs)
     data = collect(client, runs)
-    figs = {"memory.png": memory_figure(names, data, device), "throughput.png": throughput_figure(names, data),
+    params = [r.data.params for r in runs]
+    base_of, _ = eq.baselines(params, names, baseline)
+    figs = {"cost.png": cost_figure(costs.costs(names, data, base_of)),
+            "memory.png": memory_figure(names, data, device), "throughput.png": throughput_figure(names, data),
             "curves.png": curves_figure(names, data)}
-    plan = plan_figure(names, data)
+    plan = plan_figure(names, data, device, costs.empty_phase_floor(params, data))
     if plan is not None:
         figs["memory_plan.png"] = plan
     print(table(names, data))
