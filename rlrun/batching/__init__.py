@@ -117,9 +117,17 @@ def pack(group: list[Unit], device) -> Pack:
                 mask=(causal & same)[None, None], select=torch.cat(select), parts=parts)
 
 
-def packs(micros, shared: bool, max_tokens: int) -> list[Pack]:
+def empty(device) -> Pack:
+    """A forward of one padding token that predicts nothing: what a rank with fewer packs runs so that every rank
+    makes the same number of forwards and backwards (ZeRO's collectives run in each)."""
+    one = torch.zeros(1, 1, dtype=torch.long, device=device)
+    return Pack(input_ids=one, position_ids=one, mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
+                select=torch.zeros(0, dtype=torch.long, device=device), parts=[])
+
+
+def packs(micros, shared: bool, max_tokens: int, agree=None) -> list[Pack]:
     """The forwards that compute every response token of `micros`: units filled greedily, in order, up to
-    `max_tokens` positions each."""
+    `max_tokens` positions each; `agree(n)`: the number every rank makes (the largest), padded with `empty`."""
     groups: list[list[Unit]] = []
     size = 0
     for unit in units(micros, shared, max_tokens):
@@ -129,7 +137,8 @@ def packs(micros, shared: bool, max_tokens: int) -> list[Pack]:
         groups[-1].append(unit)
         size += len(unit)
     device = micros[0].input_ids.device if micros else "cpu"
-    return [pack(g, device) for g in groups]
+    out = [pack(g, device) for g in groups]
+    return out + [empty(device) for _ in range((agree(len(out)) if agree else len(out)) - len(out))]
 
 
 def hidden(backbone, p: Pack) -> torch.Tensor:
@@ -140,7 +149,7 @@ def hidden(backbone, p: Pack) -> torch.Tensor:
 
 def gather(p: Pack, tensors: list[torch.Tensor]) -> torch.Tensor:
     """The pack's targets' entries of per-micro-batch flat tensors (targets, advantages, logprobs...)."""
-    return torch.cat([tensors[m][flat] for m, flat in p.parts])
+    return torch.cat([tensors[m][flat] for m, flat in p.parts]) if p.parts else tensors[0][:0]
 
 
 def scatter(p: Pack, values: torch.Tensor, out: list[torch.Tensor]) -> None:
@@ -160,15 +169,18 @@ def by_passes(micros) -> list[list]:
     return [[m for m in micros if kind(m) == k] for k in dict.fromkeys(map(kind, micros))]
 
 
-def forwards(micros, batching, fields: tuple[str, ...], counts: dict):
-    """(pack, {field: per-target tensor or None}) of each forward a non-padded pass makes over `micros`; adds the
-    positions computed and the forwards made to `counts`."""
-    for same in by_passes(micros):
-        for p in packs(same, batching.name == "shared_prompt", batching.max_tokens):
-            counts["positions"] = counts.get("positions", 0) + p.input_ids.shape[1]
-            counts["forwards"] = counts.get("forwards", 0) + 1
-            yield p, {f: None if getattr(same[0], f) is None else gather(p, [getattr(m, f) for m in same])
-                      for f in fields}
+def forwards(micros, batching, fields: tuple[str, ...], counts: dict, agree=None):
+    """(pack, {field: per-target tensor or None}, last) of each forward a non-padded pass makes over `micros`
+    (`agree`: as in `packs`, over the whole pass); adds the positions computed and the forwards made to `counts`."""
+    shared = batching.name == "shared_prompt"
+    todo = [(p, same) for same in by_passes(micros) for p in packs(same, shared, batching.max_tokens)]
+    n = agree(len(todo)) if agree else len(todo)
+    todo += [(empty(micros[0].input_ids.device), micros)] * (n - len(todo))
+    for i, (p, same) in enumerate(todo):
+        counts["positions"] = counts.get("positions", 0) + (p.input_ids.shape[1] if p.parts else 0)
+        counts["forwards"] = counts.get("forwards", 0) + 1
+        yield p, {f: None if getattr(same[0], f) is None else gather(p, [getattr(m, f) for m in same])
+                  for f in fields}, i == n - 1
 
 
 def metrics(by_rank: list[dict]) -> dict[str, float]:

@@ -210,16 +210,11 @@ def whole_kv_groups(c, world):
 
 
 # -- batching -----------------------------------------------------------------------------------------------------
-@rule("batching.name", "loss.name", "engine.name")
+@rule("batching.name", "loss.name")
 def batching_where_it_runs(c, world):
-    if c.batching.name == "padded":
-        return
-    if c.loss.name == "dpo":  # not built yet: its pairs' passes still run padded (docs/batching.md)
+    if c.batching.name != "padded" and c.loss.name == "dpo":  # not built yet (docs/batching.md)
         yield (f"batching={c.batching.name} runs the GRPO recipes (loss=dapo|cispo); loss=dpo trains padded so far. "
                "Use batching=padded with loss=dpo.")
-    if c.engine.name == "deepspeed":  # ZeRO needs the same number of forwards on every rank: not built yet
-        yield (f"batching={c.batching.name} runs on engine=single so far; engine=deepspeed needs "
-               "batching=padded (docs/batching.md).")
 
 
 @rule("batching.name", "batching.max_tokens", "rollout.max_new_tokens")

@@ -125,33 +125,42 @@ def split_rollout(roll, advantages: torch.Tensor, micro_batch: int) -> list[Micr
 
 
 @torch.no_grad()
-def logprob_pass(model, micros: list[Micro], head, size, temperature: float, batching) -> list[torch.Tensor]:
+def logprob_pass(model, micros: list[Micro], head, size, temperature: float, batching,
+                 agree=None) -> list[torch.Tensor]:
     """Per-token logprobs of each micro-batch's response under `model` (no grad, through the head); packed and
-    shared_prompt compute them in packs and put them back in each micro-batch's layout (0 where masked)."""
+    shared_prompt compute them in packs and put them back in each micro-batch's layout (0 where masked), as many
+    packs on every rank (`agree`: n -> the largest n over ranks)."""
     backbone, weight = models.split(model)
     if batching.name == "padded":
         return [head.logprobs(response_hidden(backbone, m), weight, m.targets, temperature, size) for m in micros]
     out = [torch.zeros_like(m.gen_logprobs) for m in micros]
-    for p in packing.packs(micros, batching.name == "shared_prompt", batching.max_tokens):
+    for p in packing.packs(micros, batching.name == "shared_prompt", batching.max_tokens, agree):
         targets = packing.gather(p, [m.targets for m in micros])
         packing.scatter(p, head.logprobs(packing.hidden(backbone, p), weight, targets, temperature, size), out)
     return out
 
 
+def agree(engine):
+    """n -> the largest n over ranks (every rank makes as many forwards: ZeRO's collectives run in each); None on
+    one process."""
+    return (lambda n: max(engine.gather(n))) if engine.world > 1 else None
+
+
 FIELDS = ("targets", "advantages", "old_logprobs", "ref_logprobs", "gen_logprobs")
 
 
-def forwards(backbone, micros: list[Micro], batching, counts: dict):
-    """(hidden states, per-token tensors, mask) of each forward of a training pass: one per micro-batch (padded) or
-    one per pack (rlrun.batching); `counts` gets the positions computed and the forwards made."""
+def forwards(backbone, micros: list[Micro], batching, counts: dict, agree=None):
+    """(hidden states, per-token tensors, mask, boundary) of each forward of a training pass: one per micro-batch
+    (padded; boundary None: the engine counts them) or one per pack (rlrun.batching; boundary True on the last);
+    `counts` gets the positions computed and the forwards made."""
     if batching.name == "padded":
         for mb in micros:
             counts["positions"] = counts.get("positions", 0) + mb.input_ids.numel()
             counts["forwards"] = counts.get("forwards", 0) + 1
-            yield response_hidden(backbone, mb), {f: getattr(mb, f) for f in FIELDS}, mb.mask
+            yield response_hidden(backbone, mb), {f: getattr(mb, f) for f in FIELDS}, mb.mask, None
         return
-    for p, t in packing.forwards(micros, batching, FIELDS, counts):
-        yield packing.hidden(backbone, p), t, torch.ones_like(t["targets"], dtype=torch.bool)
+    for p, t, last in packing.forwards(micros, batching, FIELDS, counts, agree):
+        yield packing.hidden(backbone, p), t, torch.ones_like(t["targets"], dtype=torch.bool), last
 
 
 def mismatch(micros: list[Micro]) -> np.ndarray:
@@ -257,14 +266,14 @@ def refill(cfg, s, prompts, buffer: RolloutBuffer, got: StepRollouts) -> None:
     if need.old:
         with meter.phase("old_logprobs"):
             for mb, lp in zip(micros, logprob_pass(engine.model, micros, s.head, s.head_size, temperature,
-                                                   cfg.batching)):
+                                                   cfg.batching, agree(engine))):
                 mb.old_logprobs = lp
         got.mismatch += mismatch(micros)
     if need.ref:
         with meter.phase("ref_logprobs"):
             with models.reference(engine) as reference:
                 for mb, lp in zip(micros, logprob_pass(reference, micros, s.head, s.head_size, temperature,
-                                                       cfg.batching)):
+                                                       cfg.batching, agree(engine))):
                     mb.ref_logprobs = lp
     with meter.phase("onload"):
         engine.onload()
@@ -289,13 +298,13 @@ def train_step(cfg, s, micros: list[Micro], step: int):
     stats_parts, masks, loss_total = [], [], 0.0
     layout = {"real": sum(int(mb.attention_mask.sum()) for mb in micros)}  # tokens that are not padding
     with s.meter.phase("train"):
-        for hidden, t, mask in forwards(backbone, micros, cfg.batching, layout):
+        for hidden, t, mask, boundary in forwards(backbone, micros, cfg.batching, layout, agree(engine)):
             objective = losses.objective(lcfg.name, t["advantages"], t["old_logprobs"], t["ref_logprobs"],
                                          t["gen_logprobs"], **loss_kwargs)
             loss, stats = s.head.loss(hidden, weight, t["targets"], mask, objective, num_tokens,
                                       cfg.rollout.temperature, s.head_size)
             check_finite(loss, step, "lower train.lr or train.grad_clip, or check the reward function.")
-            engine.backward(loss)
+            engine.backward(loss, boundary)
             loss_total += loss.item()
             stats_parts.append({k: v.detach().cpu() for k, v in stats.items()})
             masks.append(mask.cpu())
