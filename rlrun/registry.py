@@ -18,6 +18,8 @@ REGISTRY: dict[str, dict[str, str]] = {
     # the policy is a name rlrun.logprobs.plan interprets; the module is what implements all three
     "logprob_policy": {"always": "rlrun.logprobs", "window": "rlrun.logprobs", "skip": "rlrun.logprobs"},
     "offload": {"on": "rlrun.offload", "off": "rlrun.offload"},  # the engines call it when offload.enabled
+    # the recipes' training passes read the layout (rlrun.batching.packs) when batching is not padded
+    "batching": {"padded": "rlrun.batching", "packed": "rlrun.batching", "shared_prompt": "rlrun.batching"},
     "model": {"tiny": "rlrun.models:tiny", "hf": "rlrun.models:hf"},  # (cfg, seed) -> (model, tokenizer)
     "task": {"arith": "rlrun.tasks.arith:read", "jsonl": "rlrun.tasks.jsonl:read",
              "dataset": "rlrun.tasks.dataset:read"},

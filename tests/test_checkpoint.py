@@ -91,10 +91,11 @@ def curve(db):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", ["dapo", "dpo"])
+@pytest.mark.parametrize("loss", ["dapo", "dpo", "dapo-packed"])
 def test_sigkill_at_a_seeded_step_then_resume_gives_the_same_curve(tmp_path, loss):
-    args = ["experiment=smoke", f"loss={loss}", "train.steps=40", f"checkpoint.dir={tmp_path}/run/ckpt",
-            "checkpoint.every=3"]
+    packed = ["batching=packed"] if loss.endswith("-packed") else []  # the packed layout resumes bit for bit too
+    args = ["experiment=smoke", f"loss={loss.removesuffix('-packed')}", *packed, "train.steps=40",
+            f"checkpoint.dir={tmp_path}/run/ckpt", "checkpoint.every=3"]
     (tmp_path / "base").mkdir()
     (tmp_path / "run").mkdir()
     base = rlrun(tmp_path / "base", *args[:-2])

@@ -44,6 +44,20 @@ def assert_close(a: dict, b: dict):
     assert max(a["grad_norm"]) > 0.1  # not a trivially zero gradient
 
 
+@pytest.mark.parametrize("stage, batching", [(3, "packed"), (2, "shared_prompt")])
+def test_packed_two_ranks_match_one_padded(tmp_path, stage, batching):
+    """Packing under ZeRO: each rank packs its share (as many forwards on both, the last one the boundary), and
+    the run equals the padded run of one process."""
+    one = single_process(tmp_path / "one")
+    out = rlrun(2, tmp_path, *EQUIV, "engine=deepspeed", f"engine.zero_stage={stage}", f"batching={batching}",
+                "batching.max_tokens=64")  # one pack per rank where padded makes 2 micro-steps
+    assert out.returncode == 0, out.stderr[-3000:]
+    run, two = curves(tmp_path / "mlflow.db")
+    assert_close(two, one)
+    assert run.data.metrics["system/batching/padding_frac"] == 0.0
+    assert "system/batching/rank_positions_ratio" in run.data.metrics
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_match_one(tmp_path, stage):
     one = single_process(tmp_path / "one")

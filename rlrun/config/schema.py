@@ -8,39 +8,23 @@ adding an option is adding its dataclass to the union (and its YAML file; a test
 
 import math
 import re
-import types
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Union
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
-UNIONS = (Union, types.UnionType)  # typing.Optional[X] / Union[X, Y], and X | Y of plain classes
-
-
-@dataclass(frozen=True)
-class Check:
-    """A bound on one value: `test(value)` must hold; `text` completes "KEY=VALUE must be ..." (on an optional key
-    the message adds "or null" itself)."""
-
-    test: Callable[[Any], bool]
-    text: str
-
-
-def needs(hint: str):
-    """A required field whose unset value (???, null or '') is reported as "<group>=<option> needs KEY=<hint>"."""
-    return field(metadata={"needs": hint})
-
-
-PosInt = Annotated[int, Check(lambda v: v >= 1, "a positive integer")]
-NonNegInt = Annotated[int, Check(lambda v: v >= 0, "an integer >= 0")]
-NonNeg = Annotated[float, Check(lambda v: v >= 0, ">= 0")]
-Positive = Annotated[float, Check(lambda v: v > 0, "> 0")]
-Beta = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1)")]
-PathStr = Annotated[str, Check(lambda v: v != "", "a non-empty path")]
-Text = Annotated[str, Check(lambda v: v.strip() != "", "a non-empty string")]
-Dtype = Literal["float32", "bfloat16", "float16"]  # the torch dtypes rlrun.models builds
-ImportPath = Annotated[str, Check(lambda v: re.fullmatch(r"[^:\s]+:[\w.]+", v) is not None,
-                                  "module:function or path/to/file.py:function")]
-
+from .types import (  # noqa: F401 (UNIONS and Check are read through this module too)
+    UNIONS,
+    Beta,
+    Check,
+    Dtype,
+    ImportPath,
+    NonNeg,
+    NonNegInt,
+    PathStr,
+    PosInt,
+    Positive,
+    Text,
+    needs,
+)
 
 # -- head ---------------------------------------------------------------------------------------------------------
 TileSize = Annotated[int, Check(lambda v: v >= 1, "a positive integer (tokens per tile/chunk)")] | Literal["auto"]
@@ -128,6 +112,23 @@ class OffOffload:
 @dataclass
 class OnOffload(OffOffload):
     name: Literal["on"]
+
+
+# -- batching -----------------------------------------------------------------------------------------------------
+@dataclass
+class PaddedBatching:
+    name: Literal["padded"]
+    max_tokens: PosInt  # positions per forward (unused by padded)
+
+
+@dataclass
+class PackedBatching(PaddedBatching):
+    name: Literal["packed"]
+
+
+@dataclass
+class SharedPromptBatching(PaddedBatching):
+    name: Literal["shared_prompt"]
 
 
 # -- model --------------------------------------------------------------------------------------------------------
@@ -391,6 +392,7 @@ class RunConfig:
     head: DenseHead | TiledHead | ChunkedHead
     logprob_policy: AlwaysPolicy | WindowPolicy | SkipPolicy
     offload: OffOffload | OnOffload
+    batching: PaddedBatching | PackedBatching | SharedPromptBatching
     rollout: HFRollout | VLLMRollout
     engine: SingleEngine | DeepSpeedEngine
     tracking: MLflowTracking | NoTracking

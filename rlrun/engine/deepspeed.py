@@ -146,7 +146,9 @@ class Engine:
             self.reference = deepspeed.initialize(model=reference.requires_grad_(False), config=ref_cfg)[0].module
             self.reference.eval()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, boundary: bool | None = None) -> None:
+        if boundary is not None:  # packed batching: forwards per step vary, so the loop says which is the last
+            self.ds.set_gradient_accumulation_boundary(boundary)
         # DeepSpeed averages gradients over ranks; the loss is already a share of the GLOBAL mean, so undo that.
         self.ds.backward(loss * self.world, scale_wrt_gas=False)
         self.ds.step()  # DeepSpeed counts micro-steps here; the optimizer runs at the accumulation boundary

@@ -17,8 +17,10 @@ class Engine(Protocol):
 
     def __init__(self, cfg, policy, reference, grad_accum: int): ...
 
-    def backward(self, loss) -> None:
-        """`loss` is this micro-batch's share of the step's loss (already divided by the step's token count)."""
+    def backward(self, loss, boundary: bool | None = None) -> None:
+        """`loss` is this micro-batch's share of the step's loss (already divided by the step's token count).
+        `boundary`: whether it is the step's last backward, when the number of backwards per step varies (batching
+        packed / shared_prompt); None: every step has `grad_accum` of them."""
 
     def step(self) -> float:
         """Clip, optimizer step, LR step, zero grads; the gradient norm before clipping."""

@@ -58,8 +58,9 @@ class Engine:
         self.optimizer, self.scheduler = optimizer(policy, cfg.train)
         self.grad_clip, self.offload_enabled = cfg.train.grad_clip, cfg.offload.enabled
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """`loss` is this micro-batch's share of the step's loss (already divided by the step's token count)."""
+    def backward(self, loss: torch.Tensor, boundary: bool | None = None) -> None:
+        """`loss` is this micro-batch's share of the step's loss (already divided by the step's token count); the
+        optimizer steps in `step`, so the boundary is not needed here."""
         loss.backward()
 
     def step(self) -> float:

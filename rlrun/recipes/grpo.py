@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import batching as packing
 from .. import evaluate, logprobs, losses, models, ranks, tasks
 from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup
 
@@ -124,10 +125,42 @@ def split_rollout(roll, advantages: torch.Tensor, micro_batch: int) -> list[Micr
 
 
 @torch.no_grad()
-def logprob_pass(model, micros: list[Micro], head, size, temperature: float) -> list[torch.Tensor]:
-    """Per-token logprobs of each micro-batch's response under `model` (no grad, through the head)."""
+def logprob_pass(model, micros: list[Micro], head, size, temperature: float, batching,
+                 agree=None) -> list[torch.Tensor]:
+    """Per-token logprobs of each micro-batch's response under `model` (no grad, through the head); packed and
+    shared_prompt compute them in packs and put them back in each micro-batch's layout (0 where masked), as many
+    packs on every rank (`agree`: n -> the largest n over ranks)."""
     backbone, weight = models.split(model)
-    return [head.logprobs(response_hidden(backbone, m), weight, m.targets, temperature, size) for m in micros]
+    if batching.name == "padded":
+        return [head.logprobs(response_hidden(backbone, m), weight, m.targets, temperature, size) for m in micros]
+    out = [torch.zeros_like(m.gen_logprobs) for m in micros]
+    for p in packing.packs(micros, batching.name == "shared_prompt", batching.max_tokens, agree):
+        targets = packing.gather(p, [m.targets for m in micros])
+        packing.scatter(p, head.logprobs(packing.hidden(backbone, p), weight, targets, temperature, size), out)
+    return out
+
+
+def agree(engine):
+    """n -> the largest n over ranks (every rank makes as many forwards: ZeRO's collectives run in each); None on
+    one process."""
+    return (lambda n: max(engine.gather(n))) if engine.world > 1 else None
+
+
+FIELDS = ("targets", "advantages", "old_logprobs", "ref_logprobs", "gen_logprobs")
+
+
+def forwards(backbone, micros: list[Micro], batching, counts: dict, agree=None):
+    """(hidden states, per-token tensors, mask, boundary) of each forward of a training pass: one per micro-batch
+    (padded; boundary None: the engine counts them) or one per pack (rlrun.batching; boundary True on the last);
+    `counts` gets the positions computed and the forwards made."""
+    if batching.name == "padded":
+        for mb in micros:
+            counts["positions"] = counts.get("positions", 0) + mb.input_ids.numel()
+            counts["forwards"] = counts.get("forwards", 0) + 1
+            yield response_hidden(backbone, mb), {f: getattr(mb, f) for f in FIELDS}, mb.mask, None
+        return
+    for p, t, last in packing.forwards(micros, batching, FIELDS, counts, agree):
+        yield packing.hidden(backbone, p), t, torch.ones_like(t["targets"], dtype=torch.bool), last
 
 
 def mismatch(micros: list[Micro]) -> np.ndarray:
@@ -176,11 +209,11 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
                 refill(cfg, s, prompts, buffer, got)
 
             # 2. Train: one optimizer step over grad_accum micro-batches, loss normalised by the step's token count.
-            loss_total, num_tokens, parts = train_step(cfg, s, buffer.take(grad_accum), step)
+            loss_total, num_tokens, parts, layout = train_step(cfg, s, buffer.take(grad_accum), step)
             grad_norm = engine.step()
 
             # 3. Metrics over all ranks. A metric that needs a skipped pass is absent, never a zero that looks real.
-            m = step_metrics(frame, passes, got, loss_total, num_tokens, parts, grad_norm)
+            m = step_metrics(frame, passes, got, loss_total, num_tokens, parts, grad_norm, layout)
             frame.log(step, m, reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
             if cfg.log.samples_every and step % cfg.log.samples_every == 0 and got.samples:
@@ -232,13 +265,15 @@ def refill(cfg, s, prompts, buffer: RolloutBuffer, got: StepRollouts) -> None:
         engine.offload()
     if need.old:
         with meter.phase("old_logprobs"):
-            for mb, lp in zip(micros, logprob_pass(engine.model, micros, s.head, s.head_size, temperature)):
+            for mb, lp in zip(micros, logprob_pass(engine.model, micros, s.head, s.head_size, temperature,
+                                                   cfg.batching, agree(engine))):
                 mb.old_logprobs = lp
         got.mismatch += mismatch(micros)
     if need.ref:
         with meter.phase("ref_logprobs"):
             with models.reference(engine) as reference:
-                for mb, lp in zip(micros, logprob_pass(reference, micros, s.head, s.head_size, temperature)):
+                for mb, lp in zip(micros, logprob_pass(reference, micros, s.head, s.head_size, temperature,
+                                                       cfg.batching, agree(engine))):
                     mb.ref_logprobs = lp
     with meter.phase("onload"):
         engine.onload()
@@ -261,25 +296,26 @@ def train_step(cfg, s, micros: list[Micro], step: int):
                        entropy_coef=lcfg.entropy_coef)
     num_tokens = max(sum(engine.gather(sum(int(mb.mask.sum()) for mb in micros))), 1)  # over all ranks
     stats_parts, masks, loss_total = [], [], 0.0
+    layout = {"real": sum(int(mb.attention_mask.sum()) for mb in micros)}  # tokens that are not padding
     with s.meter.phase("train"):
-        for mb in micros:
-            objective = losses.objective(lcfg.name, mb.advantages, mb.old_logprobs, mb.ref_logprobs,
-                                         mb.gen_logprobs, **loss_kwargs)
-            loss, stats = s.head.loss(response_hidden(backbone, mb), weight, mb.targets, mb.mask, objective,
-                                      num_tokens, cfg.rollout.temperature, s.head_size)
+        for hidden, t, mask, boundary in forwards(backbone, micros, cfg.batching, layout, agree(engine)):
+            objective = losses.objective(lcfg.name, t["advantages"], t["old_logprobs"], t["ref_logprobs"],
+                                         t["gen_logprobs"], **loss_kwargs)
+            loss, stats = s.head.loss(hidden, weight, t["targets"], mask, objective, num_tokens,
+                                      cfg.rollout.temperature, s.head_size)
             check_finite(loss, step, "lower train.lr or train.grad_clip, or check the reward function.")
-            engine.backward(loss)
+            engine.backward(loss, boundary)
             loss_total += loss.item()
             stats_parts.append({k: v.detach().cpu() for k, v in stats.items()})
-            masks.append(mb.mask.cpu())
+            masks.append(mask.cpu())
     stats = {k: torch.cat([s[k] for s in stats_parts]) for k in stats_parts[0]}
-    return loss_total, num_tokens, losses.partials(stats, torch.cat(masks))
+    return loss_total, num_tokens, losses.partials(stats, torch.cat(masks)), layout
 
 
 def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_total: float, num_tokens: int, parts,
-                 grad_norm: float) -> dict[str, float]:
+                 grad_norm: float, layout: dict) -> dict[str, float]:
     """The step's metrics from every rank's sums, counts, min/max and per-sequence rewards."""
-    by_rank = frame.reduce({"loss": loss_total, "stats": parts, **got.reducible()})
+    by_rank = frame.reduce({"loss": loss_total, "stats": parts, "layout": layout, **got.reducible()})
     m = {"loss": sum(p["loss"] for p in by_rank), **losses.combine([p["stats"] for p in by_rank]),
          "grad_norm": grad_norm, "lr": frame.engine.lr()}
     if got.rewards:
@@ -303,4 +339,5 @@ def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_to
         m["throughput/gen_tokens_per_s"] = gen_tokens / m["time/generate_s"]
     m["throughput/train_tokens_per_s"] = num_tokens / m["time/train_s"]
     m["train_tokens"] = num_tokens
+    m.update(packing.metrics([p["layout"] for p in by_rank]))
     return m

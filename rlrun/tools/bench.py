@@ -4,6 +4,7 @@
     python -m rlrun.bench dpo --vocab 151936 --lengths 256,512,1024,2048,4096 --budget-mib 4096
     python -m rlrun.bench trl                     # needs TRL: pip install -e '.[bench]'
     python -m rlrun.bench plan                    # the memory plan's accuracy (rlrun/tools/bench_plan.py)
+    python -m rlrun.bench batching                # padded vs packed vs shared_prompt (rlrun/tools/bench_batching.py)
 
 `heads`: one DAPO forward+backward of the lm head + loss per implementation, each in its own process (so peaks do
 not mix), on identical seeded inputs: rlrun's dense / tiled / chunked heads and the peers a user would pick
@@ -19,6 +20,9 @@ machine's available memory are skipped rather than run into the OOM killer.
 `trl`: rlrun's default GRPO run and TRL's GRPOTrainer on the same work, interleaved (rlrun/tools/bench_trl.py).
 
 `plan`: the memory plan's prediction vs the measured peak growth per phase of short runs (rlrun/tools/bench_plan.py).
+
+`batching`: the training and old-logprob passes of each batching option on a long-tailed workload
+(rlrun/tools/bench_batching.py).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from ..losses.dapo import token_loss as dapo_token_loss
 from ..meters import MIB, Meter, proc_bytes
 from ..render import in_child, num, table
 from ..tracking import MLflow, TrackingError, check_uri, log_metrics
-from . import bench_plan, bench_trl
+from . import bench_batching, bench_plan, bench_trl
 
 PEERS = ("deepspeed", "liger")
 CLIP = dict(clip_low=0.2, clip_high=0.28)
@@ -291,6 +295,10 @@ def plan_bench(a):
     return bench_plan.bench(a, log_mlflow)
 
 
+def batching_bench(a):
+    return bench_batching.bench(a, log_mlflow)
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -350,6 +358,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--figure", default="plan_accuracy.png", help="predicted vs measured (PNG); '' for none")
     m.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
     m.set_defaults(func=plan_bench)
+    bench_batching.add_parser(sub, batching_bench)
     return p
 
 

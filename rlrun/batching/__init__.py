@@ -1,0 +1,196 @@
+"""batching=padded|packed|shared_prompt: how the training passes lay out the sequences they compute.
+
+`padded` (the baseline) runs each micro-batch as it is: `micro_batch` rows padded to the longest prompt (left)
+and response (right). `packed` and `shared_prompt` compute the same tokens without the padding: the rows of a
+pass (a rollout's micro-batches for a logprob pass, an optimizer step's for training) are laid end to end into
+forwards of at most `batching.max_tokens` positions, each sequence with its own positions (0, 1, ...) and an
+attention mask that never crosses a sequence; `shared_prompt` also lays out each run of rows with the same prompt
+(a GRPO group) as the prompt once followed by each completion, every completion attending to the prompt and to
+itself only, its positions continuing from the prompt's. Every response token is predicted from the same context
+as in `padded`, so logprobs, losses and gradients are `padded`'s up to summation order.
+
+A `Pack` is one such forward. The heads see what they see under `padded`: the hidden states that predict the
+response tokens, flattened, and per-token tensors gathered from the micro-batches (`gather`); results go back to
+each micro-batch's own layout (`scatter`), so the rollout buffer, the logprob policies and checkpoints are the
+same for every option. The mask is a dense [T, T] boolean (sdpa and eager attention take it; it costs T^2 bytes,
+16 MiB at 4096 positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ConfigError
+
+OPTIONS = ("padded", "packed", "shared_prompt")
+
+
+@dataclass
+class Unit:
+    """One sequence (packed) or one prompt with its completions (shared_prompt), laid out contiguously."""
+
+    tokens: list[torch.Tensor]  # the prompt, then each completion's tokens but its last (only a target)
+    parts: list[tuple[int, torch.Tensor]]  # per completion: (micro-batch index, its flat indices in targets)
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+@dataclass
+class Pack:
+    """One forward: [1, T] ids, positions and mask; `select` the positions whose hidden states predict the
+    targets; `parts` where each run of targets comes from (micro-batch index, flat indices)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    mask: torch.Tensor  # [1, 1, T, T] bool: True where a query may attend to a key
+    select: torch.Tensor  # [n]
+    parts: list[tuple[int, torch.Tensor]]
+
+
+def rows(micro):
+    """(prompt tokens, response tokens, flat indices of its targets) of each row of a padded micro-batch that has
+    a response (the prompt without its left padding, the response up to its last valid token)."""
+    p, r = micro.prompt_len, micro.input_ids.shape[1] - micro.prompt_len
+    valid = micro.mask.view(-1, r)
+    for b in range(micro.input_ids.shape[0]):
+        n = int(valid[b].sum())
+        if n:
+            prompt = micro.input_ids[b, :p][micro.attention_mask[b, :p].bool()]
+            yield prompt, micro.input_ids[b, p : p + n], b * r + torch.arange(n, device=micro.mask.device)
+
+
+def units(micros, shared: bool, max_tokens: int) -> list[Unit]:
+    """The sequences of `micros`, in order; with `shared`, consecutive rows with the same prompt in one unit (split
+    where it would exceed `max_tokens`)."""
+    out: list[Unit] = []
+    for index, micro in enumerate(micros):
+        for prompt, response, flat in rows(micro):
+            last = out[-1] if out else None
+            extra = len(response) - 1
+            if (shared and last is not None and torch.equal(last.tokens[0], prompt)
+                    and len(last) + extra <= max_tokens):
+                last.tokens.append(response[:-1])
+                last.parts.append((index, flat))
+                continue
+            unit = Unit([prompt, response[:-1]], [(index, flat)])
+            if len(unit) > max_tokens:
+                raise ConfigError([f"batching.max_tokens={max_tokens} is smaller than one sequence of this run "
+                                   f"({len(prompt)} prompt + {len(response)} response tokens = {len(unit) + 1}); "
+                                   f"set batching.max_tokens>={len(unit) + 1} (or batching=padded)."])
+            out.append(unit)
+    return out
+
+
+def layout(unit: Unit, offset: int):
+    """(ids, positions, unit-relative part ids, select) of one unit placed at `offset` in its pack."""
+    prompt, completions = unit.tokens[0], unit.tokens[1:]
+    n_prompt, d = len(prompt), prompt.device
+    ids, positions, part = [prompt], [torch.arange(n_prompt, device=d)], [torch.zeros(n_prompt, dtype=torch.long,
+                                                                                       device=d)]
+    select, start = [], offset + n_prompt
+    for c, tokens in enumerate(completions, 1):
+        ids.append(tokens)
+        positions.append(n_prompt + torch.arange(len(tokens), device=d))
+        part.append(torch.full((len(tokens),), c, device=d))
+        # response token 0 is predicted from the prompt's last position, token j from the completion's (j-1)th
+        select.append(torch.cat([torch.tensor([offset + n_prompt - 1], device=d),
+                                 start + torch.arange(len(tokens), device=d)]))
+        start += len(tokens)
+    return torch.cat(ids), torch.cat(positions), torch.cat(part), torch.cat(select)
+
+
+def pack(group: list[Unit], device) -> Pack:
+    ids, positions, parts_of, unit_of, select, parts, offset = [], [], [], [], [], [], 0
+    for u, unit in enumerate(group):
+        i, p, part, sel = layout(unit, offset)
+        ids.append(i), positions.append(p), parts_of.append(part), select.append(sel)
+        unit_of.append(torch.full((len(i),), u, device=device))
+        parts += unit.parts
+        offset += len(i)
+    part, unit = torch.cat(parts_of), torch.cat(unit_of)
+    causal = torch.ones(offset, offset, dtype=torch.bool, device=device).tril()
+    same = (unit[:, None] == unit[None, :]) & ((part[None, :] == 0) | (part[:, None] == part[None, :]))
+    return Pack(input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
+                mask=(causal & same)[None, None], select=torch.cat(select), parts=parts)
+
+
+def empty(device) -> Pack:
+    """A forward of one padding token that predicts nothing: what a rank with fewer packs runs so that every rank
+    makes the same number of forwards and backwards (ZeRO's collectives run in each)."""
+    one = torch.zeros(1, 1, dtype=torch.long, device=device)
+    return Pack(input_ids=one, position_ids=one, mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
+                select=torch.zeros(0, dtype=torch.long, device=device), parts=[])
+
+
+def packs(micros, shared: bool, max_tokens: int, agree=None) -> list[Pack]:
+    """The forwards that compute every response token of `micros`: units filled greedily, in order, up to
+    `max_tokens` positions each; `agree(n)`: the number every rank makes (the largest), padded with `empty`."""
+    groups: list[list[Unit]] = []
+    size = 0
+    for unit in units(micros, shared, max_tokens):
+        if not groups or size + len(unit) > max_tokens:
+            groups.append([])
+            size = 0
+        groups[-1].append(unit)
+        size += len(unit)
+    device = micros[0].input_ids.device if micros else "cpu"
+    out = [pack(g, device) for g in groups]
+    return out + [empty(device) for _ in range((agree(len(out)) if agree else len(out)) - len(out))]
+
+
+def hidden(backbone, p: Pack) -> torch.Tensor:
+    """[n, H]: the hidden states that predict the pack's targets."""
+    out = backbone(input_ids=p.input_ids, attention_mask=p.mask, position_ids=p.position_ids)
+    return out.last_hidden_state[0, p.select]
+
+
+def gather(p: Pack, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The pack's targets' entries of per-micro-batch flat tensors (targets, advantages, logprobs...)."""
+    return torch.cat([tensors[m][flat] for m, flat in p.parts]) if p.parts else tensors[0][:0]
+
+
+def scatter(p: Pack, values: torch.Tensor, out: list[torch.Tensor]) -> None:
+    """Write the pack's per-target `values` into each micro-batch's flat tensor in `out`."""
+    start = 0
+    for m, flat in p.parts:
+        out[m][flat] = values[start : start + len(flat)]
+        start += len(flat)
+
+
+def by_passes(micros) -> list[list]:
+    """The micro-batches in groups whose old / reference passes ran alike (a step can span two rollouts with
+    different logprob-pass decisions; one forward's objective needs one kind), each group in order."""
+    def kind(m):
+        return m.old_logprobs is None, m.ref_logprobs is None
+
+    return [[m for m in micros if kind(m) == k] for k in dict.fromkeys(map(kind, micros))]
+
+
+def forwards(micros, batching, fields: tuple[str, ...], counts: dict, agree=None):
+    """(pack, {field: per-target tensor or None}, last) of each forward a non-padded pass makes over `micros`
+    (`agree`: as in `packs`, over the whole pass); adds the positions computed and the forwards made to `counts`."""
+    shared = batching.name == "shared_prompt"
+    todo = [(p, same) for same in by_passes(micros) for p in packs(same, shared, batching.max_tokens)]
+    n = agree(len(todo)) if agree else len(todo)
+    todo += [(empty(micros[0].input_ids.device), micros)] * (n - len(todo))
+    for i, (p, same) in enumerate(todo):
+        counts["positions"] = counts.get("positions", 0) + (p.input_ids.shape[1] if p.parts else 0)
+        counts["forwards"] = counts.get("forwards", 0) + 1
+        yield p, {f: None if getattr(same[0], f) is None else gather(p, [getattr(m, f) for m in same])
+                  for f in fields}, i == n - 1
+
+
+def metrics(by_rank: list[dict]) -> dict[str, float]:
+    """A training pass's layout over ranks: positions computed, forwards, the share of positions that are padding
+    (0 when packed: every position is a token; shared_prompt computes fewer positions than tokens), and the
+    ranks' load balance (largest / smallest positions computed)."""
+    positions = [r["positions"] for r in by_rank]
+    real = sum(r["real"] for r in by_rank)
+    out = {"batching/train_positions": float(sum(positions)), "batching/train_forwards": float(
+        sum(r["forwards"] for r in by_rank)), "batching/padding_frac": max(0.0, 1.0 - real / max(sum(positions), 1))}
+    if len(by_rank) > 1:
+        out["batching/rank_positions_ratio"] = max(positions) / max(min(positions), 1)
+    return out

@@ -1,0 +1,36 @@
+"""The value types of the schema: bounds (`Check`), required fields (`needs`), and the constrained scalars the
+option dataclasses use."""
+
+import re
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Union
+
+UNIONS = (Union, types.UnionType)  # typing.Optional[X] / Union[X, Y], and X | Y of plain classes
+
+
+@dataclass(frozen=True)
+class Check:
+    """A bound on one value: `test(value)` must hold; `text` completes "KEY=VALUE must be ..." (on an optional key
+    the message adds "or null" itself)."""
+
+    test: Callable[[Any], bool]
+    text: str
+
+
+def needs(hint: str):
+    """A required field whose unset value (???, null or '') is reported as "<group>=<option> needs KEY=<hint>"."""
+    return field(metadata={"needs": hint})
+
+
+PosInt = Annotated[int, Check(lambda v: v >= 1, "a positive integer")]
+NonNegInt = Annotated[int, Check(lambda v: v >= 0, "an integer >= 0")]
+NonNeg = Annotated[float, Check(lambda v: v >= 0, ">= 0")]
+Positive = Annotated[float, Check(lambda v: v > 0, "> 0")]
+Beta = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1)")]
+PathStr = Annotated[str, Check(lambda v: v != "", "a non-empty path")]
+Text = Annotated[str, Check(lambda v: v.strip() != "", "a non-empty string")]
+Dtype = Literal["float32", "bfloat16", "float16"]  # the torch dtypes rlrun.models builds
+ImportPath = Annotated[str, Check(lambda v: re.fullmatch(r"[^:\s]+:[\w.]+", v) is not None,
+                                  "module:function or path/to/file.py:function")]

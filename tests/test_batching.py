@@ -1,0 +1,211 @@
+"""batching=packed|shared_prompt compute what batching=padded computes (rlrun/batching): the mask never lets a
+token see another sequence (packed) or another completion (shared_prompt); logprobs, loss, gradients and metrics
+equal padded's to fp32 tolerance for every head and objective; seeded runs give padded's curves."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import history, tiny_model
+
+from rlrun import batching, registry
+from rlrun.config import ConfigError
+from rlrun.meters import Meter
+from rlrun.recipes import grpo
+from rlrun.rollout import Rollout
+
+PAD = 0
+
+
+def rollout(tok, prompts, lengths, seed=0):
+    """A rollout of len(lengths) rows: prompt i // group of `prompts` (left-padded), responses of the given valid
+    lengths (right-padded, garbage after the end as generation leaves it)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = len(lengths)
+    group = rows // len(prompts)
+    P, R = max(map(len, prompts)), max(lengths)
+    ids = torch.full((rows, P + R), PAD)
+    am = torch.zeros(rows, P + R, dtype=torch.long)
+    for r in range(rows):
+        p = prompts[r // group]
+        ids[r, P - len(p):P], am[r, P - len(p):P] = torch.tensor(p), 1
+        ids[r, P:] = torch.randint(4, len(tok), (R,), generator=g)
+        am[r, P:P + lengths[r]] = 1
+    response_mask = am[:, P:].bool()
+    return Rollout(input_ids=ids, attention_mask=am, prompt_len=P, response_mask=response_mask,
+                   gen_logprobs=torch.where(response_mask, -torch.rand(rows, R, generator=g) - 0.5, 0.0),
+                   completions=[""] * rows, finished=torch.ones(rows, dtype=torch.bool))
+
+
+def micros_of(tok, micro_batch=3):
+    """Groups of 4 completions of 3 prompts of very different lengths: 1-token and long responses."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14], [15, 16, 17]]
+    lengths = [1, 12, 5, 1, 3, 12, 12, 2, 1, 1, 7, 12]
+    roll = rollout(tok, prompts, lengths)
+    adv = torch.linspace(-1.0, 1.0, len(lengths))
+    return grpo.split_rollout(roll, adv, micro_batch)
+
+
+def test_packed_mask_never_crosses_a_sequence_and_positions_restart():
+    _, tok = tiny_model()
+    micros = micros_of(tok)
+    [p] = batching.packs(micros, shared=False, max_tokens=10_000)
+    units = batching.units(micros, shared=False, max_tokens=10_000)
+    seq = torch.cat([torch.full((len(u),), i) for i, u in enumerate(units)])
+    mask = p.mask[0, 0]
+    assert torch.equal(mask, torch.ones_like(mask).tril() & (seq[:, None] == seq[None, :]))
+    starts = torch.cat([torch.tensor([0]), torch.tensor([len(u) for u in units]).cumsum(0)[:-1]])
+    assert (p.position_ids[0, starts] == 0).all() and int(p.position_ids.max()) == max(len(u) for u in units) - 1
+
+
+def test_shared_prompt_lets_a_completion_see_its_prompt_and_itself_only():
+    _, tok = tiny_model()
+    micros = micros_of(tok, micro_batch=12)
+    units = batching.units(micros, shared=True, max_tokens=10_000)
+    assert len(units) == 3 and [len(u.tokens) - 1 for u in units] == [4, 4, 4]  # each group's prompt once
+    [p] = batching.packs(micros, shared=True, max_tokens=10_000)
+    unit, part = [], []
+    for u, x in enumerate(units):
+        for c, t in enumerate(x.tokens):
+            unit += [u] * len(t)
+            part += [c] * len(t)
+    unit, part = torch.tensor(unit), torch.tensor(part)
+    q, k = torch.meshgrid(torch.arange(len(unit)), torch.arange(len(unit)), indexing="ij")
+    expected = (k <= q) & (unit[q] == unit[k]) & ((part[k] == 0) | (part[k] == part[q]))
+    assert torch.equal(p.mask[0, 0], expected)
+    # a completion's positions continue from its prompt's: prompt 0..n-1, each completion n, n+1, ...
+    start = 0
+    for x in units:
+        n = len(x.tokens[0])
+        assert p.position_ids[0, start:start + n].tolist() == list(range(n))
+        start += n
+        for t in x.tokens[1:]:
+            assert p.position_ids[0, start:start + len(t)].tolist() == list(range(n, n + len(t)))
+            start += len(t)
+
+
+def test_every_target_is_predicted_from_the_token_before_it():
+    _, tok = tiny_model()
+    micros = micros_of(tok)
+    for shared in (False, True):
+        for p in batching.packs(micros, shared=shared, max_tokens=20):
+            ids = p.input_ids[0]
+            targets = batching.gather(p, [m.targets for m in micros])
+            flat_prev = []
+            for m, flat in p.parts:  # the token before each target in the padded row
+                micro, r = micros[m], micros[m].input_ids.shape[1] - micros[m].prompt_len
+                for f in flat.tolist():
+                    flat_prev.append(int(micro.input_ids[f // r, micro.prompt_len + f % r - 1]))
+            assert ids[p.select].tolist() == flat_prev
+            assert len(targets) == len(p.select) and p.input_ids.shape[1] <= 20
+
+
+def test_a_sequence_over_the_budget_is_refused_with_the_numbers():
+    _, tok = tiny_model()
+    with pytest.raises(ConfigError, match=r"batching.max_tokens=12 is smaller than one sequence .*9 prompt \+ 12 "
+                                          r"response tokens = 21.*batching.max_tokens>=21"):
+        batching.packs(micros_of(tok), shared=False, max_tokens=12)
+
+
+def step(model, micros, head, how, loss="dapo", max_tokens=64):
+    """grpo.train_step on a copy of `model` with `head` and batching=`how` -> (loss, metrics parts, grads)."""
+    model = copy.deepcopy(model)
+    cfg = SimpleNamespace(
+        loss=SimpleNamespace(name=loss, clip_low=0.2, clip_high=0.28, kl_coef=0.05 if loss == "cispo" else 0.0,
+                             kl_estimator="k3", tis=SimpleNamespace(enabled=loss == "cispo", cap=2.0),
+                             entropy_coef=0.0),
+        rollout=SimpleNamespace(temperature=0.9), batching=SimpleNamespace(name=how, max_tokens=max_tokens))
+    boundaries = []
+    engine = SimpleNamespace(model=model, gather=lambda x: [x], world=1,
+                             backward=lambda t, boundary=None: (boundaries.append(boundary), t.backward()))
+    s = SimpleNamespace(engine=engine, meter=Meter(torch.device("cpu")), head=registry.get("head", head),
+                        head_size=16)
+    micros = copy.deepcopy(micros)
+    for kind in ("old", "ref"):  # the passes through the same layout, then a perturbed policy trains on them
+        for mb, lp in zip(micros, grpo.logprob_pass(model, micros, s.head, 16, 0.9, cfg.batching)):
+            setattr(mb, f"{kind}_logprobs", lp + (0.03 if kind == "ref" else 0.0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel())))
+    total, _, parts, layout = grpo.train_step(cfg, s, micros, 0)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    layout["boundaries"] = boundaries
+    return total, parts, grads, micros, layout
+
+
+@pytest.mark.parametrize("loss", ["dapo", "cispo"])
+@pytest.mark.parametrize("head", ["dense", "tiled", "chunked"])
+@pytest.mark.parametrize("how", ["packed", "shared_prompt"])
+def test_loss_gradients_and_metrics_equal_padded(head, how, loss):
+    model, tok = tiny_model()
+    micros = micros_of(tok)
+    ref_total, ref_parts, ref_grads, ref_micros, padded = step(model, micros, head, "padded", loss)
+    total, parts, grads, got_micros, layout = step(model, micros, head, how, loss)
+    assert abs(total - ref_total) <= 1e-5 * abs(ref_total) + 1e-7
+    assert set(grads) == set(ref_grads)
+    for name, g in grads.items():  # every weight: backbone, embeddings, lm head
+        assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), name
+    assert set(parts) == set(ref_parts)
+    for k, (s_, n, lo, hi) in parts.items():
+        rs, rn, rlo, rhi = ref_parts[k]
+        assert n == rn and abs(s_ - rs) <= 1e-5 * max(abs(rs), 1.0) and abs(lo - rlo) < 1e-5 and abs(hi - rhi) < 1e-5
+    for mb, ref in zip(got_micros, ref_micros):  # the logprob passes, back in each micro-batch's layout
+        assert torch.allclose(mb.old_logprobs[mb.mask], ref.old_logprobs[ref.mask], atol=1e-5)
+    assert layout["positions"] < padded["positions"] and 1 < layout["forwards"] < padded["forwards"]
+
+
+@pytest.mark.parametrize("head", ["dense", "tiled", "chunked"])
+def test_a_rank_with_fewer_packs_runs_empty_ones_and_the_result_is_unchanged(head, monkeypatch):
+    """Under ZeRO every rank makes as many forwards and backwards: one with fewer packs runs empty ones (one
+    padding token, no target), which add nothing; only the last backward is the accumulation boundary."""
+    model, tok = tiny_model()
+    micros = micros_of(tok)
+    total, parts, grads, _, one = step(model, micros, head, "packed")
+    monkeypatch.setattr(grpo, "agree", lambda engine: lambda n: n + 2)  # another rank makes 2 more forwards
+    total2, parts2, grads2, _, two = step(model, micros, head, "packed")
+    assert two["forwards"] == one["forwards"] + 2 and two["positions"] == one["positions"]
+    assert two["boundaries"] == [False] * (two["forwards"] - 1) + [True]
+    assert total2 == total and parts2 == parts
+    assert all(torch.equal(g, grads2[n]) for n, g in grads.items())
+
+
+def test_shared_prompt_computes_each_prompt_once():
+    model, tok = tiny_model()
+    micros = micros_of(tok)
+    *_, packed = step(model, micros, "dense", "packed")
+    *_, shared = step(model, micros, "dense", "shared_prompt")
+    # 3 groups of 4: 3 of each group's prompts (9 + 1 + 3 tokens) are not recomputed
+    assert packed["positions"] - shared["positions"] == 3 * (9 + 1 + 3)
+
+
+def test_rules_name_what_is_not_built_and_a_budget_below_a_response():
+    from conftest import make_cfg
+
+    from rlrun.config import validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("batching=packed", "batching.max_tokens=8", "rollout.max_new_tokens=16"))
+    assert "batching.max_tokens=8 cannot hold one sequence" in str(e.value)
+    with pytest.raises(ConfigError, match="loss=dpo trains padded so far"):
+        validate(make_cfg("batching=shared_prompt", "loss=dpo"))
+
+
+@pytest.mark.slow  # three seeded runs (~20 s)
+def test_seeded_runs_give_paddeds_curves(tmp_path):
+    from test_runs import loss_curve
+
+    _, ref, _ = loss_curve(tmp_path / "padded")
+    for how in ("packed", "shared_prompt"):
+        _, got, r = loss_curve(tmp_path / how, f"batching={how}", "batching.max_tokens=64")
+        assert got["reward_mean"] == ref["reward_mean"]
+        for key in ("loss", "grad_norm", "clipfrac"):
+            assert torch.allclose(torch.tensor(got[key]), torch.tensor(ref[key]), rtol=1e-4, atol=1e-6), (how, key)
+        assert history_of(tmp_path / how, "batching/padding_frac") == [0.0] * 5
+
+
+def history_of(folder, key):
+    from helpers import runs
+
+    client, [r] = runs(folder / "mlflow.db")
+    return history(client, r.info.run_id, key)
