@@ -19,6 +19,8 @@ tensor bytes, written next to the code that allocates it:
 
 Tokens per micro-batch are an upper bound: GRPO responses as long as rollout.max_new_tokens (a rollout stops when
 every row has ended), prompts as long as the longest one of the task; DPO pairs as long as the longest pair.
+batching=packed|shared_prompt: a forward holds at most batching.max_tokens positions (and its [T, T] mask) however
+many rows the micro-batches have.
 On CPU the measured growth is the process RSS (meters.py), so allocator slack and first-call buffers add a few MiB.
 docs/plan.md and docs/benchmarks.md have the measured accuracy.
 """
@@ -231,12 +233,16 @@ def predict(cfg, s: Shapes, rows: int, seq_len: int, tokens: int, *, world: int 
                                   and not getattr(cfg.loss, "reference_path", None))
     weights, adam = resident(cfg, s, world=world, device_type=device_type, ref_copy=ref_copy, device_gib=device_gib)
     grads = s.trainable * b // (world if zero >= 2 else 1)
-    layer_tokens = rows * seq_len
+    layer_tokens, mask = rows * seq_len, {}
+    if cfg.batching.name != "padded":  # a forward holds at most max_tokens positions, whatever the rows
+        layer_tokens = min(cfg.batching.max_tokens, layer_tokens * grad_accum)
+        tokens = min(cfg.batching.max_tokens, tokens * grad_accum)
+        mask = {f"attention mask ({layer_tokens} x {layer_tokens} positions, bool)": layer_tokens**2}
     live = LIVE_H * s.hidden + LIVE_I * s.intermediate  # per token, one layer, no grad
 
     def logprob_phase() -> Phase:
         parts = {"one layer's activations (no grad)": layer_tokens * live * b,
-                 "final hidden states": 2 * layer_tokens * s.hidden * b}
+                 "final hidden states": 2 * layer_tokens * s.hidden * b, **mask}
         parts.update(head_parts(head, size, tokens, s, grad=False))
         offloaded = cfg.offload.enabled and device_type != "cpu"  # optimizer state on the host for these passes
         return Phase(parts, {**weights, **({} if offloaded else adam)})
@@ -257,7 +263,7 @@ def predict(cfg, s: Shapes, rows: int, seq_len: int, tokens: int, *, world: int 
         phases["ref_logprobs"] = logprob_phase()
     train = {"gradients": grads,
              "activations saved for backward": s.layers * layer_tokens * (SAVED_H * s.hidden + SAVED_I * s.intermediate)
-             * b}
+             * b, **mask}
     train.update(head_parts(head, size, tokens, s, grad=True, accumulate=grad_accum > 1,
                             entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0))))
     phases["train"] = Phase(train, {**weights, **adam})

@@ -86,6 +86,19 @@ def test_plan_of_a_config_names_what_dominates():
     assert list(dpo.phases) == ["ref_logprobs", "train"] and "reference copy" in dpo.phases["train"].resident
 
 
+def test_packed_forwards_are_planned_by_their_token_budget():
+    """batching=packed: a forward's activations and head tokens are bounded by batching.max_tokens (not rows x
+    positions), plus its [T, T] mask."""
+    _, padded = planned("logprob_policy=always")
+    _, small = planned("logprob_policy=always", "batching=packed", "batching.max_tokens=64")
+    _, large = planned("logprob_policy=always", "batching=packed", "batching.max_tokens=100000")
+    saved = "activations saved for backward"
+    assert small.phases["train"].parts[saved] < padded.phases["train"].parts[saved]
+    assert large.phases["train"].parts[saved] >= padded.phases["train"].parts[saved]  # a whole step in one forward
+    assert small.phases["train"].parts["attention mask (64 x 64 positions, bool)"] == 64 * 64
+    assert "attention mask" not in " ".join(padded.phases["train"].parts)
+
+
 def test_device_plan_counts_offload_zero_and_the_fits_line(monkeypatch):
     over = ("model.vocab_size=65536", "logprob_policy=always", "offload=on")
     cfg, cpu = planned(*over)
