@@ -51,7 +51,7 @@ def test_packed_mask_never_crosses_a_sequence_and_positions_restart():
     _, tok = tiny_model()
     micros = micros_of(tok)
     [p] = batching.packs(micros, shared=False, max_tokens=10_000)
-    units = batching.units(micros, shared=False, max_tokens=10_000)
+    units = batching.units(batching.micro_rows(micros), shared=False, max_tokens=10_000)
     seq = torch.cat([torch.full((len(u),), i) for i, u in enumerate(units)])
     mask = p.mask[0, 0]
     assert torch.equal(mask, torch.ones_like(mask).tril() & (seq[:, None] == seq[None, :]))
@@ -62,7 +62,7 @@ def test_packed_mask_never_crosses_a_sequence_and_positions_restart():
 def test_shared_prompt_lets_a_completion_see_its_prompt_and_itself_only():
     _, tok = tiny_model()
     micros = micros_of(tok, micro_batch=12)
-    units = batching.units(micros, shared=True, max_tokens=10_000)
+    units = batching.units(batching.micro_rows(micros), shared=True, max_tokens=10_000)
     assert len(units) == 3 and [len(u.tokens) - 1 for u in units] == [4, 4, 4]  # each group's prompt once
     [p] = batching.packs(micros, shared=True, max_tokens=10_000)
     unit, part = [], []
@@ -162,7 +162,7 @@ def test_a_rank_with_fewer_packs_runs_empty_ones_and_the_result_is_unchanged(hea
     model, tok = tiny_model()
     micros = micros_of(tok)
     total, parts, grads, _, one = step(model, micros, head, "packed")
-    monkeypatch.setattr(grpo, "agree", lambda engine: lambda n: n + 2)  # another rank makes 2 more forwards
+    monkeypatch.setattr(batching, "agree", lambda engine: lambda n: n + 2)  # another rank makes 2 more forwards
     total2, parts2, grads2, _, two = step(model, micros, head, "packed")
     assert two["forwards"] == one["forwards"] + 2 and two["positions"] == one["positions"]
     assert two["boundaries"] == [False] * (two["forwards"] - 1) + [True]
@@ -179,7 +179,7 @@ def test_shared_prompt_computes_each_prompt_once():
     assert packed["positions"] - shared["positions"] == 3 * (9 + 1 + 3)
 
 
-def test_rules_name_what_is_not_built_and_a_budget_below_a_response():
+def test_a_budget_below_a_response_is_refused():
     from conftest import make_cfg
 
     from rlrun.config import validate
@@ -187,8 +187,42 @@ def test_rules_name_what_is_not_built_and_a_budget_below_a_response():
     with pytest.raises(ConfigError) as e:
         validate(make_cfg("batching=packed", "batching.max_tokens=8", "rollout.max_new_tokens=16"))
     assert "batching.max_tokens=8 cannot hold one sequence" in str(e.value)
-    with pytest.raises(ConfigError, match="loss=dpo trains padded so far"):
-        validate(make_cfg("batching=shared_prompt", "loss=dpo"))
+    validate(make_cfg("batching=shared_prompt", "loss=dpo"))  # DPO packs its pairs too
+
+
+PAIRS = [{"id": 0, "prompt": "1+1=", "chosen": "2", "rejected": "three hundred"},
+         {"id": 1, "prompt": "12+30=", "chosen": "42, since 12+30 is 42", "rejected": "4"},
+         {"id": 2, "prompt": "7=", "chosen": "7", "rejected": "seven"}]
+
+
+@pytest.mark.parametrize("head", ["dense", "tiled", "chunked"])
+@pytest.mark.parametrize("how", ["packed", "shared_prompt"])
+def test_dpo_pairs_equal_padded(head, how):
+    """DPO: chosen and rejected share their prompt (shared_prompt); sequence logprobs, loss and gradients are
+    padded's."""
+    from rlrun.losses.dpo import dpo_loss
+    from rlrun.recipes.dpo import encode_pairs, pair_logprobs
+
+    model, tok = tiny_model()
+    batch = encode_pairs(tok, PAIRS, torch.device("cpu"))
+
+    def run(name):
+        m = copy.deepcopy(model)
+        layout = SimpleNamespace(name=name, max_tokens=40)
+        chosen, rejected = pair_logprobs(m, batch, registry.get("head", head), 7, False, batching=layout)
+        loss, _ = dpo_loss(chosen, rejected, chosen.detach() - 0.1, rejected.detach() + 0.2, beta=0.1,
+                           label_smoothing=0.0, chosen_nll=None, sft_coef=0.0, num_pairs=len(PAIRS))
+        loss.backward()
+        return chosen, rejected, loss, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    ref, got = run("padded"), run(how)
+    assert torch.allclose(got[0], ref[0], atol=1e-5) and torch.allclose(got[1], ref[1], atol=1e-5)
+    assert abs(got[2].item() - ref[2].item()) < 1e-6
+    for name, g in ref[3].items():
+        assert torch.allclose(got[3][name], g, rtol=1e-4, atol=1e-6), name
+    rows = list(batching.pair_rows(batch.input_ids, batch.attention_mask, batch.predicts))
+    units = batching.units(rows, how == "shared_prompt", 40)
+    assert len(units) == (3 if how == "shared_prompt" else 6)  # each pair's prompt once, or each sequence
 
 
 @pytest.mark.slow  # three seeded runs (~20 s)
@@ -209,3 +243,16 @@ def history_of(folder, key):
 
     client, [r] = runs(folder / "mlflow.db")
     return history(client, r.info.run_id, key)
+
+
+@pytest.mark.slow  # two seeded DPO runs (~10 s)
+def test_a_seeded_dpo_run_gives_paddeds_curves(tmp_path):
+    from test_runs import run_in
+
+    curves = {}
+    for how in ("padded", "shared_prompt"):
+        _, client, r = run_in(tmp_path / how, "experiment=smoke", "loss=dpo", "train.steps=4", f"batching={how}")
+        curves[how] = {k: history(client, r.info.run_id, k) for k in ("loss", "grad_norm", "rewards/margin")}
+    for key, ref in curves["padded"].items():
+        assert len(ref) == 4 and torch.allclose(torch.tensor(curves["shared_prompt"][key]), torch.tensor(ref),
+                                                rtol=1e-4, atol=1e-6), key

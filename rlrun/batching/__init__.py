@@ -62,25 +62,28 @@ def rows(micro):
             yield prompt, micro.input_ids[b, p : p + n], b * r + torch.arange(n, device=micro.mask.device)
 
 
-def units(micros, shared: bool, max_tokens: int) -> list[Unit]:
-    """The sequences of `micros`, in order; with `shared`, consecutive rows with the same prompt in one unit (split
-    where it would exceed `max_tokens`)."""
+def micro_rows(micros):
+    """(micro-batch index, prompt, response, flat indices) of every row of `micros` with a response, in order."""
+    return ((index, *row) for index, micro in enumerate(micros) for row in rows(micro))
+
+
+def units(sequences, shared: bool, max_tokens: int) -> list[Unit]:
+    """Units of `sequences` ((index, prompt, response, flat indices), in order); with `shared`, consecutive ones
+    with the same prompt in one unit (split where it would exceed `max_tokens`)."""
     out: list[Unit] = []
-    for index, micro in enumerate(micros):
-        for prompt, response, flat in rows(micro):
-            last = out[-1] if out else None
-            extra = len(response) - 1
-            if (shared and last is not None and torch.equal(last.tokens[0], prompt)
-                    and len(last) + extra <= max_tokens):
-                last.tokens.append(response[:-1])
-                last.parts.append((index, flat))
-                continue
-            unit = Unit([prompt, response[:-1]], [(index, flat)])
-            if len(unit) > max_tokens:
-                raise ConfigError([f"batching.max_tokens={max_tokens} is smaller than one sequence of this run "
-                                   f"({len(prompt)} prompt + {len(response)} response tokens = {len(unit) + 1}); "
-                                   f"set batching.max_tokens>={len(unit) + 1} (or batching=padded)."])
-            out.append(unit)
+    for index, prompt, response, flat in sequences:
+        last = out[-1] if out else None
+        if (shared and last is not None and torch.equal(last.tokens[0], prompt)
+                and len(last) + len(response) - 1 <= max_tokens):
+            last.tokens.append(response[:-1])
+            last.parts.append((index, flat))
+            continue
+        unit = Unit([prompt, response[:-1]], [(index, flat)])
+        if len(unit) > max_tokens:
+            raise ConfigError([f"batching.max_tokens={max_tokens} is smaller than one sequence of this run "
+                               f"({len(prompt)} prompt + {len(response)} response tokens = {len(unit) + 1}); "
+                               f"set batching.max_tokens>={len(unit) + 1} (or batching=padded)."])
+        out.append(unit)
     return out
 
 
@@ -117,6 +120,12 @@ def pack(group: list[Unit], device) -> Pack:
                 mask=(causal & same)[None, None], select=torch.cat(select), parts=parts)
 
 
+def agree(engine):
+    """n -> the largest n over ranks (every rank makes as many forwards: ZeRO's collectives run in each); None on
+    one process."""
+    return (lambda n: max(engine.gather(n))) if engine.world > 1 else None
+
+
 def empty(device) -> Pack:
     """A forward of one padding token that predicts nothing: what a rank with fewer packs runs so that every rank
     makes the same number of forwards and backwards (ZeRO's collectives run in each)."""
@@ -125,18 +134,19 @@ def empty(device) -> Pack:
                 select=torch.zeros(0, dtype=torch.long, device=device), parts=[])
 
 
-def packs(micros, shared: bool, max_tokens: int, agree=None) -> list[Pack]:
-    """The forwards that compute every response token of `micros`: units filled greedily, in order, up to
-    `max_tokens` positions each; `agree(n)`: the number every rank makes (the largest), padded with `empty`."""
+def packs(micros, shared: bool, max_tokens: int, agree=None, sequences=None) -> list[Pack]:
+    """The forwards that compute every response token of `micros` (or of `sequences`, as `units` takes them):
+    units filled greedily, in order, up to `max_tokens` positions each; `agree(n)`: the number every rank makes
+    (the largest), padded with `empty`."""
     groups: list[list[Unit]] = []
     size = 0
-    for unit in units(micros, shared, max_tokens):
+    for unit in units(micro_rows(micros) if sequences is None else sequences, shared, max_tokens):
         if not groups or size + len(unit) > max_tokens:
             groups.append([])
             size = 0
         groups[-1].append(unit)
         size += len(unit)
-    device = micros[0].input_ids.device if micros else "cpu"
+    device = groups[0][0].tokens[0].device if groups else "cpu"
     out = [pack(g, device) for g in groups]
     return out + [empty(device) for _ in range((agree(len(out)) if agree else len(out)) - len(out))]
 
@@ -194,3 +204,27 @@ def metrics(by_rank: list[dict]) -> dict[str, float]:
     if len(by_rank) > 1:
         out["batching/rank_positions_ratio"] = max(positions) / max(min(positions), 1)
     return out
+
+
+def pair_rows(input_ids, attention_mask, predicts):
+    """DPO's sequences (chosen rows, then rejected, right-padded, prompt first) as `units` takes them: each pair's
+    chosen then its rejected, so that shared_prompt lays out their prompt once; flat indices into the batch's
+    targets (the predicted positions, row-major)."""
+    flat = torch.zeros(predicts.shape, dtype=torch.long, device=predicts.device)
+    flat[predicts] = torch.arange(int(predicts.sum()), device=predicts.device)
+    half = input_ids.shape[0] // 2
+    for i in (r for k in range(half) for r in (k, half + k)):
+        start = int(predicts[i].float().argmax()) + 1  # the first response position
+        n = int(predicts[i].sum())
+        yield 0, input_ids[i, :start], input_ids[i, start : start + n], flat[i, start - 1 : start - 1 + n]
+
+
+def pair_hidden(backbone, batch, name: str, max_tokens: int, agree=None) -> torch.Tensor:
+    """[N, H] hidden states that predict a DPO batch's targets, in their order, computed packed or with each pair's
+    prompt once (`name`)."""
+    sequences = pair_rows(batch.input_ids, batch.attention_mask, batch.predicts)
+    found = packs([], name == "shared_prompt", max_tokens, agree, sequences)
+    h = [hidden(backbone, p) for p in found]
+    order = torch.cat([flat for p in found for _, flat in p.parts])
+    out = h[0].new_zeros(len(batch.targets), h[0].shape[-1])
+    return out.index_copy(0, order, torch.cat(h))

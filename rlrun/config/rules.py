@@ -210,17 +210,10 @@ def whole_kv_groups(c, world):
 
 
 # -- batching -----------------------------------------------------------------------------------------------------
-@rule("batching.name", "loss.name")
-def batching_where_it_runs(c, world):
-    if c.batching.name != "padded" and c.loss.name == "dpo":  # not built yet (docs/batching.md)
-        yield (f"batching={c.batching.name} runs the GRPO recipes (loss=dapo|cispo); loss=dpo trains padded so far. "
-               "Use batching=padded with loss=dpo.")
-
-
-@rule("batching.name", "batching.max_tokens", "rollout.max_new_tokens")
+@rule("batching.name", "batching.max_tokens", "rollout.max_new_tokens", "loss.name")
 def budget_holds_a_response(c, world):
     b = c.batching
-    if b.name != "padded" and b.max_tokens < c.rollout.max_new_tokens + 1:
+    if b.name != "padded" and c.loss.name != "dpo" and b.max_tokens < c.rollout.max_new_tokens + 1:
         yield (f"batching.max_tokens={b.max_tokens} cannot hold one sequence: a response alone may be "
                f"rollout.max_new_tokens={c.rollout.max_new_tokens} tokens after a prompt of at least one; set "
                f"batching.max_tokens >= prompt length + {c.rollout.max_new_tokens} (longer prompts are checked when "

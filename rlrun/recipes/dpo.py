@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import batching as packing
 from .. import evaluate, logprobs, models, ranks, registry, tasks
 from ..losses.dpo import sequence_logprobs
 from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup
@@ -58,11 +59,16 @@ def encode_pairs(tokenizer, pairs: list[dict], device) -> Pairs:
     )
 
 
-def pair_logprobs(model, batch: Pairs, head, size, average: bool, entropy: list | None = None):
+def pair_logprobs(model, batch: Pairs, head, size, average: bool, entropy: list | None = None, batching=None,
+                  agree=None):
     """(chosen, rejected) sequence logprobs [B] each, through the head (grad if enabled). `entropy`: a list to
-    append this batch's (sum of token entropies, token count) to."""
+    append this batch's (sum of token entropies, token count) to. `batching` packed / shared_prompt: the hidden
+    states computed without padding (each pair's prompt once), in the same order (rlrun.batching.pair_hidden)."""
     backbone, weight = models.split(model)
-    hidden = models.hidden_states(backbone, batch.input_ids, batch.attention_mask)[:, :-1][batch.predicts]
+    if batching is None or batching.name == "padded":
+        hidden = models.hidden_states(backbone, batch.input_ids, batch.attention_mask)[:, :-1][batch.predicts]
+    else:
+        hidden = packing.pair_hidden(backbone, batch, batching.name, batching.max_tokens, agree)
     if entropy is None:
         token_lp = head.logprobs(hidden, weight, batch.targets, 1.0, size)
     else:
@@ -161,7 +167,8 @@ def reference_logprobs(cfg, s, cache: ReferenceCache, batch: list[dict]):
     with s.meter.phase("ref_logprobs"), torch.no_grad(), models.reference(engine) as reference:
         for i in range(0, len(todo), t.micro_batch):
             chunk = encode_pairs(s.tokenizer, todo[i : i + t.micro_batch], engine.device)
-            chosen, rejected = pair_logprobs(reference, chunk, s.head, s.head_size, cfg.loss.average_logprobs)
+            chosen, rejected = pair_logprobs(reference, chunk, s.head, s.head_size, cfg.loss.average_logprobs,
+                                             batching=cfg.batching, agree=packing.agree(engine))
             fresh.update({pid: (c, r) for pid, c, r in zip(chunk.ids, chosen.tolist(), rejected.tolist())})
     known.update(fresh)
     with s.meter.phase("onload"):
@@ -178,7 +185,8 @@ def train_step(cfg, s, batch: list[dict], known: dict, step: int):
         for i in range(0, len(batch), t.micro_batch):
             chunk_pairs = batch[i : i + t.micro_batch]
             mb = encode_pairs(s.tokenizer, chunk_pairs, engine.device)
-            chosen, rejected = pair_logprobs(engine.model, mb, s.head, s.head_size, lcfg.average_logprobs, entropy)
+            chosen, rejected = pair_logprobs(engine.model, mb, s.head, s.head_size, lcfg.average_logprobs, entropy,
+                                             cfg.batching, packing.agree(engine))
             ref = torch.tensor([known[pid] for pid in mb.ids], device=engine.device, dtype=chosen.dtype)
             nll = None
             if lcfg.sft_coef:  # per-token NLL of the chosen response

@@ -140,12 +140,6 @@ def logprob_pass(model, micros: list[Micro], head, size, temperature: float, bat
     return out
 
 
-def agree(engine):
-    """n -> the largest n over ranks (every rank makes as many forwards: ZeRO's collectives run in each); None on
-    one process."""
-    return (lambda n: max(engine.gather(n))) if engine.world > 1 else None
-
-
 FIELDS = ("targets", "advantages", "old_logprobs", "ref_logprobs", "gen_logprobs")
 
 
@@ -266,14 +260,14 @@ def refill(cfg, s, prompts, buffer: RolloutBuffer, got: StepRollouts) -> None:
     if need.old:
         with meter.phase("old_logprobs"):
             for mb, lp in zip(micros, logprob_pass(engine.model, micros, s.head, s.head_size, temperature,
-                                                   cfg.batching, agree(engine))):
+                                                   cfg.batching, packing.agree(engine))):
                 mb.old_logprobs = lp
         got.mismatch += mismatch(micros)
     if need.ref:
         with meter.phase("ref_logprobs"):
             with models.reference(engine) as reference:
                 for mb, lp in zip(micros, logprob_pass(reference, micros, s.head, s.head_size, temperature,
-                                                       cfg.batching, agree(engine))):
+                                                       cfg.batching, packing.agree(engine))):
                     mb.ref_logprobs = lp
     with meter.phase("onload"):
         engine.onload()
@@ -298,7 +292,7 @@ def train_step(cfg, s, micros: list[Micro], step: int):
     stats_parts, masks, loss_total = [], [], 0.0
     layout = {"real": sum(int(mb.attention_mask.sum()) for mb in micros)}  # tokens that are not padding
     with s.meter.phase("train"):
-        for hidden, t, mask, boundary in forwards(backbone, micros, cfg.batching, layout, agree(engine)):
+        for hidden, t, mask, boundary in forwards(backbone, micros, cfg.batching, layout, packing.agree(engine)):
             objective = losses.objective(lcfg.name, t["advantages"], t["old_logprobs"], t["ref_logprobs"],
                                          t["gen_logprobs"], **loss_kwargs)
             loss, stats = s.head.loss(hidden, weight, t["targets"], mask, objective, num_tokens,
