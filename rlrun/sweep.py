@@ -231,11 +231,16 @@ def swept_keys(config) -> list[str]:
 
 
 def links(uri: str, exp_id: str, run_id: str) -> str:
-    """Where a sweep's results are: the runs view and the parent run (MLflow's model-training view)."""
-    base = "http://127.0.0.1:5000" if uri.startswith("sqlite:") else uri.rstrip("/")
-    head = f"rlrun: sweep results: mlflow ui --backend-store-uri {tracking.absolute_uri(uri)}, then\n" if \
-        uri.startswith("sqlite:") else "rlrun: sweep results:\n"
-    return f"{head}  runs:   {ui.runs_page(base, exp_id)}\n  parent: {ui.run_page(base, exp_id, run_id)}"
+    """Where a sweep's results are: the runs view and the parent run (MLflow's model-training view); for a store
+    that is neither a sqlite file nor a tracking server, its URI and the parent's id."""
+    if uri.startswith("sqlite:"):
+        base, head = "http://127.0.0.1:5000", f"mlflow ui --backend-store-uri {tracking.absolute_uri(uri)}, then"
+    elif uri.startswith(("http://", "https://")):
+        base, head = uri.rstrip("/"), ""
+    else:
+        return f"rlrun: sweep results: {uri}, parent run {run_id}"
+    return (f"rlrun: sweep results: {head}\n  runs:   {ui.runs_page(base, exp_id)}\n"
+            f"  parent: {ui.run_page(base, exp_id, run_id)}")
 
 
 def jobs(config) -> list[list[str]]:
