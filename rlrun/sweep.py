@@ -234,12 +234,12 @@ def links(uri: str, exp_id: str, run_id: str) -> str:
     """Where a sweep's results are: the runs view and the parent run (MLflow's model-training view); for a store
     that is neither a sqlite file nor a tracking server, its URI and the parent's id."""
     if uri.startswith("sqlite:"):
-        base, head = "http://127.0.0.1:5000", f"mlflow ui --backend-store-uri {tracking.absolute_uri(uri)}, then"
+        base, head = "http://127.0.0.1:5000", f" mlflow ui --backend-store-uri {tracking.absolute_uri(uri)}, then"
     elif uri.startswith(("http://", "https://")):
         base, head = uri.rstrip("/"), ""
     else:
         return f"rlrun: sweep results: {uri}, parent run {run_id}"
-    return (f"rlrun: sweep results: {head}\n  runs:   {ui.runs_page(base, exp_id)}\n"
+    return (f"rlrun: sweep results:{head}\n  runs:   {ui.runs_page(base, exp_id)}\n"
             f"  parent: {ui.run_page(base, exp_id, run_id)}")
 
 
