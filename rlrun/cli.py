@@ -48,7 +48,9 @@ def _main(cfg: DictConfig):
     hc = HydraConfig.get()
     run_name = cfg.run_name or hc.job.override_dirname or "default"
     if str(hc.mode) == "RunMode.MULTIRUN":
-        return sweep_job(cfg, run_name)
+        from .tracking import short_name  # the sweep's callback has it loaded already
+
+        return sweep_job(cfg, cfg.run_name or short_name(list(hc.overrides.task)) or run_name)
     try:
         run(cfg, run_name)
     except USER_ERRORS + (KeyboardInterrupt,) as e:

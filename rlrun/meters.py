@@ -7,8 +7,9 @@ Where the reset is refused, the CPU peak is the process peak so far, and `peak_r
 are not mistaken for per-phase ones.
 
 PHASES names the phases of a step, in the order the report draws them; a Meter refuses any other name, so a
-misspelled phase fails at once instead of logging a metric no figure shows. torch is imported only on CUDA
-paths, so that reading PHASES and the metric keys (the report does) costs no torch import.
+misspelled phase fails at once instead of logging a metric no figure shows. A phase the run does not have (`skip`:
+the offload phases with offload=off) runs unmetered, so no metric and no chart says it took time or memory. torch
+is imported only on CUDA paths, so that reading PHASES and the metric keys (the report does) costs no torch import.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 MIB = 2**20
 PHASES = ("sync", "generate", "offload", "old_logprobs", "ref_logprobs", "onload", "train", "eval")
+OFFLOAD_PHASES = ("offload", "onload")  # only with offload=on: with offload=off they move nothing
 
 
 def time_key(phase: str) -> str:
@@ -113,10 +115,11 @@ def _cuda():
 
 
 class Meter:
-    def __init__(self, device: torch.device, phases: tuple[str, ...] = PHASES):
+    def __init__(self, device: torch.device, phases: tuple[str, ...] = PHASES, skip: tuple[str, ...] = ()):
         self.cuda = device.type == "cuda"
         self.device = device
         self.phases = phases
+        self.skip = skip
         if not self.cuda:
             _fix_mmap_threshold()
         self.peak_resets = True if self.cuda else _reset_rss_peak()
@@ -147,6 +150,9 @@ class Meter:
     def phase(self, name: str):
         if name not in self.phases:
             raise ValueError(f"unknown phase {name!r}; phases: {', '.join(self.phases)} (rlrun.meters.PHASES)")
+        if name in self.skip:
+            yield
+            return
         self.reset_peak()
         base = self.current()
         start = time.perf_counter()

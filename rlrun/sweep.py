@@ -7,10 +7,15 @@ in other processes; never MLFLOW_RUN_ID, which would make start_run resume the p
 FAILED with its error and the sweep goes on; at the end the parent run is FINISHED only if every job finished,
 and the command exits non-zero listing the failures.
 
+Jobs are named by what tells them apart: the keys whose values differ between the sweep's jobs reach the jobs as
+RLRUN_SWEEP_KEYS, and a job's run is named by its overrides of those keys (`head=tiled`; tracking.short_name), its full
+overrides kept in the tag `rlrun.overrides`. The parent and its children share the tag `rlrun.sweep_group`, by
+which the experiment's saved view `rlrun` groups them (tracking/ui.py), with the swept keys as columns.
+
 Before any job runs, every job's config is composed and validated: a sweep with an invalid job is refused as a
 whole (exit 2), each invalid job listed with all its problems. At the end the parent run carries the comparison
-table (its description, markdown, and `comparison.json`), the figures, and the children are renamed to the
-overrides that differ between jobs.
+(its description, fastest step first, and the table `comparison.json`) and the figures, and the command prints
+where to look: the runs view and the parent run, on MLflow's model-training view.
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ import logging
 import os
 import sys
 import tempfile
+import time
 
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from . import signals, tracking
+from .tracking import ui
 
 ENV = "RLRUN_PARENT_RUN_ID"
+KEYS_ENV = tracking.SWEEP_KEYS_ENV
 log = logging.getLogger("rlrun.sweep")
 
 
@@ -72,16 +80,22 @@ class SweepCallback(Callback):
         name = config_name if config_name and config_name != "config" else "sweep"
         params = config.hydra.sweeper.get("params")
         sweep_params = OmegaConf.to_container(params, resolve=False) if params else {}
-        run = self.client.create_run(exp_id, run_name=f"{name}: {','.join(overrides)}"[:250] if overrides else name,
+        run_name = f"{name}: {','.join(overrides)}"[:250] if overrides else name
+        keys = swept_keys(config)
+        run = self.client.create_run(exp_id, run_name=run_name,
                                      tags={"rlrun.kind": "sweep", "rlrun.sweep": name, **tracking.standard_tags(),
+                                           ui.GROUP_TAG: f"{run_name} ({time.strftime('%Y-%m-%d %H:%M')})",
                                            "mlflow.note.content": f"Sweep `{name}`: {count(config)} "
-                                           "(the comparison table appears here when the sweep ends)."})
+                                           "(the comparison appears here when the sweep ends)."})
         self.parent_id = run.info.run_id
+        ui.prepare(self.client, exp_id, tuple(ui.param_of(config, k) for k in keys),
+                   tracking.metric_key("rewards/accuracy" if config.loss.name == "dpo" else "reward_mean"))
         tracking.log_params(self.client, self.parent_id, tracking.flatten(
             {"sweep": {"name": name, "overrides": ",".join(overrides), "params": sweep_params}}))
         cfg = OmegaConf.to_container(config, resolve=False)
         self.client.log_dict(self.parent_id, cfg, "sweep_config.yaml")
         os.environ[ENV] = self.parent_id
+        os.environ[KEYS_ENV] = ",".join(keys)
         # Ctrl-C or SIGTERM to the sweep (with joblib the jobs run in worker processes that the launcher kills):
         # Python exits before on_multirun_end, and this marks what is still RUNNING as KILLED on the way out.
         signals.interrupt_on_signals()
@@ -109,6 +123,7 @@ class SweepCallback(Callback):
         from .tools import report
 
         os.environ.pop(ENV, None)
+        os.environ.pop(KEYS_ENV, None)
         self.ended = True  # the parent gets its status here: nothing left for end_interrupted
         status = "FAILED"
         try:  # Hydra only warns about exceptions in callbacks: never leave the parent RUNNING
@@ -124,6 +139,8 @@ class SweepCallback(Callback):
             raise
         finally:
             self.client.set_terminated(self.parent_id, status)
+        print(links(config.tracking.uri, self.client.get_run(self.parent_id).info.experiment_id, self.parent_id),
+              flush=True)
         if failed:
             lines = [f"  - {r.data.tags.get('mlflow.runName')}: {r.info.status} "
                      f"({r.data.tags.get('error', '')})" for r in failed]
@@ -152,21 +169,78 @@ class SweepCallback(Callback):
         log.info("figures: %s", out)
 
     def describe(self, report, runs):
-        """The comparison table as the parent's description (markdown) and as `comparison.json`; the children
-        renamed to the overrides that tell them apart."""
+        """The comparison as the parent's description (`comparison_note`) and as the table `comparison.json`; the
+        children renamed to the overrides that tell them apart (already so where the sweep's jobs were known)."""
         names = report.labels(runs)
         data = report.collect(self.client, runs)
         for run, name in zip(runs, names):
             if run.data.tags.get("mlflow.runName") != name:
                 self.client.set_tag(run.info.run_id, "mlflow.runName", name)
         note = self.client.get_run(self.parent_id).data.tags.get("mlflow.note.content", "").split(" (the ")[0]
-        text = (f"{note.rstrip('.')}. Reward / acc: the last step's mean reward (GRPO) or reward accuracy (DPO); "
-                "step s, tok/s: means over steps; peak / growth: the largest of any phase. Figures: Artifacts."
-                f"\n\n{report.markdown(names, data)}\n")
-        self.client.set_tag(self.parent_id, "mlflow.note.content", text)
         rows = report.rows_of(names, data)
+        text = (f"{comparison_note(rows, report.SPECS)}\n\n{note.rstrip('.')}. Reward / acc: the last step's mean "
+                "reward (GRPO) or reward accuracy (DPO); step s, tok/s: means over steps; peak / growth: the largest "
+                "of any phase. Figures and the table comparison.json: Artifacts.\n")
+        self.client.set_tag(self.parent_id, "mlflow.note.content", text)
         self.client.log_table(self.parent_id, {c: [None if isinstance(r[c], float) and r[c] != r[c] else r[c]
                                                    for r in rows] for c in report.COLUMNS}, "comparison.json")
+
+
+# The comparison's columns a job's line shows (the rest are in comparison.json and the figures), and how each reads
+# in a sentence; a column not named here reads "column value".
+LINE = ("step s", "reward / acc", "growth MiB")
+PHRASES = {"step s": "{} s/step", "reward / acc": "reward / acc {}", "growth MiB": "growth {} MiB"}
+
+
+def comparison_note(rows: list[dict], specs: dict[str, str]) -> str:
+    """The sweep's comparison as markdown that MLflow's run page shows legibly: it folds a description after a few
+    lines and draws tables without borders or padding, so a line naming the fastest step, then one short line per
+    job, fastest first (`rows`: report.rows_of, `specs`: their number formats)."""
+    from .render import num
+
+    def esc(text):  # run names hold `_` and `*`, which markdown reads as emphasis
+        return str(text).replace("\\", "\\\\").replace("_", "\\_").replace("*", "\\*")
+
+    def step(r):
+        return r.get("step s", float("nan"))
+
+    timed = [r for r in rows if step(r) == step(r)]  # NaN: no step time
+    rows = sorted(timed, key=step) + [r for r in rows if r not in timed]
+    lines = []
+    if len(timed) > 1:
+        slow = max(timed, key=step)
+        lines.append(f"**Fastest step: {esc(rows[0]['run'])}**, {num(step(rows[0]))} s (slowest: {esc(slow['run'])}, "
+                     f"{num(step(slow))} s).\n")
+    shown = [c for c in LINE if c in specs] or list(specs)
+    for r in rows:
+        cells = [PHRASES.get(c, c + " {}").format(num(r.get(c), specs[c])) for c in shown]
+        lines.append(f"- **{esc(r['run'])}**: " + " · ".join(cells))
+    return "\n".join(lines)
+
+
+def swept_keys(config) -> list[str]:
+    """The keys whose values differ between the sweep's jobs, in the order of the overrides ([] where the jobs
+    are not known up front)."""
+    try:
+        todo = jobs(config)
+    except Exception:  # noqa: BLE001 - a sweeper that is not the basic one
+        return []
+    given = [dict((k.lstrip("+~"), v) for k, v in (o.split("=", 1) for o in job if "=" in o)) for job in todo]
+    keys = dict.fromkeys(k for job in given for k in job)
+    return [k for k in keys if len({job.get(k) for job in given}) > 1]
+
+
+def links(uri: str, exp_id: str, run_id: str) -> str:
+    """Where a sweep's results are: the runs view and the parent run (MLflow's model-training view); for a store
+    that is neither a sqlite file nor a tracking server, its URI and the parent's id."""
+    if uri.startswith("sqlite:"):
+        base, head = "http://127.0.0.1:5000", f" mlflow ui --backend-store-uri {tracking.absolute_uri(uri)}, then"
+    elif uri.startswith(("http://", "https://")):
+        base, head = uri.rstrip("/"), ""
+    else:
+        return f"rlrun: sweep results: {uri}, parent run {run_id}"
+    return (f"rlrun: sweep results:{head}\n  runs:   {ui.runs_page(base, exp_id)}\n"
+            f"  parent: {ui.run_page(base, exp_id, run_id)}")
 
 
 def jobs(config) -> list[list[str]]:

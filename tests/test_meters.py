@@ -54,3 +54,15 @@ def test_phase_names_are_read_without_torch():
     code = "import sys, rlrun.meters; assert 'torch' not in sys.modules, 'torch imported'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_phase_the_run_does_not_have_is_not_metered():
+    """offload=off: the offload phases move nothing, and no metric (so no chart) says they took time or memory."""
+    m = Meter(torch.device("cpu"), skip=meters.OFFLOAD_PHASES)
+    for phase in ("generate", "offload", "onload", "train"):
+        with m.phase(phase):
+            pass
+    assert {k.split("/")[1].rsplit("_", 2)[0] for k in m.metrics() if k != "time/step_s"} == {"generate", "train"}
+    with pytest.raises(ValueError, match="unknown phase"):  # still refuses a misspelled name
+        with m.phase("offlaod"):
+            pass

@@ -1,9 +1,15 @@
 """What a user sees in MLflow, checked against a real `mlflow server` on 127.0.0.1: a 3-job sweep logged over HTTP,
-then read back through the client: the experiment kind (model training, not GenAI), the runs' source and git
-tags, their descriptions, the sweep parent's comparison table, and figures legible in the artifact viewer."""
+then read back through the client and the REST API the UI reads: the experiment kind (model training, not GenAI),
+the links printed, the saved view (metric and swept-key columns, runs grouped by sweep), short run names (while
+the sweep runs too) with the full overrides as a tag, the metric the compare page opens on, no offload phases with
+offload=off, the runs' source and git tags, their descriptions, the sweep parent's comparison, and figures legible
+in the artifact viewer (docs/figures/mlflow_*.png are screenshots of these pages)."""
 
+import json
 import os
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -12,7 +18,8 @@ from helpers import free_port, start_server, stop_server
 from rlrun import tracking
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PYTHONPATH": str(ROOT / "tests")}
+ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+       "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}  # this checkout's rlrun, wherever installed
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("mlflow_ui")]  # one server and one sweep for the module
 
@@ -33,26 +40,36 @@ def swept(server):
     url, tmp = server
     work = tmp / "work"
     work.mkdir()
-    r = subprocess.run(["rlrun", "-cn", "logprob_policies", "experiment=smoke", "train.steps=3", "progress=false",
-                        f"tracking.uri={url}", "tracking.experiment=ui", f"hydra.sweep.dir={work}/sweep"],
-                       cwd=work, env=ENV, capture_output=True, text=True, timeout=1500)
-    assert r.returncode == 0, r.stderr[-3000:]
+    proc = subprocess.Popen(["rlrun", "-cn", "logprob_policies", "experiment=smoke", "train.steps=3",
+                             "progress=false", f"tracking.uri={url}", "tracking.experiment=ui",
+                             f"hydra.sweep.dir={work}/sweep"], cwd=work, env=ENV, stdout=open(tmp / "out.txt", "w"),
+                            stderr=open(tmp / "err.txt", "w"))
     client = tracking.open_client(url)
+    running = {}  # run id -> name, of the children seen while the sweep still ran (before its end renames any)
+    while proc.poll() is None:
+        exp = client.get_experiment_by_name("ui")
+        if exp is not None:
+            runs = client.search_runs([exp.experiment_id])
+            if any(x.data.tags.get("rlrun.kind") == "sweep" and x.info.status == "RUNNING" for x in runs):
+                running |= {x.info.run_id: x.data.tags["mlflow.runName"] for x in runs
+                            if "mlflow.parentRunId" in x.data.tags}
+        time.sleep(0.3)
+    assert proc.wait(timeout=1500) == 0, (tmp / "err.txt").read_text()[-3000:]
     exp = client.get_experiment_by_name("ui")
     runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
     parent = next(x for x in runs if x.data.tags.get("rlrun.kind") == "sweep")
     children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    return client, exp, parent, children, tmp
+    return client, exp, parent, children, tmp, running
 
 
 def test_experiment_opens_as_model_training(swept):
-    _, exp, _, children, _ = swept
+    _, exp, _, children, *_ = swept
     assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
     assert len(children) == 3
 
 
 def test_runs_say_where_they_come_from_and_what_they_are(swept):
-    _, _, parent, children, _ = swept
+    _, _, parent, children, *_ = swept
     in_git = tracking.git_commit() is not None
     for run in [parent, *children]:
         tags = run.data.tags
@@ -71,7 +88,7 @@ def test_runs_say_where_they_come_from_and_what_they_are(swept):
 def test_metrics_are_namespaced_learning_apart_from_the_machine(swept):
     """Learning curves under train/ and held-out evaluation under eval/ (the two sections of the "Model metrics"
     tab), measurements of the machine under system/ (MLflow's "System metrics" tab): no catch-all section."""
-    client, _, _, children, _ = swept
+    client, _, _, children, *_ = swept
     for child in children:
         keys = set(child.data.metrics)
         assert {"train/loss", "train/reward_mean", "train/grad_norm", "train/lr", "system/time/step_s",
@@ -83,11 +100,11 @@ def test_metrics_are_namespaced_learning_apart_from_the_machine(swept):
 
 
 def test_sweep_parent_description_holds_the_comparison_table(swept):
-    client, _, parent, children, _ = swept
+    client, _, parent, children, *_ = swept
     note = parent.data.tags["mlflow.note.content"]
-    assert "| run | reward / acc | step s |" in note
+    assert note.startswith("**Fastest step: logprob\\_policy=") and note.count("\n- **logprob\\_policy=") == 3
     for c in children:
-        assert f"| {c.data.tags['mlflow.runName']} |" in note
+        assert f"- **{c.data.tags['mlflow.runName'].replace('_', chr(92) + '_')}**: " in note
     assert "comparison.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
     name = parent.data.tags["mlflow.runName"]
     assert name.startswith("logprob_policies: ") and "tracking.uri" not in name and "progress" not in name
@@ -96,8 +113,49 @@ def test_sweep_parent_description_holds_the_comparison_table(swept):
 def test_figures_are_sized_for_the_artifact_viewer(swept):
     import matplotlib.image as mpimg
 
-    client, _, parent, _, tmp = swept
+    client, _, parent, _, tmp, _ = swept
     for name in ("curves.png", "memory.png", "throughput.png"):
         path = client.download_artifacts(parent.info.run_id, name, str(tmp))
         h, w = mpimg.imread(path).shape[:2]
         assert 700 <= w <= 1000 and 200 <= h <= 4000, (name, w, h)
+
+
+def test_runs_are_named_by_what_differs_from_the_start_with_the_full_overrides_as_a_tag(swept):
+    _, _, parent, children, _, running = swept
+    assert running, "no child run was seen while the sweep ran"
+    assert set(running.values()) <= {"logprob_policy=always", "logprob_policy=skip", "logprob_policy=window"}
+    for child in children:
+        policy = child.data.params["logprob_policy.name"]
+        assert child.data.tags["mlflow.runName"] == f"logprob_policy={policy}"
+        overrides = child.data.tags["rlrun.overrides"].split()
+        assert {f"logprob_policy={policy}", "experiment=smoke", "train.steps=3"} <= set(overrides)
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.tags["rlrun.sweep_group"] == parent.data.tags["rlrun.sweep_group"]  # the view's group
+
+
+def test_the_experiment_opens_with_metric_columns_grouped_by_sweep(swept):
+    _, exp, _, _, tmp, _ = swept
+    view = json.loads(exp.tags["mlflow.sharedViewState.rlrun"])  # the "Views" menu's entry
+    assert view["name"] == "rlrun: runs by sweep"
+    state = json.loads(view["state"])
+    assert {"metrics.`train/reward_mean`", "metrics.`eval/accuracy`", "metrics.`system/summary/step_s`",
+            "params.`logprob_policy.name`"} <= set(state["selectedColumns"])
+    assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "rlrun.sweep_group"}]
+    assert exp.tags["mlflow.experiment.primaryMetric.name"] == "train/reward_mean"  # the chart view's first chart
+    out = (tmp / "out.txt").read_text()
+    base = f"#/experiments/{exp.experiment_id}/runs"
+    assert f"{base}?workflowType=machine_learning&viewStateShareKey=rlrun" in out  # the links rlrun prints
+    assert f"{base}/" in out and "View experiment at" not in out  # MLflow's own link opens GenAI traces
+
+
+def test_compare_opens_on_the_learning_curve_and_phases_that_did_not_run_are_absent(swept):
+    """MLflow's compare page shows the first metric of the runs as the store returns them (get-run's order)."""
+    client, _, _, children, *_ = swept
+    url = client.tracking_uri
+    for child in children:
+        with urllib.request.urlopen(f"{url}/api/2.0/mlflow/runs/get?run_id={child.info.run_id}", timeout=10) as r:
+            keys = [m["key"] for m in json.load(r)["run"]["data"]["metrics"]]
+        assert keys[0] == "train/reward_mean", keys[:5]
+        assert child.data.params["offload.name"] == "off"
+        assert not [k for k in keys if "offload" in k or "onload" in k]
+        assert {"system/time/train_s", "system/mem/generate_peak_mib"} <= set(keys)

@@ -56,24 +56,25 @@ def end_table(summary: dict[str, float], steps: int | None = None) -> str:
 
 def results_hint(cfg, tracker) -> str:
     """How to open the results: the `mlflow ui` command for a sqlite store (absolute path, so it works from any
-    folder) and the run's page, or the run's URL on a server (opened on MLflow's model-training view); and the
-    run's output folder."""
+    folder), then the run's page and the experiment's runs (rlrun's saved view), both on MLflow's model-training
+    view (tracking/ui.py); and the run's output folder."""
     lines = []
     run_id = getattr(tracker, "run_id", None)
     if run_id and cfg.tracking.name == "mlflow":
         uri = cfg.tracking.uri
         try:
             exp = tracker.client.get_run(run_id).info.experiment_id
-            page = f"/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning"
         except Exception:  # noqa: BLE001 - a hint only
-            page = None
-        if uri.startswith("sqlite:///"):
-            lines.append(f"  results: mlflow ui --backend-store-uri {tracking.absolute_uri(uri)}")
-            lines.append(f"           then http://127.0.0.1:5000{page}" if page else f"           run {run_id}")
-        elif uri.startswith(("http://", "https://")) and page:
-            lines.append(f"  results: {uri.rstrip('/')}{page}")
-        else:
-            lines.append(f"  results: {uri}   (run {run_id})")
+            exp = None
+        local = uri.startswith("sqlite:///")
+        base = "http://127.0.0.1:5000" if local else uri.rstrip("/")
+        pages = [] if exp is None or not (local or uri.startswith(("http://", "https://"))) else [
+            f"{tracking.ui.run_page(base, exp, run_id)}  (this run)", f"{tracking.ui.runs_page(base, exp)}  (all runs)"]
+        if local:
+            lines.append(f"  results: mlflow ui --backend-store-uri {tracking.absolute_uri(uri)}, then open")
+        lines += [f"  {'results:' if i == 0 and not local else ' ' * 8} {page}" for i, page in enumerate(pages)]
+        if not pages:
+            lines.append(f"  results: {uri}   (run {run_id})" if not local else f"           run {run_id}")
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():

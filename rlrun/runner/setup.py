@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .. import models, plan, registry
-from ..meters import Meter
+from ..meters import OFFLOAD_PHASES, Meter
 
 log = logging.getLogger("rlrun")
 
@@ -94,7 +94,8 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
         with engine.generation():  # ZeRO-3: the engine copies full weights
             rollout = registry.get("rollout", cfg.rollout.name).build(cfg.rollout, engine.model, tokenizer,
                                                                       engine.device)
-    return Setup(tokenizer=tokenizer, engine=engine, meter=Meter(engine.device),
+    skip = () if cfg.offload.enabled else OFFLOAD_PHASES  # not logged: charts of phases that never ran mislead
+    return Setup(tokenizer=tokenizer, engine=engine, meter=Meter(engine.device, skip=skip),
                  head=registry.get("head", cfg.head.name), head_size=head_size, data=data.value, rollout=rollout,
                  plan=memory, grad_accum=grad_accum, warnings=tuple(warnings))
 

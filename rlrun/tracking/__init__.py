@@ -1,7 +1,8 @@
 """Tracking: one MLflow run per job (mlflow.py), written through a local spill that keeps what an unreachable store
 cannot take (spill.py); the store's client, experiment and metric names (store.py); the standard tags and the run
-description (tags.py). `tracking=none` gives `Null`, which records nothing; both satisfy `Tracker` (tracker.py) and
-are found through the registry's `tracking` entry.
+description (tags.py); what MLflow's UI opens on: links, the saved view `rlrun`, the first chart (ui.py).
+`tracking=none` gives `Null`, which records nothing; both satisfy `Tracker` (tracker.py) and are found through the
+registry's `tracking` entry.
 
 `tracking.parent_run_id` nests the run under a sweep's parent run (passed explicitly, never through MLFLOW_RUN_ID,
 which would make start_run resume that run).
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf
 
 from .. import registry
 from ..errors import TrackingError
+from . import ui
 from .mlflow import MLflow
 from .store import (
     SYSTEM_PREFIXES,
@@ -29,6 +31,7 @@ from .store import (
     experiment_id,
     flatten,
     is_run_id,
+    job_overrides,
     log_figures,
     log_metrics,
     log_params,
@@ -38,13 +41,23 @@ from .store import (
     output_dir,
     store_lock,
 )
-from .tags import EXPERIMENT_KIND, describe_run, git_commit, headline, mark_experiment_kind, standard_tags
+from .tags import (
+    EXPERIMENT_KIND,
+    SWEEP_KEYS_ENV,
+    describe_run,
+    git_commit,
+    headline,
+    mark_experiment_kind,
+    short_name,
+    standard_tags,
+)
 from .tracker import Null, Tracker
 
-__all__ = ["EXPERIMENT_KIND", "MLflow", "Null", "SYSTEM_PREFIXES", "Tracker", "TrackingError", "absolute_uri",
-           "check_uri", "checkpoint_dir_of", "connect", "describe_run", "experiment_id", "flatten", "git_commit",
-           "headline", "is_run_id", "log_figures", "log_metrics", "log_params", "mark", "mark_experiment_kind",
-           "metric_key", "open_client", "output_dir", "record_failure", "standard_tags", "start", "store_lock"]
+__all__ = ["EXPERIMENT_KIND", "MLflow", "Null", "SWEEP_KEYS_ENV", "SYSTEM_PREFIXES", "Tracker", "TrackingError",
+           "absolute_uri", "check_uri", "checkpoint_dir_of", "connect", "describe_run", "experiment_id", "flatten",
+           "git_commit", "headline", "is_run_id", "job_overrides", "log_figures", "log_metrics", "log_params",
+           "mark", "mark_experiment_kind", "metric_key", "open_client", "output_dir", "record_failure", "short_name",
+           "standard_tags", "start", "store_lock", "ui"]
 
 
 def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | None = None,

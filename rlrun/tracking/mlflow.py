@@ -12,12 +12,16 @@ import time
 
 from .. import signals
 from ..errors import TrackingError
+from . import ui
 from .spill import FILE_NAME as SPILL_FILE
 from .spill import Spill, replay
-from .store import absolute_uri, connect, flatten, log_params, metric_key, output_dir
+from .store import absolute_uri, connect, flatten, job_overrides, log_params, metric_key, output_dir
 from .tags import describe_run, mark_experiment_kind, standard_tags
 
 log = logging.getLogger("rlrun")
+# The learning curves (GRPO, DPO): a run's first metric, which MLflow's compare page opens on (it shows the first
+# metric the runs logged, in the order the store took them).
+LEADS = ("reward_mean", "rewards/accuracy")
 
 
 class MLflow:
@@ -29,6 +33,7 @@ class MLflow:
         self.client, exp_id = connect(cfg.uri, cfg.experiment)
         self.first_step = 0  # steps below this were logged before a resume: recomputed, not logged twice
         self.run_id, self.uri, self.spill = None, cfg.uri, None
+        self.held = []  # metrics logged before the first learning curve value (None once it is sent)
         self.spill_path = os.path.join(output_dir(), SPILL_FILE)
         try:
             self._open(cfg, exp_id, config, run_name, resume_run_id, previous_spill)
@@ -57,13 +62,21 @@ class MLflow:
             self.client.update_run(resume_run_id, status="RUNNING")
             logged = self.client.get_metric_history(resume_run_id, metric_key("loss"))
             self.first_step = max((m.step for m in logged), default=-1) + 1
+            self.held = None  # its metrics exist already: their order is set
             return
         tags = {"mlflow.runName": run_name} if run_name else {}
         if "resumed_from" in config:
             tags["rlrun.resumed_from"] = config.pop("resumed_from")
+        overrides = job_overrides()
+        if overrides:
+            tags["rlrun.overrides"] = overrides[:5000]  # in full: a sweep's run name keeps only what differs
         if cfg.parent_run_id:
             tags["mlflow.parentRunId"] = cfg.parent_run_id
+            with contextlib.suppress(Exception):  # the sweep's group in the UI's saved view (ui.py)
+                tags[ui.GROUP_TAG] = self.client.get_run(cfg.parent_run_id).data.tags[ui.GROUP_TAG]
         mark_experiment_kind(self.client, exp_id)
+        loss = (config.get("loss") or {}).get("name")
+        ui.prepare(self.client, exp_id, primary=metric_key(LEADS[1] if loss == "dpo" else LEADS[0]))
         self.about = describe_run(config)
         tags.update({**standard_tags(), "mlflow.note.content": self.about})
         self.run = self.client.create_run(exp_id, tags=tags, run_name=run_name)
@@ -103,9 +116,26 @@ class MLflow:
         self.spill.write({"op": op, "run_id": self.run_id, "uri": absolute_uri(self.uri), "args": args})
 
     def log(self, step: int, metrics: dict[str, float]):
-        if step >= self.first_step:
-            now = int(time.time() * 1000)  # fixed here: a resent metric is then one the store already holds
-            self._send("metrics", [[metric_key(k), float(v), now, step] for k, v in metrics.items()])
+        """The learning curve goes first: what is logged before it (the plan, the warm start, the first
+        evaluation) waits (in memory, seconds) and follows it in the same batch."""
+        if step < self.first_step:
+            return
+        now = int(time.time() * 1000)  # fixed here: a resent metric is then one the store already holds
+        lead = [k for k in LEADS if k in metrics]
+        order = lead + [k for k in metrics if k not in lead]
+        records = [[metric_key(k), float(metrics[k]), now, step] for k in order]
+        if self.held is not None:
+            if not lead:
+                self.held += records
+                return
+            records, self.held = records + self.held, None
+        self._send("metrics", records)
+
+    def _release(self) -> None:
+        """What waits for the learning curve, sent as it is (a run that ends before its first step)."""
+        if self.held:
+            self._send("metrics", self.held)
+        self.held = None
 
     def tags(self, tags: dict[str, str]):
         self._send("tags", {k: str(v)[:5000] for k, v in tags.items()})
@@ -114,6 +144,7 @@ class MLflow:
         """The run's performance summary (mean step time and tokens/s, peak memory per phase) as
         `system/summary/*`. Its learning numbers (first / last reward, evaluations, last loss) are not logged again:
         they are the curves' first and latest values, and the run description states them."""
+        self._release()
         perf = {k: v for k, v in metrics.items() if not k.endswith(("_first", "_last")) and not k.startswith("passes_")}
         now = int(time.time() * 1000)
         self._send("metrics", [[metric_key(f"summary/{k}"), float(v), now, 0] for k, v in perf.items()])
@@ -130,12 +161,14 @@ class MLflow:
 
     def flush(self):
         """Wait until everything logged so far is in the store (or kept in the spill file)."""
+        self._release()
         if self.spill is not None:
             self.spill.flush()
 
     def finish(self, status: str):
         """The final status, after everything logged before it. A run stopped by a signal or an error does not
         wait for an unreachable store (what is left is kept in the spill file)."""
+        self._release()
         self._send("status", status)
         self.spill.close(wait=status == "FINISHED")
 

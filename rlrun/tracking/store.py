@@ -51,6 +51,9 @@ def open_client(uri: str):
     (`<db>.lock`): two processes that start together on a new store would otherwise race in the migration."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    # MLflow's own "View run / View experiment" lines: their experiment link opens MLflow 3's UI on GenAI traces;
+    # rlrun prints links to the model-training view instead (ui.py)
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     from mlflow.tracking import MlflowClient
 
     if urlparse(uri).scheme != "sqlite":
@@ -168,6 +171,15 @@ def output_dir() -> str:
     from hydra.core.hydra_config import HydraConfig
 
     return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else os.getcwd()
+
+
+def job_overrides() -> str | None:
+    """The Hydra job's command-line overrides as typed (`head=tiled train.steps=5`); None outside a Hydra run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return " ".join(HydraConfig.get().overrides.task) or None
 
 
 def is_run_id(text: str) -> bool:

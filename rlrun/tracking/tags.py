@@ -7,6 +7,7 @@ import re
 
 from ..render import short
 
+SWEEP_KEYS_ENV = "RLRUN_SWEEP_KEYS"  # set by the sweep callback (rlrun/sweep.py): the keys its jobs differ in
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's UI then opens on model training, not GenAI traces
 
 
@@ -17,6 +18,13 @@ def mark_experiment_kind(client, exp_id: str) -> None:
             client.set_experiment_tag(exp_id, "mlflow.experimentKind", EXPERIMENT_KIND)
     except Exception:  # noqa: BLE001 - a UI hint: never worth failing a run for
         pass
+
+
+def short_name(overrides: list[str]) -> str | None:
+    """A sweep job's run name: its overrides of the keys that differ between the sweep's jobs (RLRUN_SWEEP_KEYS);
+    None outside a sweep or where no key differs."""
+    keys = set(filter(None, os.environ.get(SWEEP_KEYS_ENV, "").split(",")))
+    return ",".join(o for o in overrides if o.split("=", 1)[0].lstrip("+~") in keys) or None
 
 
 def git_commit(folder: str | None = None) -> str | None:

@@ -1,0 +1,93 @@
+"""What MLflow's UI (3.x) opens on: links to the model-training runs view, the experiment's saved view `rlrun`
+(metric columns, runs grouped by sweep) and the metric its charts start with.
+
+MLflow 3.17's UI chooses GenAI or model training from the URL's `workflowType` (else from the browser's last
+choice, GenAI by default); the experiment's `mlflow.experimentKind` tag is no longer read. Every link carries
+`workflowType=machine_learning`. MLflow has no API for the runs table's default columns: the UI keeps them per
+browser. What it does read from the store is a saved view, an experiment tag `mlflow.sharedViewState.<id>`
+("Views" menu, or `viewStateShareKey=<id>` in the URL), and the tag `mlflow.experiment.primaryMetric.name`, the
+chart its chart view puts first. A saved view cannot expand a parent run (MLflow drops `runsExpanded` from saved
+views), so the view groups runs by the tag `rlrun.sweep_group`, which a sweep's parent and children share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+VIEW_ID = "rlrun"
+VIEW_TAG = "mlflow.sharedViewState." + VIEW_ID
+VIEW_NAME = "rlrun: runs by sweep"
+PRIMARY_METRIC_TAG = "mlflow.experiment.primaryMetric.name"
+GROUP_TAG = "rlrun.sweep_group"  # a sweep's parent and children share it: the view's groups
+# The runs table's metric columns: the learning curve (GRPO / DPO), held-out accuracy and the step's cost.
+METRIC_COLUMNS = ("train/reward_mean", "train/rewards/accuracy", "eval/accuracy", "system/summary/step_s")
+MAX_TAG = 5000  # MLflow's limit on an experiment tag's value
+
+
+def runs_page(base: str, exp_id: str) -> str:
+    """The experiment's runs table on the model-training view, with rlrun's saved view."""
+    return f"{base}/#/experiments/{exp_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_ID}"
+
+
+def run_page(base: str, exp_id: str, run_id: str) -> str:
+    return f"{base}/#/experiments/{exp_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+def column(kind: str, key: str) -> str:
+    """A runs-table column id as the UI spells it: metrics.`train/loss`, params.`head.name`."""
+    return f"{kind}.`{key}`"
+
+
+def param_of(config, key: str) -> str:
+    """The logged param an override sets: a group option (`head=tiled`) is logged as `head.name`."""
+    from omegaconf import DictConfig, OmegaConf
+
+    node = OmegaConf.select(config, key, default=None) if isinstance(config, DictConfig) else None
+    return f"{key}.name" if isinstance(node, DictConfig) and "name" in node else key
+
+
+def default_state() -> dict:
+    return {"selectedColumns": [column("metrics", k) for k in METRIC_COLUMNS], "columnOrder": [],
+             "groupBy": {"aggregateFunction": "average", "groupByKeys": [{"mode": "tag", "groupByData": GROUP_TAG}]},
+             # groups (sweeps) open by default; this opens the one of runs outside any sweep too
+             "groupsExpanded": {f"tag.{GROUP_TAG}": True},
+             "useGroupedValuesInCharts": False,  # each run's own curve, not the group's average
+             "hideEmptyCharts": True}
+
+
+def read_view(tags: dict) -> tuple[dict | None, int | None]:
+    """(state, creation time) of the saved view `rlrun` in experiment tags `tags`; None where absent or unreadable."""
+    try:
+        saved = json.loads(tags[VIEW_TAG])
+        return json.loads(saved["state"]), saved.get("createdAt")
+    except (KeyError, TypeError, ValueError):
+        return None, None
+
+
+def prepare(client, exp_id: str, params: tuple[str, ...] = (), primary: str = "train/reward_mean") -> None:
+    """The experiment's saved view `rlrun` with the metric columns and `params` as columns (added to what the view
+    already shows: a user who saved over it keeps their changes), and the chart view's first chart `primary`
+    unless the experiment names one. Two sweeps starting together may each miss the other's columns."""
+    with contextlib.suppress(Exception):  # UI hints: never worth failing a run for
+        tags = client.get_experiment(exp_id).tags
+        if PRIMARY_METRIC_TAG not in tags:
+            client.set_experiment_tag(exp_id, PRIMARY_METRIC_TAG, primary)
+        state, created = read_view(tags)
+        state = state or default_state()
+        columns = state.setdefault("selectedColumns", [])
+        new = [c for c in [column("metrics", k) for k in METRIC_COLUMNS] + [column("params", p) for p in params]
+               if c not in columns]
+        if not new and VIEW_TAG in tags:
+            return
+        columns += new
+        while len(columns) > len(METRIC_COLUMNS) and len(envelope(state, created)) > MAX_TAG:
+            columns.pop(len(METRIC_COLUMNS))  # the oldest param columns make room
+        client.set_experiment_tag(exp_id, VIEW_TAG, envelope(state, created))
+
+
+def envelope(state: dict, created: int | None = None) -> str:
+    """A saved view as the UI stores it: name and times in plain JSON, the state as a JSON string."""
+    now = int(time.time() * 1000)
+    return json.dumps({"name": VIEW_NAME, "createdAt": created or now, "updatedAt": now, "state": json.dumps(state)})
