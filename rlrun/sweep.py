@@ -179,8 +179,9 @@ class SweepCallback(Callback):
         note = self.client.get_run(self.parent_id).data.tags.get("mlflow.note.content", "").split(" (the ")[0]
         rows = report.rows_of(names, data)
         text = (f"{comparison_note(rows, report.SPECS)}\n\n{note.rstrip('.')}. Reward / acc: the last step's mean "
-                "reward (GRPO) or reward accuracy (DPO); step s, tok/s: means over steps; peak / growth: the largest "
-                "of any phase. Figures and the table comparison.json: Artifacts.\n")
+                "reward (GRPO) or reward accuracy (DPO); s/step: the job console's step time (evaluation and "
+                "checkpoints left out); tokens/s: trained tokens over that time; growth: the step's largest phase "
+                "at the median step. Figures and the table comparison.json: Artifacts.\n")
         self.client.set_tag(self.parent_id, "mlflow.note.content", text)
         self.client.log_table(self.parent_id, {c: [None if isinstance(r[c], float) and r[c] != r[c] else r[c]
                                                    for r in rows] for c in report.COLUMNS}, "comparison.json")
@@ -188,21 +189,23 @@ class SweepCallback(Callback):
 
 # The comparison's columns a job's line shows (the rest are in comparison.json and the figures), and how each reads
 # in a sentence; a column not named here reads "column value".
-LINE = ("step s", "reward / acc", "growth MiB")
-PHRASES = {"step s": "{} s/step", "reward / acc": "reward / acc {}", "growth MiB": "growth {} MiB"}
+STEP = "step s (no eval)"  # report.COLUMNS' step time: the console's (evaluation and checkpoints left out)
+LINE = (STEP, "tokens/s (step)", "reward / acc", "growth MiB")
+PHRASES = {STEP: "{} s/step", "tokens/s (step)": "{} tokens/s", "reward / acc": "reward / acc {}",
+           "growth MiB": "growth {} MiB"}
 
 
 def comparison_note(rows: list[dict], specs: dict[str, str]) -> str:
     """The sweep's comparison as markdown that MLflow's run page shows legibly: it folds a description after a few
     lines and draws tables without borders or padding, so a line naming the fastest step, then one short line per
     job, fastest first (`rows`: report.rows_of, `specs`: their number formats)."""
-    from .render import num
+    from .render import num, short
 
     def esc(text):  # run names hold `_` and `*`, which markdown reads as emphasis
         return str(text).replace("\\", "\\\\").replace("_", "\\_").replace("*", "\\*")
 
     def step(r):
-        return r.get("step s", float("nan"))
+        return r.get(STEP, float("nan"))
 
     timed = [r for r in rows if step(r) == step(r)]  # NaN: no step time
     rows = sorted(timed, key=step) + [r for r in rows if r not in timed]
@@ -213,7 +216,8 @@ def comparison_note(rows: list[dict], specs: dict[str, str]) -> str:
                      f"{num(step(slow))} s).\n")
     shown = [c for c in LINE if c in specs] or list(specs)
     for r in rows:
-        cells = [PHRASES.get(c, c + " {}").format(num(r.get(c), specs[c])) for c in shown]
+        cells = [PHRASES.get(c, c + " {}").format(num(r.get(c), specs[c]) if specs[c] else short(r.get(c)))
+                 for c in shown]
         lines.append(f"- **{esc(r['run'])}**: " + " · ".join(cells))
     return "\n".join(lines)
 

@@ -96,10 +96,11 @@ def test_results_open_on_model_training_and_mlflow_prints_no_genai_link(tmp_path
 
 def test_the_parent_description_names_the_fastest_step_then_one_line_per_job():
     nan = float("nan")
-    rows = [{"run": "head=dense", "reward / acc": 0.5, "step s": 0.9, "growth MiB": 12.0},
-            {"run": "log_samples=*", "reward / acc": 0.5, "step s": 0.3, "growth MiB": 1.0},
-            {"run": "failed", "reward / acc": nan, "step s": nan, "growth MiB": nan}]
-    note = sweep.comparison_note(rows, {"reward / acc": ".3f", "step s": ".4f", "growth MiB": ".0f"})
+    step = sweep.STEP  # the report's step-time column (the console's, without evaluation)
+    rows = [{"run": "head=dense", "reward / acc": 0.5, step: 0.9, "growth MiB": 12.0},
+            {"run": "log_samples=*", "reward / acc": 0.5, step: 0.3, "growth MiB": 1.0},
+            {"run": "failed", "reward / acc": nan, step: nan, "growth MiB": nan}]
+    note = sweep.comparison_note(rows, {"reward / acc": ".3f", step: ".4f", "growth MiB": ".0f"})
     lines = note.splitlines()
     assert lines[0] == r"**Fastest step: log\_samples=\***, 0.3 s (slowest: head=dense, 0.9 s)."
     assert lines[2] == r"- **log\_samples=\***: 0.3000 s/step · reward / acc 0.500 · growth 1 MiB"

@@ -175,7 +175,8 @@ def fake_sweep(tmp, kinds=("dapo", "dpo", "cispo")):
         client.log_batch(rid, params=[__import__("mlflow").entities.Param("loss.name", loss)])
         for step in range(5):
             m = {"loss": 1.0 / (step + 1 + i), "time/train_s": 0.1, "mem/train_peak_mib": 500.0 + i,
-                 "mem/train_growth_mib": 20.0, "throughput/train_tokens_per_s": 1000.0 + i}
+                 "mem/train_growth_mib": 20.0, "throughput/train_tokens_per_s": 1000.0 + i,
+                 "time/step_s": 0.1 if loss == "dpo" else 0.3, "train_tokens": 100.0}  # step: train + generate
             if loss == "dpo":
                 m.update({"rewards/accuracy": 0.5 + 0.1 * step, "rewards/margin": 0.2 * step})
             else:
@@ -205,7 +206,7 @@ def test_report_colours_legend_dpo_panels_and_dashes(tmp_path):
     loss_ax = fig.axes[0]  # every run has a loss: its lines carry the legend's colours, in run order
     assert [str(line.get_color()) for line in loss_ax.get_lines()] == [str(legend_colour[n]) for n in names]
     text = report.table(names, data)
-    assert "nan" not in text and "–" in text  # DPO generates nothing: a dash, not nan
+    assert "nan" not in text and text.count("\n") == 3  # every run a row, DPO's too (it generates nothing)
     md = report.markdown(names, data)
     assert md.count("\n") == 4 and "| loss=dpo |" in md and "nan" not in md
 
@@ -237,7 +238,7 @@ def test_sweep_parent_carries_the_table_and_children_get_short_full_names(tmp_pa
     run = client.get_run(parent)
     note = run.data.tags["mlflow.note.content"]
     assert note.startswith("**Fastest step: loss=dpo**, 0.1 s (slowest: loss=dapo, 0.3 s).")  # DPO: no generation
-    assert "- **loss=dpo**: 0.1000 s/step · reward / acc 0.900" in note and "nan" not in note
+    assert "- **loss=dpo**: 0.1000 s/step · 1000 tokens/s · reward / acc 0.900" in note and "nan" not in note
     arts = {a.path for a in client.list_artifacts(parent)}
     assert {"comparison.json", "curves.png", "memory.png", "throughput.png"} <= arts
     names = {client.get_run(c.info.run_id).data.tags["mlflow.runName"] for c in children}
