@@ -176,5 +176,6 @@ def context_size(model) -> int | None:
 def hidden_states(backbone, input_ids, attention_mask):
     """Last hidden states, with position ids from the attention mask (left padding), as generate uses."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    # no KV cache: nothing here decodes, and a checkpointed layer's recompute would append to it again
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state

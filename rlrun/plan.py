@@ -215,6 +215,22 @@ def resident(cfg, s: Shapes, *, world: int, device_type: str, ref_copy: bool, de
     return weights, optimizer
 
 
+def saved_activations(cfg, s: Shapes, layer_tokens: int, device_type: str) -> dict[str, int]:
+    """What the train pass keeps for its backward, per `activations`: every layer's internals (keep); a
+    checkpointed layer's input only, plus one layer's internals while it is recomputed (checkpoint); nothing on
+    the device when offloaded to the host (offload, on an accelerator)."""
+    b, a = s.param_bytes, cfg.activations
+    per_layer = layer_tokens * (SAVED_H * s.hidden + SAVED_I * s.intermediate) * b
+    if a.name == "offload" and device_type != "cpu":
+        return {"activations saved for backward (in host memory: activations=offload)": 0}
+    if a.name != "checkpoint":
+        return {"activations saved for backward": s.layers * per_layer}
+    n = len(range(0, s.layers, a.every))  # checkpointed layers
+    return {f"layer inputs kept ({n} checkpointed layers)": n * layer_tokens * s.hidden * b,
+            f"activations saved for backward ({s.layers - n} layers kept whole)": (s.layers - n) * per_layer,
+            "one layer recomputed in backward": per_layer}
+
+
 def predict(cfg, s: Shapes, rows: int, seq_len: int, tokens: int, *, world: int = 1, device_type: str = "cpu",
             head_size: int | None = None, device_gib: float | None = None) -> Plan:
     """The plan of a validated config for a model of shapes `s`, `rows` sequences of `seq_len` positions and
@@ -261,9 +277,7 @@ def predict(cfg, s: Shapes, rows: int, seq_len: int, tokens: int, *, world: int 
         phases["old_logprobs"] = logprob_phase()
     if needs_ref:
         phases["ref_logprobs"] = logprob_phase()
-    train = {"gradients": grads,
-             "activations saved for backward": s.layers * layer_tokens * (SAVED_H * s.hidden + SAVED_I * s.intermediate)
-             * b, **mask}
+    train = {"gradients": grads, **saved_activations(cfg, s, layer_tokens, device_type), **mask}
     train.update(head_parts(head, size, tokens, s, grad=True, accumulate=grad_accum > 1,
                             entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0))))
     phases["train"] = Phase(train, {**weights, **adam})

@@ -20,6 +20,8 @@ REGISTRY: dict[str, dict[str, str]] = {
     "offload": {"on": "rlrun.offload", "off": "rlrun.offload"},  # the engines call it when offload.enabled
     # the recipes' training passes read the layout (rlrun.batching.packs) when batching is not padded
     "batching": {"padded": "rlrun.batching", "packed": "rlrun.batching", "shared_prompt": "rlrun.batching"},
+    # setup wraps the policy's decoder layers (checkpoint); the train passes run inside activations.saving
+    "activations": {"keep": "rlrun.activations", "checkpoint": "rlrun.activations", "offload": "rlrun.activations"},
     "model": {"tiny": "rlrun.models:tiny", "hf": "rlrun.models:hf"},  # (cfg, seed) -> (model, tokenizer)
     "task": {"arith": "rlrun.tasks.arith:read", "jsonl": "rlrun.tasks.jsonl:read",
              "dataset": "rlrun.tasks.dataset:read"},

@@ -108,16 +108,21 @@ def test_a_sequence_over_the_budget_is_refused_with_the_numbers():
         batching.packs(micros_of(tok), shared=False, max_tokens=12)
 
 
-def step(model, micros, head, how, loss="dapo", max_tokens=64):
-    """grpo.train_step on a copy of `model` with `head` and batching=`how` -> (loss, metrics parts, grads)."""
+def step(model, micros, head, how, loss="dapo", max_tokens=64, activations="keep"):
+    """grpo.train_step on a copy of `model` with `head`, batching=`how` and `activations` -> (loss, metrics parts,
+    grads, micro-batches, layout counts)."""
+    from rlrun import activations as acts
+
     model = copy.deepcopy(model)
+    acts.apply(model, SimpleNamespace(name=activations, every=1))
     cfg = SimpleNamespace(
         loss=SimpleNamespace(name=loss, clip_low=0.2, clip_high=0.28, kl_coef=0.05 if loss == "cispo" else 0.0,
                              kl_estimator="k3", tis=SimpleNamespace(enabled=loss == "cispo", cap=2.0),
                              entropy_coef=0.0),
-        rollout=SimpleNamespace(temperature=0.9), batching=SimpleNamespace(name=how, max_tokens=max_tokens))
+        rollout=SimpleNamespace(temperature=0.9), batching=SimpleNamespace(name=how, max_tokens=max_tokens),
+        activations=SimpleNamespace(name=activations, every=1))
     boundaries = []
-    engine = SimpleNamespace(model=model, gather=lambda x: [x], world=1,
+    engine = SimpleNamespace(model=model, gather=lambda x: [x], world=1, device=torch.device("cpu"),
                              backward=lambda t, boundary=None: (boundaries.append(boundary), t.backward()))
     s = SimpleNamespace(engine=engine, meter=Meter(torch.device("cpu")), head=registry.get("head", head),
                         head_size=16)

@@ -13,8 +13,8 @@ MAX_MODULE_LINES = 400
 # The config package, errors and the registry must stay importable without torch (the CLI validates in a second).
 LAYERS = [
     {"__init__", "errors", "config", "registry", "ranks", "signals", "render", "folders"},  # __init__: the version
-    {"losses", "heads", "logprobs", "offload", "batching", "meters", "models", "tasks", "checkpoint", "tracking",
-     "rollout", "engine", "plan"},
+    {"losses", "heads", "logprobs", "offload", "batching", "activations", "meters", "models", "tasks", "checkpoint",
+     "tracking", "rollout", "engine", "plan"},
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},
     {"cli", "sweep", "tools", "bench", "__main__"},  # bench: the `python -m rlrun.bench` name of tools/bench.py

@@ -153,7 +153,7 @@ def packs(micros, shared: bool, max_tokens: int, agree=None, sequences=None) -> 
 
 def hidden(backbone, p: Pack) -> torch.Tensor:
     """[n, H]: the hidden states that predict the pack's targets."""
-    out = backbone(input_ids=p.input_ids, attention_mask=p.mask, position_ids=p.position_ids)
+    out = backbone(input_ids=p.input_ids, attention_mask=p.mask, position_ids=p.position_ids, use_cache=False)
     return out.last_hidden_state[0, p.select]
 
 

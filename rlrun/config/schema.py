@@ -11,6 +11,22 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+from .axes import (  # noqa: F401 (the efficiency axes' options, part of this schema)
+    AlwaysPolicy,
+    CheckpointActivations,
+    ChunkedHead,
+    DenseHead,
+    KeepActivations,
+    OffloadActivations,
+    OffOffload,
+    OnOffload,
+    PackedBatching,
+    PaddedBatching,
+    SharedPromptBatching,
+    SkipPolicy,
+    TiledHead,
+    WindowPolicy,
+)
 from .types import (  # noqa: F401 (UNIONS and Check are read through this module too)
     UNIONS,
     Beta,
@@ -25,28 +41,6 @@ from .types import (  # noqa: F401 (UNIONS and Check are read through this modul
     Text,
     needs,
 )
-
-# -- head ---------------------------------------------------------------------------------------------------------
-TileSize = Annotated[int, Check(lambda v: v >= 1, "a positive integer (tokens per tile/chunk)")] | Literal["auto"]
-
-
-@dataclass
-class DenseHead:
-    name: Literal["dense"]
-    size: PosInt | None  # ignored: dense builds the full logits
-
-
-@dataclass
-class TiledHead:
-    name: Literal["tiled"]
-    size: TileSize  # auto: the planner picks the largest within memory_budget_mib (rlrun/plan.py)
-    memory_budget_mib: PosInt | None  # null: a tenth of the memory free at start
-
-
-@dataclass
-class ChunkedHead(TiledHead):  # the same keys
-    name: Literal["chunked"]
-
 
 # -- loss ---------------------------------------------------------------------------------------------------------
 KlEstimator = Literal["k1", "k2", "k3"]
@@ -85,50 +79,6 @@ class DpoLoss:
     reference_path: PathStr | None
     kl_coef: float  # unused by DPO; kept so `loss.kl_coef=...` overrides compose across the loss axis
     entropy_coef: float  # 0 for DPO (rules.py); kept so `loss.entropy_coef=...` overrides compose across the axis
-
-
-# -- logprob_policy, offload --------------------------------------------------------------------------------------
-@dataclass
-class AlwaysPolicy:
-    name: Literal["always"]
-
-
-@dataclass
-class WindowPolicy:
-    name: Literal["window"]
-
-
-@dataclass
-class SkipPolicy:
-    name: Literal["skip"]
-
-
-@dataclass
-class OffOffload:
-    name: Literal["off"]
-    enabled: bool
-
-
-@dataclass
-class OnOffload(OffOffload):
-    name: Literal["on"]
-
-
-# -- batching -----------------------------------------------------------------------------------------------------
-@dataclass
-class PaddedBatching:
-    name: Literal["padded"]
-    max_tokens: PosInt  # positions per forward (unused by padded)
-
-
-@dataclass
-class PackedBatching(PaddedBatching):
-    name: Literal["packed"]
-
-
-@dataclass
-class SharedPromptBatching(PaddedBatching):
-    name: Literal["shared_prompt"]
 
 
 # -- model --------------------------------------------------------------------------------------------------------
@@ -393,6 +343,7 @@ class RunConfig:
     logprob_policy: AlwaysPolicy | WindowPolicy | SkipPolicy
     offload: OffOffload | OnOffload
     batching: PaddedBatching | PackedBatching | SharedPromptBatching
+    activations: KeepActivations | CheckpointActivations | OffloadActivations
     rollout: HFRollout | VLLMRollout
     engine: SingleEngine | DeepSpeedEngine
     tracking: MLflowTracking | NoTracking

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import activations, evaluate, logprobs, models, ranks, registry, tasks
 from .. import batching as packing
-from .. import evaluate, logprobs, models, ranks, registry, tasks
 from ..losses.dpo import sequence_logprobs
 from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup
 
@@ -181,7 +181,7 @@ def train_step(cfg, s, batch: list[dict], known: dict, step: int):
     [(entropy sum, tokens)] per micro-batch of the policy pass."""
     t, lcfg, engine = cfg.train, cfg.loss, s.engine
     parts, tokens, entropy = [], 0, []
-    with s.meter.phase("train"):
+    with s.meter.phase("train"), activations.saving(cfg.activations, engine.device):
         for i in range(0, len(batch), t.micro_batch):
             chunk_pairs = batch[i : i + t.micro_batch]
             mb = encode_pairs(s.tokenizer, chunk_pairs, engine.device)

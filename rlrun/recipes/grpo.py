@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import activations, evaluate, logprobs, losses, models, ranks, tasks
 from .. import batching as packing
-from .. import evaluate, logprobs, losses, models, ranks, tasks
 from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup
 
 
@@ -291,7 +291,7 @@ def train_step(cfg, s, micros: list[Micro], step: int):
     num_tokens = max(sum(engine.gather(sum(int(mb.mask.sum()) for mb in micros))), 1)  # over all ranks
     stats_parts, masks, loss_total = [], [], 0.0
     layout = {"real": sum(int(mb.attention_mask.sum()) for mb in micros)}  # tokens that are not padding
-    with s.meter.phase("train"):
+    with s.meter.phase("train"), activations.saving(cfg.activations, engine.device):
         for hidden, t, mask, boundary in forwards(backbone, micros, cfg.batching, layout, packing.agree(engine)):
             objective = losses.objective(lcfg.name, t["advantages"], t["old_logprobs"], t["ref_logprobs"],
                                          t["gen_logprobs"], **loss_kwargs)

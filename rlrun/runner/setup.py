@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import models, plan, registry
+from .. import activations, models, plan, registry
 from ..meters import OFFLOAD_PHASES, Meter
 
 log = logging.getLogger("rlrun")
@@ -79,14 +79,11 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
         reference = frozen_reference(policy, reference_path, cfg.model.dtype)
     if lora.enabled:  # after the warm start and the reference copy: both are of the base model
         policy = models.add_lora(policy, lora)
+    activations.apply(policy, cfg.activations)  # the policy only: the reference never runs with a gradient
     shapes = plan.shapes_of(policy, cfg.model.dtype)  # before the engine partitions it (ZeRO-3)
     engine = registry.get("engine", cfg.engine.name).Engine(cfg, policy, reference, grad_accum)
     head_size, memory = plan_memory(cfg, tracker, engine, tokenizer, shapes, data.plan_rows, warnings)
-    tracker.tags({"rlrun.device": engine.device.type, "rlrun.torch": torch.__version__,
-                  "rlrun.world_size": str(engine.world)})
-    if cfg.offload.enabled and not engine.offload_effective():
-        log.info("offload=on on a CPU-only run: optimizer state already lives in host memory, nothing moves.")
-        tracker.tags({"offload.effective": "false"})
+    device_notes(cfg, tracker, engine)
     if resume is not None:
         engine.load_state_dict(resume)
     rollout = None
@@ -98,6 +95,19 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
     return Setup(tokenizer=tokenizer, engine=engine, meter=Meter(engine.device, skip=skip),
                  head=registry.get("head", cfg.head.name), head_size=head_size, data=data.value, rollout=rollout,
                  plan=memory, grad_accum=grad_accum, warnings=tuple(warnings))
+
+
+def device_notes(cfg, tracker, engine) -> None:
+    """The device and versions as run tags, and a note for each option that moves nothing on this device."""
+    tracker.tags({"rlrun.device": engine.device.type, "rlrun.torch": torch.__version__,
+                  "rlrun.world_size": str(engine.world)})
+    if cfg.offload.enabled and not engine.offload_effective():
+        log.info("offload=on on a CPU-only run: optimizer state already lives in host memory, nothing moves.")
+        tracker.tags({"offload.effective": "false"})
+    if not activations.effective(cfg.activations, engine.device):
+        log.info("activations=offload on a CPU-only run: saved activations already live in host memory, nothing "
+                 "moves.")
+        tracker.tags({"activations.effective": "false"})
 
 
 def plan_memory(cfg, tracker, engine, tokenizer, shapes, rows: list[dict], warnings: list[str]):

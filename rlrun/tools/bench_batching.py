@@ -72,9 +72,11 @@ def child(option: str, a, out_path: str) -> None:
                                                kl_estimator="k3", tis=SimpleNamespace(enabled=False, cap=2.0),
                                                entropy_coef=0.0),
                           rollout=SimpleNamespace(temperature=1.0),
-                          batching=SimpleNamespace(name=option, max_tokens=a.max_tokens))
+                          batching=SimpleNamespace(name=option, max_tokens=a.max_tokens),
+                          activations=SimpleNamespace(name="keep", every=1))
     meter = Meter(torch.device("cpu"))
     engine = SimpleNamespace(model=model, gather=lambda x: [x], backward=lambda t, boundary=None: t.backward(),
+                             device=torch.device("cpu"),
                              world=1)
     s = SimpleNamespace(engine=engine, meter=meter, head=registry.get("head", a.head), head_size=a.tile_size)
     times = {"old": [], "train": []}
