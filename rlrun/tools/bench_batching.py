@@ -168,7 +168,7 @@ def add_parser(sub, func) -> None:
     b.add_argument("--response-median", type=float, default=48)
     b.add_argument("--response-cap", type=int, default=512)
     b.add_argument("--micro-batch", type=int, default=8)
-    b.add_argument("--max-tokens", type=int, default=4096)
+    b.add_argument("--max-tokens", type=int, default=1024)
     b.add_argument("--hidden", type=int, default=128)
     b.add_argument("--layers", type=int, default=2)
     b.add_argument("--vocab", type=int, default=4096)
