@@ -65,3 +65,15 @@ def test_a_callback_in_a_sweep_file_runs_nothing(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "hydra.callbacks.x._target_: 'rlrun.tasks.scoring.load_reward' is code that rlrun does not run" in r.stderr
     assert not (tmp_path / "PWNED").exists() and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("override, says", [
+    ("loss=grpo", "loss=grpo is not an option of loss; its options: cispo, dapo, dpo. GRPO is the recipe that "
+                  "loss=dapo and loss=cispo train with"),
+    ("batching=foo", "batching=foo is not an option of batching; its options: packed, padded, shared_prompt."),
+    ("head=null", "a config group cannot be set to null (e.g. head=null)"),
+])
+def test_an_unknown_option_is_rlruns_error_with_the_options(tmp_path, override, says):
+    r, _ = rlrun(tmp_path, override, "tracking=none")
+    assert r.returncode == 2 and f"rlrun: error: {says}" in r.stderr, r.stderr[-1500:]
+    assert "Traceback" not in r.stderr and "Config search path" not in r.stderr

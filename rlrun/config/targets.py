@@ -1,4 +1,5 @@
-"""No code runs from a config: the only code a config names is its reward functions (`task.reward(s)`).
+"""No code runs from a config (the only code a config names is its reward functions, `task.reward(s)`), and an
+unknown option is rlrun's error, not Hydra's traceback.
 
 Hydra instantiates whatever a `_target_` names (callbacks, launcher, sweeper) and Python's logging config imports
 whatever a handler's `class`, a factory's `()` or an `ext://` value names, before rlrun's own code runs; a sweep
@@ -10,6 +11,7 @@ standard library's `logging` classes (and colorlog's, Hydra's colour plugin), an
 
 from __future__ import annotations
 
+import re
 import sys
 
 from . import ConfigError
@@ -57,8 +59,32 @@ def _check(path: str, key: str, value) -> list[str]:
             "task.reward / task.rewards are); remove it from the config or sweep file"]
 
 
+# Names people type for an option rlrun has under another name: what to use instead.
+EXPLAINED = {("loss", "grpo"): "GRPO is the recipe that loss=dapo and loss=cispo train with (generate, score, group "
+                               "advantages, update); pick its token loss: loss=dapo (the default) or loss=cispo"}
+
+
+def unknown_option(error: Exception) -> str | None:
+    """rlrun's message for a group option Hydra could not find (`head=foo`) or a group set to null (`head=null`):
+    the options of that group and the fix; None for other composition errors."""
+    from .. import registry
+
+    text = str(error)
+    found = re.search(r"Could not find '([\w/]+)/([^']+)'", text)
+    if found:
+        group, name = found.group(1), found.group(2)
+        options = sorted(registry.REGISTRY.get(group, {})) or "see rlrun --help"
+        fix = EXPLAINED.get((group, name), f"Choose one of them, e.g. {group}={options[0] if options else '...'}")
+        return f"{group}={name} is not an option of {group}; its options: {', '.join(options)}. {fix}."
+    if "Config group override must be a string" in text:
+        return ("a config group cannot be set to null (e.g. head=null): every group needs one option; "
+                "`rlrun --help` lists them.")
+    return None
+
+
 def guard() -> None:
-    """Check each config Hydra composes (rlrun's entry point calls this once, before Hydra starts)."""
+    """Check each config Hydra composes (rlrun's entry point calls this once, before Hydra starts): an unknown
+    group option and code named in the config end with one message and exit 2, before anything is instantiated."""
     from hydra._internal.hydra import Hydra
     from omegaconf import OmegaConf
 
@@ -67,7 +93,14 @@ def guard() -> None:
         return
 
     def checked(self, *args, **kwargs):
-        cfg = compose(self, *args, **kwargs)
+        try:
+            cfg = compose(self, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - only the errors rlrun can say better are caught; others go on
+            message = unknown_option(e) or unknown_option(e.__cause__ or e)
+            if message is None:
+                raise
+            print(f"rlrun: error: {message}", file=sys.stderr)
+            sys.exit(2)
         found = problems(OmegaConf.to_container(cfg, resolve=False))
         if found:  # before Hydra instantiates a callback, launcher or sweeper: a message, not its traceback
             print(f"rlrun: error: {ConfigError(found)}", file=sys.stderr)
