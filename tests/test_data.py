@@ -385,3 +385,35 @@ def test_a_cut_prompt_fits_its_token_budget_with_a_byte_level_tokenizer():
         lengths.cut_prompts(task, tok, n)
         assert 0 < len(tok(row["prompt"], add_special_tokens=False)["input_ids"]) <= n
         assert "\ufffd" not in row["prompt"][:1] and prompt.endswith(row["prompt"])
+
+
+def test_task_rewards_replace_the_tasks_default_reward(tmp_path, monkeypatch, caplog):
+    """task=arith ships reward: partial_credit; `task.rewards=[...]` on the command line replaces it (it needed
+    task.reward=null); both given on the command line is still refused."""
+    import logging
+
+    from rlrun.tasks import core
+
+    path = write(tmp_path, [{"prompt": "1+1=", "answer": "2"}], "jsonl")
+    cfg = task_cfg(path, reward="rlrun.tasks:partial_credit", rewards=["rlrun.tasks.rewards:exact_match"])
+    monkeypatch.setattr(core, "given_on_command_line", lambda key: False)  # reward: the YAML file's default
+    with caplog.at_level(logging.INFO, logger="rlrun"):
+        task = tasks.load(cfg, 0, None)
+    assert [r.name for r in task.rewards] == ["exact_match"]
+    assert "task.rewards replaces the task's default task.reward=rlrun.tasks:partial_credit" in caplog.text
+    monkeypatch.setattr(core, "given_on_command_line", lambda key: key == "task.reward")  # both given
+    with pytest.raises(tasks.TaskError, match="not both"):
+        tasks.load(cfg, 0, None)
+
+
+def test_given_on_command_line_reads_hydras_overrides(monkeypatch):
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from rlrun.tasks import core
+
+    assert core.given_on_command_line("task.reward")  # outside a Hydra run: everything is given
+    hydra_cfg = OmegaConf.create({"hydra": {"overrides": {"task": ["task.rewards=[x:y]", "+task.reward=a:b"]}}})
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra_cfg.hydra))
+    assert core.given_on_command_line("task.reward") and not core.given_on_command_line("task.size")

@@ -6,6 +6,7 @@ come from the reader of `task.name` in the registry (arith.py, jsonl.py, dataset
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 
@@ -14,6 +15,8 @@ from . import scoring
 from .base import TaskError, plain
 from .chat import Formatter
 from .lengths import cut_prompts
+
+log = logging.getLogger("rlrun")
 
 
 @dataclass
@@ -69,12 +72,32 @@ def _read(cfg, seed: int, tokenizer, pairs: bool):
     return registry.get("task", cfg.name)(cfg, seed, fmt, pairs)
 
 
+def given_on_command_line(key: str) -> bool:
+    """Whether this Hydra run's overrides set `key` (True outside a Hydra run: a library caller's config is all
+    given)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return True
+    return any(o.split("=", 1)[0].lstrip("+~") == key for o in HydraConfig.get().overrides.task)
+
+
+def chosen_reward(cfg):
+    """`task.reward`, unless `task.rewards` is set and the reward is only the task's default (its YAML file's):
+    then the list replaces it. Both given on the command line is still refused (scoring.parse_rewards)."""
+    reward = plain(cfg.reward)
+    if reward not in (None, "") and cfg.rewards not in (None, []) and not given_on_command_line("task.reward"):
+        log.info("task.rewards replaces the task's default task.reward=%s", reward)
+        return None
+    return reward
+
+
 def load(cfg, seed: int, tokenizer=None) -> Task:
     """The GRPO task of the `task` config node (see rlrun.tasks for the contract)."""
     rows, eval_rows = _read(cfg, seed, tokenizer, pairs=False)
     train, held, warnings = _held_out(rows, eval_rows, cfg.eval_size, seed, "training")
     fields = set().union(*(r.keys() for r in (train[:1] + held[:1])))
-    rewards = scoring.load_rewards(plain(cfg.reward), plain(cfg.rewards), fields)
+    rewards = scoring.load_rewards(chosen_reward(cfg), plain(cfg.rewards), fields)
     task = Task(cfg.name, train, held, rewards, warnings)
     if cfg.max_prompt_tokens is not None and tokenizer is not None:
         cut_prompts(task, tokenizer, cfg.max_prompt_tokens)
