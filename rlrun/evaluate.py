@@ -3,12 +3,14 @@
 `evaluate` decodes every held-out prompt (greedy, or `samples` seeded draws per prompt), scores the completions
 with the task's scorer and returns `Evaluation(metrics, samples)`:
 - `eval/reward_mean`: mean total reward over all completions;
-- `eval/accuracy`: share of completions with total reward >= 1.0 (solved; with samples > 1 this is pass@1);
+- `eval/accuracy`: share of completions solved: total reward (or the reward named by `accuracy_reward`) at least
+  `accuracy_threshold` (1.0 by default; with samples > 1 this is pass@1);
 - `eval/pass_at_k` (samples = k > 1): share of prompts with at least one solved completion (not `pass@k`:
   MLflow refuses `@` in a metric name);
 - `eval/response_len_mean`: response tokens up to and including EOS, as the training metric counts them;
 - `eval/rewards/<name>/mean`: each named reward the scorer returns;
-and `samples`, the first `show` rows as {prompt, completion, answer, reward} for a samples table.
+and `samples`, the first `show` rows as {prompt, completion, answer, reward, rewards/<name> (several rewards)}
+for a samples table.
 
 Deterministic: greedy decoding has no randomness; sampling reuses the rollout's seeded sampler
 (rlrun.rollout.hf.generate) with one seed per (row, sample) drawn from `seed`, so the draws do not depend on the
@@ -23,6 +25,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+
+from .errors import TaskError
 
 EVAL_KEY = 0x65766131  # spawn-key prefix: eval seeds never coincide with a training rollout's seeds
 
@@ -64,7 +68,7 @@ def complete(model, tokenizer, prompts: list[str], *, max_new_tokens: int, seeds
 
 def evaluate(model, tokenizer, rows: list[dict], score_fn, *, max_new_tokens: int, greedy: bool = True,
              samples: int = 1, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, batch_size: int = 256,
-             show: int = 4) -> Evaluation:
+             show: int = 4, accuracy_reward: str | None = None, accuracy_threshold: float = 1.0) -> Evaluation:
     """Evaluate `model` on `rows` ({"prompt", "answer", ...}); see the module docstring."""
     if not rows:
         raise ValueError("evaluate: no rows to evaluate on")
@@ -89,16 +93,35 @@ def evaluate(model, tokenizer, rows: list[dict], score_fn, *, max_new_tokens: in
         model.train(was_training)
         tokenizer.padding_side = side
     totals, per_reward = score_fn(completions, [rows[i] for i, _ in flat])
-    solved = torch.tensor(totals, dtype=torch.float64).view(len(rows), k) >= 1.0
+    solved = torch.tensor(deciding(totals, per_reward, accuracy_reward), dtype=torch.float64).view(len(rows), k)
+    solved = solved >= accuracy_threshold
     metrics = {"eval/reward_mean": float(np.mean(totals)), "eval/accuracy": solved.double().mean().item(),
                "eval/response_len_mean": float(np.mean(lengths))}
     if k > 1:
         metrics[f"eval/pass_at_{k}"] = solved.any(1).double().mean().item()
     for name, values in (per_reward or {}).items():
         metrics[f"eval/rewards/{name}/mean"] = float(np.mean(values))
-    table = [{"prompt": rows[i]["prompt"], "completion": completions[n], "answer": rows[i].get("answer"),
-              "reward": totals[n]} for n, (i, j) in enumerate(flat) if j == 0 and i < show]
+    table = [sample_row(rows[i], completions[n], totals[n], per_reward, n)
+             for n, (i, j) in enumerate(flat) if j == 0 and i < show]
     return Evaluation(metrics, table)
+
+
+def deciding(totals: list[float], per_reward: dict | None, name: str | None) -> list[float]:
+    """The values `eval/accuracy` thresholds: the weighted totals, or the named reward's (eval.accuracy_reward)."""
+    if name is None:
+        return totals
+    if name not in (per_reward or {}):
+        raise TaskError(f"eval.accuracy_reward={name!r} is not a reward of this task; its rewards: "
+                        f"{sorted(per_reward or {})}. Name one of them, or null for the weighted total.")
+    return per_reward[name]
+
+
+def sample_row(row: dict, completion: str, total: float, per_reward: dict | None, n: int) -> dict:
+    """A samples-table row: prompt, completion, answer, the total reward and, with several rewards, each one."""
+    out = {"prompt": row["prompt"], "completion": completion, "answer": row.get("answer"), "reward": total}
+    if per_reward and len(per_reward) > 1:
+        out.update({f"rewards/{name}": values[n] for name, values in per_reward.items()})
+    return out
 
 
 @torch.no_grad()

@@ -46,6 +46,31 @@ def test_greedy_accuracy_where_the_answer_is_known():
     assert model.training and tok.padding_side == "left"
 
 
+def test_accuracy_by_a_named_reward_and_threshold_and_per_reward_sample_columns():
+    """eval.accuracy_reward / eval.accuracy_threshold: "solved" by the reward that means correct, not by a weighted
+    total >= 1.0; with several rewards the samples table has a column per reward."""
+    model, tok = tiny_model()
+    known, _ = greedy_text(model, tok, PROMPTS)
+    rows = [{"prompt": p, "answer": k if i % 2 == 0 else "<never>"} for i, (p, k) in enumerate(zip(PROMPTS, known))]
+
+    def weighted(completions, rows):  # correct (weight 0.6) + a format bonus every completion earns (0.4)
+        correct = [float(c == r["answer"]) for c, r in zip(completions, rows)]
+        return [0.6 * c + 0.4 for c in correct], {"correct": correct, "format": [1.0] * len(rows)}
+
+    by_total = evaluate.evaluate(model, tok, rows, weighted, max_new_tokens=3)
+    assert by_total.metrics["eval/accuracy"] == 0.5  # 1.0 only where correct
+    assert evaluate.evaluate(model, tok, rows, weighted, max_new_tokens=3,
+                             accuracy_threshold=0.4).metrics["eval/accuracy"] == 1.0
+    res = evaluate.evaluate(model, tok, rows, weighted, max_new_tokens=3, accuracy_reward="format")
+    assert res.metrics["eval/accuracy"] == 1.0
+    assert res.samples[0]["rewards/correct"] == 1.0 and res.samples[1]["rewards/correct"] == 0.0
+    assert res.samples[0]["rewards/format"] == 1.0 and res.samples[0]["reward"] == pytest.approx(1.0)
+    assert "rewards/exact" not in evaluate.evaluate(model, tok, rows, exact, max_new_tokens=3).samples[0]  # one
+    with pytest.raises(evaluate.TaskError, match=r"eval.accuracy_reward='nope' is not a reward of this task; its "
+                                                 r"rewards: \['correct', 'format'\]"):
+        evaluate.evaluate(model, tok, rows, weighted, max_new_tokens=3, accuracy_reward="nope")
+
+
 def test_deterministic_and_independent_of_batch_size():
     model, tok = tiny_model()
     rows = [{"prompt": p, "answer": "3"} for p in PROMPTS]

@@ -297,6 +297,8 @@ class EvalConfig:
     greedy: bool
     samples: PosInt  # completions per prompt when not greedy
     max_new_tokens: PosInt | None  # null: rollout.max_new_tokens
+    accuracy_reward: str | None  # GRPO: the reward whose value decides "solved"; null: the weighted total
+    accuracy_threshold: float  # solved: that value >= this
 
 
 @dataclass

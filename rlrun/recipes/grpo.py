@@ -230,7 +230,9 @@ def held_out(cfg, frame, s):
             return evaluate.evaluate(s.engine.model, s.tokenizer, rows, s.data.score,
                                      max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                      greedy=cfg.eval.greedy, samples=cfg.eval.samples, temperature=r.temperature,
-                                     top_p=r.top_p, seed=cfg.seed, show=cfg.log.samples)
+                                     top_p=r.top_p, seed=cfg.seed, show=cfg.log.samples,
+                                     accuracy_reward=cfg.eval.accuracy_reward,
+                                     accuracy_threshold=cfg.eval.accuracy_threshold)
 
     return run
 
@@ -273,8 +275,8 @@ def refill(cfg, s, prompts, buffer: RolloutBuffer, got: StepRollouts) -> None:
         engine.onload()
     got.rewards.append(reward)
     if not got.samples:  # a few rows of the step's first rollout, for the samples table
-        got.samples = [{"prompt": ex["prompt"], "completion": c, "answer": ex.get("answer"), "reward": float(r)}
-                       for ex, c, r in zip(rows, roll.completions, totals)][: cfg.log.samples]
+        got.samples = [evaluate.sample_row(ex, c, float(r), by_reward, n)
+                       for n, (ex, c, r) in enumerate(zip(rows, roll.completions, totals))][: cfg.log.samples]
     got.by_reward.append({name: (sum(v), len(v)) for name, v in by_reward.items()})
     got.lengths.append(roll.response_mask.sum(1).float())
     got.finished.append(roll.finished.float())
