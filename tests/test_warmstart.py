@@ -139,3 +139,23 @@ def test_the_default_scenario_starts_wrong_but_within_reach():
     assert greedy["eval/accuracy"] <= 0.4  # measured 0.0 (seed 0)
     assert sampled["eval/pass_at_16"] >= 0.5  # measured 0.7
     assert greedy["eval/response_len_mean"] <= 3  # the format is learned: digits then EOS
+
+
+def test_auto_warm_starts_the_embedded_model_on_its_own_task_only(caplog):
+    """warm_start.enabled=auto: model=tiny on task=arith; the user's data (task=jsonl|dataset) only when asked,
+    and then the run says what the warm start trains on."""
+    from types import SimpleNamespace
+
+    from rlrun.runner.setup import warm_applies, warm_notice
+
+    def cfg(enabled, task, model="tiny"):
+        return SimpleNamespace(warm_start=SimpleNamespace(enabled=enabled, steps=300, wrong_prob=0.75, offsets=[1]),
+                               task=SimpleNamespace(name=task), model=SimpleNamespace(name=model))
+
+    assert warm_applies(cfg("auto", "arith"))
+    assert not warm_applies(cfg("auto", "dataset")) and not warm_applies(cfg("auto", "jsonl"))
+    assert not warm_applies(cfg("auto", "arith", model="hf")) and not warm_applies(cfg(False, "arith"))
+    assert warm_applies(cfg(True, "dataset"))
+    note = warm_notice(cfg(True, "dataset"), 188)
+    assert "300 supervised steps on 188 training rows, prompt -> answer" in note and "75% of the labels" in note
+    assert "warm_start.enabled=false turns it off" in note

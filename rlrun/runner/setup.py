@@ -66,8 +66,11 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
     data = load(tokenizer, models.context_size(policy))
     warnings = list(data.warnings)
     warm = cfg.warm_start
-    if warm.enabled is True or (warm.enabled == "auto" and cfg.model.name == "tiny"):
+    if warm_applies(cfg):
         from ..warmstart import warm_start
+
+        if cfg.task.name != "arith":  # the user's data: asked for, so say what it trains on
+            log.warning("%s", warm_notice(cfg, len(data.warm_rows)))
 
         with timed(tracker, "warm_start"):
             warm_start(policy, tokenizer, data.warm_rows, dataclasses.asdict(warm), cfg.seed, cache=warm.cache)
@@ -95,6 +98,21 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
     return Setup(tokenizer=tokenizer, engine=engine, meter=Meter(engine.device, skip=skip),
                  head=registry.get("head", cfg.head.name), head_size=head_size, data=data.value, rollout=rollout,
                  plan=memory, grad_accum=grad_accum, warnings=tuple(warnings))
+
+
+def warm_applies(cfg) -> bool:
+    """warm_start.enabled: true, or auto for the embedded random-init model on its own synthetic task (task=arith,
+    whose answers the warm start's off-by-one labels are made for); never on the user's data unless asked."""
+    enabled = cfg.warm_start.enabled
+    return enabled is True or (enabled == "auto" and cfg.model.name == "tiny" and cfg.task.name == "arith")
+
+
+def warm_notice(cfg, rows: int) -> str:
+    w = cfg.warm_start
+    return (f"warm start: {w.steps} supervised steps on {rows} training rows, prompt -> answer (DPO: the chosen "
+            f"response), {w.wrong_prob:.0%} of the labels made wrong on purpose (the answer with one of "
+            f"{list(w.offsets)} added, where it is a number); it is meant for task=arith's short numeric answers. "
+            "warm_start.enabled=false turns it off.")
 
 
 def device_notes(cfg, tracker, engine) -> None:
