@@ -62,7 +62,8 @@ WATCHED_ENV_PREFIXES = ("RLRUN_", "MLFLOW_", "HF_", "TRANSFORMERS_", "VLLM_", "D
 WATCHED_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH",
                "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "GIT_PYTHON_REFRESH"}
 EXPECTED_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT",
-                "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"}  # rlrun's setdefault, harmless
+                "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR",
+                "DS_ACCELERATOR"}  # rlrun's setdefault, harmless
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # What a test may leave in the repository root (all ignored by git, so a leak would go unnoticed).
 ROOT_LITTER = ("mlruns", "mlflow.db", "outputs", "multirun", "mlartifacts")

@@ -37,6 +37,9 @@ def test_smoke_through_the_real_entry_point(tmp_path):
     r = subprocess.run(["rlrun", SMOKE, "loss=cispo", "logprob_policy=always", "progress=false"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    for noise in ("Creating initial MLflow database tables", "Setting accelerator to CPU", "Downloading artifacts",
+                  "View run"):  # other libraries' console lines: not what the user reads
+        assert noise not in r.stdout + r.stderr, noise
     client, rs = runs(tmp_path / "mlflow.db")  # default store: sqlite:///mlflow.db in the working directory
     (run_,) = rs
     assert run_.info.status == "FINISHED"

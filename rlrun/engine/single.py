@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 
@@ -53,6 +54,8 @@ class Engine:
 
     def __init__(self, cfg, policy, reference, grad_accum: int):
         self.device = device(cfg.engine)
+        if self.device.type == "cpu":  # DeepSpeed, imported by libraries even here, would warn it found no GPU
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.model = policy.to(self.device)
         self.reference = None if reference is None else reference.to(self.device)
         self.optimizer, self.scheduler = optimizer(policy, cfg.train)

@@ -6,6 +6,7 @@ place metric names are mapped to MLflow's (`metric_key`). The run's tracker (mlf
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import time
@@ -54,7 +55,11 @@ def open_client(uri: str):
     # MLflow's own "View run / View experiment" lines: their experiment link opens MLflow 3's UI on GenAI traces;
     # rlrun prints links to the model-training view instead (ui.py)
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no "Downloading artifacts" bars
     from mlflow.tracking import MlflowClient
+
+    for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." and the like
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     if urlparse(uri).scheme != "sqlite":
         return MlflowClient(tracking_uri=uri)
