@@ -254,7 +254,7 @@ def load_latest(where: str) -> tuple[dict, str]:
 
 # Keys that may differ between a checkpoint and its resume: they do not change what is trained.
 MAY_CHANGE = ("train.steps", "progress", "run_name", "resume")
-MAY_CHANGE_PREFIXES = ("tracking.", "checkpoint.", "head.", "plan.")
+MAY_CHANGE_PREFIXES = ("tracking.", "checkpoint.", "head.", "plan.", "eval.", "log.", "export.", "report.")
 
 
 def changed_keys(saved: dict[str, str], now: dict[str, str]) -> list[str]:

@@ -26,8 +26,30 @@ USER_ERRORS = (ConfigError, ModelError, TaskError, TrackingError, CheckpointErro
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
+def restored(cfg: DictConfig) -> DictConfig:
+    """`rlrun resume=<MLflow run id> [overrides]`: the run's own config (its config.yaml) with only the overrides
+    of this command line on top, so that none of the original ones need repeating. The resume check still refuses
+    an override that changes what is trained (checkpoint.changed_keys)."""
+    from omegaconf import OmegaConf
+
+    from .tracking.store import is_run_id, saved_config
+
+    resume = str(cfg.resume)
+    if not (HydraConfig.initialized() and is_run_id(resume) and cfg.tracking.name == "mlflow"):
+        return cfg
+    saved = saved_config(cfg.tracking.uri, resume)
+    if saved is None:
+        return cfg
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task if "=" in o]
+    for key in {*keys, "resume", "tracking", "progress"}:  # where this launch logs and shows is its own
+        OmegaConf.update(saved, key, OmegaConf.select(cfg, key), merge=False, force_add=True)
+    log.info("resume=%s: the run's config, with %s from this command line", resume, ", ".join(keys) or "nothing")
+    return saved
+
+
 def run(cfg: DictConfig, run_name: str | None = None) -> dict:
     """Validate (no torch import), then hand over to the runner with the recipe that trains `loss`."""
+    cfg = restored(cfg)
     typed = validate(cfg)
     from .runner import run as run_training
 

@@ -155,3 +155,22 @@ def test_sharded_checkpoints_are_sealed_and_a_changed_file_falls_back(tmp_path, 
     with caplog.at_level("WARNING"):
         state, path = checkpoint.load_latest(str(tmp_path))
     assert state["step"] == 4 and "changed since the checkpoint was sealed" in caplog.text
+
+
+@pytest.mark.slow  # three short runs through the entry point (~30 s)
+def test_resume_by_run_id_restores_the_runs_config_and_applies_only_the_new_overrides(tmp_path):
+    """`rlrun resume=<run id> train.steps=4 eval.every=2` continues the run without repeating its overrides
+    (experiment, model size, checkpoint.dir): they come from the run's config.yaml; one that changes what is
+    trained is still refused."""
+    first = rlrun(tmp_path, "experiment=smoke", "train.steps=2", "eval.every=1", "model.hidden_size=64",
+                  f"checkpoint.dir={tmp_path}/ckpt", "export.enabled=false")
+    assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
+    _, (r,) = runs(tmp_path / "mlflow.db")
+    again = rlrun(tmp_path, f"resume={r.info.run_id}", "train.steps=4", "eval.every=2")
+    assert again.wait(timeout=300) == 0, again.stderr.read()[-2000:]
+    client, (r2,) = runs(tmp_path / "mlflow.db")
+    assert r2.info.run_id == r.info.run_id and r2.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")] == [0, 1, 2, 3]
+    refused = rlrun(tmp_path, f"resume={r.info.run_id}", "train.steps=6", "loss=cispo")
+    assert refused.wait(timeout=300) == 2
+    assert "loss.name was 'dapo', now 'cispo'; a resumed run must train the same thing" in refused.stderr.read()

@@ -73,8 +73,8 @@ def load_resume(cfg, raw) -> dict:
     changed = checkpoint.changed_keys(state["config"], now)
     if changed:
         raise ConfigError([f"resume from {path}: {k} was {state['config'].get(k)!r}, now {now.get(k)!r}; a "
-                           "resumed run must train the same thing (only train.steps, the head, logging and "
-                           "tracking may change)" for k in changed])
+                           "resumed run must train the same thing (only train.steps, the head, logging, "
+                           "evaluation, export and tracking may change)" for k in changed])
     world = ranks.world_size()
     if state.get("world_size", 1) != world:
         raise ConfigError([f"resume from {path}: the checkpoint was written by {state.get('world_size', 1)} "

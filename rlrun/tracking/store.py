@@ -211,3 +211,16 @@ def checkpoint_dir_of(cfg, run_id: str) -> str:
         raise TrackingError(f"resume={run_id}: that run wrote no checkpoints (checkpoint.dir was not set).")
     return folder
 
+
+def saved_config(uri: str, run_id: str):
+    """The composed config an MLflow run logged at its start (its config.yaml artifact), as a DictConfig; None
+    when the run or the file cannot be read (the resume then fails later with its own message)."""
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            return OmegaConf.load(open_client(uri).download_artifacts(run_id, "config.yaml", tmp))
+    except Exception:  # noqa: BLE001 - not found or unreachable: checkpoint_dir_of says which, with the fix
+        return None
