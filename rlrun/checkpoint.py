@@ -156,11 +156,7 @@ def check_writable(folder: str | None) -> None:
     if not folder:
         return
     try:
-        os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, f".rlrun_write_test.{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-        os.remove(probe)
+        folders.probe_write(folder)
     except OSError as e:
         raise CheckpointError(f"checkpoint.dir={folder!r} is not writable ({e.strerror or e}); choose a folder you "
                               "can write to, or leave checkpoint.dir unset to train without checkpoints.") from None

@@ -84,6 +84,15 @@ def export_problems(folder: str, checkpoint_dir: str | None, store: str | None) 
     return out
 
 
+def probe_write(folder: str) -> None:
+    """Create `folder` and write and remove a small file in it (OSError when it cannot be written)."""
+    os.makedirs(folder, exist_ok=True)
+    probe = os.path.join(folder, f".rlrun_write_test.{os.getpid()}")
+    with open(probe, "wb") as f:
+        f.write(b"ok")
+    os.remove(probe)
+
+
 def check_export(folder: str | None, checkpoint_dir: str | None, tracking_uri: str | None) -> None:
     """Before training: `folder` may be replaced by the export, and its parent can be written."""
     if not folder:
@@ -93,11 +102,7 @@ def check_export(folder: str | None, checkpoint_dir: str | None, tracking_uri: s
         raise ExportError("\n".join(problems))
     parent = os.path.dirname(os.path.abspath(folder))
     try:
-        os.makedirs(parent, exist_ok=True)
-        probe = os.path.join(parent, f".rlrun_write_test.{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-        os.remove(probe)
+        probe_write(parent)
     except OSError as e:
         raise ExportError(f"export.dir={folder!r}: cannot write in {parent!r} ({e.strerror or e}); choose a folder "
                           "you can write to, or export.enabled=false.") from None
