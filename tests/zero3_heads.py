@@ -40,6 +40,10 @@ def main(out: str, tied: str):
     if engine.rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    # leave the process group before exit: a rank that exits with gloo's threads still running can abort
+    # ("terminate called without an active exception", SIGABRT) while the other is still in its last collective
+    torch.distributed.barrier()
+    ds_engine.shutdown()
 
 
 if __name__ == "__main__":
