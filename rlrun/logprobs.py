@@ -26,12 +26,15 @@ def crosses_step(start: int, window: int, grad_accum: int) -> bool:
     return start // grad_accum != (start + window - 1) // grad_accum
 
 
-def plan(policy: str, *, start: int, window: int, grad_accum: int, ref_coef: float) -> Need:
-    """Which passes the rollout whose window starts at micro-step `start` needs under `policy`."""
+def plan(policy: str, *, start: int, window: int, grad_accum: int, ref_coef: float,
+         old_before_loss: bool = False) -> Need:
+    """Which passes the rollout whose window starts at micro-step `start` needs under `policy`. `old_before_loss`:
+    the objective reads the old-policy logprobs before the loss (sequence-level importance weights), so `window`
+    runs the old pass for every rollout (`skip` refuses such objectives: config/rules.py)."""
     if policy == "always":
         return Need(old=True, ref=True)
     if policy == "window":
-        return Need(old=crosses_step(start, window, grad_accum), ref=ref_coef != 0)
+        return Need(old=old_before_loss or crosses_step(start, window, grad_accum), ref=ref_coef != 0)
     if policy == "skip":
         return Need(old=False, ref=False)
     raise ValueError(f"logprob_policy={policy!r}; supported: {list(POLICIES)}")

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 MIB = 2**20
-PHASES = ("sync", "generate", "offload", "old_logprobs", "ref_logprobs", "onload", "train", "eval")
+PHASES = ("sync", "wait", "generate", "offload", "old_logprobs", "ref_logprobs", "onload", "train", "eval")
 OFFLOAD_PHASES = ("offload", "onload")  # only with offload=on: with offload=off they move nothing
 
 

@@ -242,8 +242,10 @@ def predict(cfg, s: Shapes, rows: int, seq_len: int, tokens: int, *, world: int 
     zero = cfg.engine.zero_stage if cfg.engine.name == "deepspeed" else 0
     dpo, kl = cfg.loss.name == "dpo", getattr(cfg.loss, "kl_coef", 0.0)
     policy, lora = cfg.logprob_policy.name, cfg.model.lora
-    needs_old = not dpo and logprobs.ever_needs_old(policy, t.rollout_batch // world // t.micro_batch
-                                                    * t.num_iterations, grad_accum)
+    tis = getattr(cfg.loss, "tis", None)
+    needs_old = not dpo and (logprobs.ever_needs_old(policy, t.rollout_batch // world // t.micro_batch
+                                                     * t.num_iterations, grad_accum)
+                             or (policy != "skip" and tis.enabled and tis.level == "sequence"))
     needs_ref = dpo or logprobs.needs_reference_model(policy, kl)
     ref_copy = needs_ref and not (lora.enabled and lora.reference == "adapters_off"
                                   and not getattr(cfg.loss, "reference_path", None))

@@ -91,10 +91,12 @@ def curve(db):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", ["dapo", "dpo", "dapo-packed"])
+@pytest.mark.parametrize("loss", ["dapo", "dpo", "dapo-packed", "dapo-async"])
 def test_sigkill_at_a_seeded_step_then_resume_gives_the_same_curve(tmp_path, loss):
-    packed = ["batching=packed"] if loss.endswith("-packed") else []  # the packed layout resumes bit for bit too
-    args = ["experiment=smoke", f"loss={loss.removesuffix('-packed')}", *packed, "train.steps=40",
+    # the packed layout resumes bit for bit too; so does async generation (the rollouts generated ahead are in the
+    # checkpoint, and the generator restarts on the checkpoint's weights)
+    extra = {"packed": ["batching=packed"], "async": ["rollout.pipeline=async"]}.get(loss.partition("-")[2], [])
+    args = ["experiment=smoke", f"loss={loss.partition('-')[0]}", *extra, "train.steps=40",
             f"checkpoint.dir={tmp_path}/run/ckpt", "checkpoint.every=3"]
     (tmp_path / "base").mkdir()
     (tmp_path / "run").mkdir()

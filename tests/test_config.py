@@ -1,4 +1,4 @@
-"""Validators: every combination of the four axes is accepted or rejected with the expected rule; every key of the
+"""Validators: every combination of the efficiency axes is accepted or rejected with the expected rule; every key of the
 schema is typed, every choice refuses a misspelling with the allowed values, every group refuses a misspelled key."""
 
 import copy
@@ -20,7 +20,8 @@ from rlrun.registry import KEYED_BY, REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 AXES = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml"))
-        for g in ("loss", "head", "logprob_policy", "offload")}
+        for g in ("loss", "head", "logprob_policy", "offload", "batching", "activations")}
+PIPELINES = ("sync", "async")  # rollout.pipeline: a key of the rollout group, an axis of its own
 # what an option needs beyond its YAML to be valid on its own
 REQUIRED = {"model=hf": ["model.path=/m"], "task=jsonl": ["task.path=/d.jsonl"], "task=dataset": ["task.path=/d"]}
 
@@ -41,9 +42,13 @@ def refused(cfg) -> ConfigError:
     return e.value
 
 
-def expected_rules(loss, head, policy, kl_coef, batch_equal):
+def expected_rules(loss, head, policy, kl_coef, batch_equal, pipeline="sync"):
     rules = []
     grpo = loss in ("dapo", "cispo")
+    if pipeline == "async" and loss == "dpo":
+        rules.append("loss=dpo generates nothing")
+    if pipeline == "async" and grpo and policy == "skip":
+        rules.append("logprob_policy=skip assumes the weights that drew a rollout")
     if policy == "skip" and grpo and kl_coef:
         rules.append("loss.kl_coef=0")
     if policy == "skip" and grpo and not batch_equal:
@@ -56,38 +61,44 @@ def expected_rules(loss, head, policy, kl_coef, batch_equal):
 
 
 def axis_configs():
-    """Every combination of the four axes under experiment=smoke. Each option is composed once and its group node
-    put in place: the options of these groups set only their own node, so this is what Hydra would compose (and
-    54 composes would take most of this file's time)."""
-    for combo in itertools.product(*AXES.values()):
-        cfg = composed("experiment=smoke")
-        for group, name in zip(AXES, combo):
-            cfg[group] = _composed(f"{group}={name}", "experiment=smoke")[group]
-        yield combo, cfg
+    """Every combination of the efficiency axes (and rollout.pipeline) under experiment=smoke. Each option is
+    composed once and its group node put in place: the options of these groups set only their own node, so this is
+    what Hydra would compose (and 972 composes would take most of this file's time)."""
+    base = OmegaConf.to_container(_composed("experiment=smoke"), resolve=True)
+    nodes = {(g, n): OmegaConf.to_container(_composed(f"{g}={n}", "experiment=smoke")[g], resolve=True)
+             for g in AXES for n in AXES[g]}
+    for *combo, pipeline in itertools.product(*AXES.values(), PIPELINES):
+        # plain data (validate takes it as a composed config): a copy of each node the test may edit
+        cfg = {**base, **{g: copy.deepcopy(nodes[g, n]) for g, n in zip(AXES, combo)},
+               "rollout": {**base["rollout"], "pipeline": pipeline}, "train": dict(base["train"])}
+        yield (*combo, pipeline), cfg
 
 
 @pytest.mark.parametrize("kl_coef,batch_equal", [(0.0, True), (0.1, True), (0.0, False), (0.1, False)])
 def test_every_combination_of_the_four_axes(kl_coef, batch_equal):
     # each combination is composed once; kl_coef and batch_size are then set as the overrides would set them
-    for (loss, head, policy, off), cfg in axis_configs():
-        cfg.loss.kl_coef = kl_coef
+    for combo, cfg in axis_configs():
+        loss, head, policy, *_, pipeline = combo
+        cfg["loss"]["kl_coef"] = kl_coef
         if not batch_equal:
-            cfg.train.batch_size = 4
-        rules = expected_rules(loss, head, policy, kl_coef, batch_equal)
+            cfg["train"]["batch_size"] = 4
+        rules = expected_rules(loss, head, policy, kl_coef, batch_equal, pipeline)
         if not rules:
             validate(cfg)
             continue
         with pytest.raises(ConfigError) as e:
             validate(cfg)
-        assert len(e.value.problems) == len(rules), (loss, head, policy, off, e.value.problems)
+        assert len(e.value.problems) == len(rules), (combo, e.value.problems)
         for rule in rules:
-            assert rule in str(e.value), (loss, head, policy, off, rule)
+            assert rule in str(e.value), (combo, rule)
 
 
 def test_smoke_accepts_every_option_of_every_axis():
     # except what DPO refuses by design: no reference pass to skip, no per-token objective to tile
-    for (loss, head, policy, _), cfg in axis_configs():
-        if loss == "dpo" and (policy == "skip" or head == "tiled"):
+    for (loss, head, policy, *_, pipeline), cfg in axis_configs():
+        if loss == "dpo" and (policy == "skip" or head == "tiled" or pipeline == "async"):
+            continue
+        if pipeline == "async" and policy == "skip":
             continue
         validate(cfg)
 

@@ -118,6 +118,45 @@ def tis_cap(c, world):
         yield f"loss.tis.cap={c.loss.tis.cap!r} must be > 0 when loss.tis.enabled=true."
 
 
+@rule("loss.name", "loss.tis.enabled", "loss.tis.mode", "loss.tis.low", "loss.tis.cap")
+def tis_mask_bounds(c, world):
+    tis = c.loss.tis if c.loss.name in FUSABLE else None
+    if tis is not None and tis.enabled and tis.mode == "mask" and not tis.low < tis.cap:
+        yield (f"loss.tis.mode=mask keeps ratios in [loss.tis.low, loss.tis.cap], which is empty with "
+               f"low={tis.low} and cap={tis.cap}; set loss.tis.low below loss.tis.cap (e.g. low=0.5, cap=2.0).")
+
+
+@rule("loss.name", "loss.tis.enabled", "loss.tis.level", "logprob_policy.name")
+def sequence_tis_needs_the_old_pass(c, world):
+    tis = c.loss.tis if c.loss.name in FUSABLE else None
+    if tis is not None and tis.enabled and tis.level == "sequence" and c.logprob_policy.name == "skip":
+        yield ("loss.tis.level=sequence weighs each sequence by the product of its tokens' ratios, which needs the "
+               "old-policy logprobs before the loss, but logprob_policy=skip skips that pass. Use "
+               "logprob_policy=window (it then runs the pass for every rollout) or loss.tis.level=token.")
+
+
+@rule("rollout.pipeline", "logprob_policy.name", "loss.name")
+def async_needs_the_old_pass(c, world):
+    if c.rollout.pipeline != "async":
+        return
+    if c.loss.name == "dpo":
+        yield ("rollout.pipeline=async overlaps generation with GRPO training; loss=dpo generates nothing (its pairs "
+               "are data). Use rollout.pipeline=sync with loss=dpo.")
+    elif c.logprob_policy.name == "skip":
+        yield ("rollout.pipeline=async trains on rollouts drawn by older weights, but logprob_policy=skip assumes "
+               "the weights that drew a rollout are the ones that train on it (it never runs the old-policy pass). "
+               "Use logprob_policy=window (the pass where a rollout spans optimizer steps; the staleness itself is "
+               "corrected by loss.tis.*) or always.")
+
+
+@rule("rollout.pipeline", "engine.name", "engine.zero_stage")
+def async_with_replicated_weights(c, world):
+    if c.rollout.pipeline == "async" and c.engine.name == "deepspeed" and c.engine.zero_stage == 3:
+        yield ("rollout.pipeline=async publishes each rank's weights to its generator after every step, and ZeRO-3 "
+               "partitions them across ranks (every publish would gather the whole model on every rank). Use "
+               "engine.zero_stage=2 with rollout.pipeline=async, or rollout.pipeline=sync.")
+
+
 @rule("model.lora.enabled", "rollout.name")
 def lora_generates_with_hf(c, world):
     if c.model.lora.enabled and c.rollout.name == "vllm":

@@ -49,7 +49,10 @@ KlEstimator = Literal["k1", "k2", "k3"]
 @dataclass
 class TisConfig:
     enabled: bool
+    level: Literal["token", "sequence"]
+    mode: Literal["truncate", "mask"]
     cap: float  # > 0 when enabled (rules.py)
+    low: NonNeg  # mask: the lowest ratio kept (< cap, rules.py)
 
 
 @dataclass
@@ -188,6 +191,9 @@ Temperature = Annotated[float, Check(lambda v: v > 0, "> 0: the trainer's logpro
 TopP = Annotated[float, Check(lambda v: 0 < v <= 1, "in (0, 1]")]
 
 
+Device = Annotated[str, Check(lambda v: re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None, "cpu, cuda or cuda:N")]
+
+
 @dataclass
 class HFRollout:
     name: Literal["hf"]
@@ -195,6 +201,10 @@ class HFRollout:
     top_p: TopP
     max_new_tokens: PosInt
     sync_weights: bool  # read by the GRPO recipe for every rollout; hf samples from the trainer's model itself
+    pipeline: Literal["sync", "async"]  # async: rlrun/pipeline
+    max_staleness: NonNegInt
+    worker_threads: PosInt | None
+    worker_device: Device | None
 
 
 @dataclass
@@ -212,6 +222,10 @@ class VLLMRollout:
     gpu_memory_utilization: Annotated[float, Check(lambda v: 0 < v <= 1, "in (0, 1]")]
     tensor_parallel_size: PosInt
     sleep: bool
+    pipeline: Literal["sync", "async"]
+    max_staleness: NonNegInt
+    worker_threads: PosInt | None
+    worker_device: Device | None
 
 
 # -- engine -------------------------------------------------------------------------------------------------------

@@ -62,11 +62,15 @@ class Bad:
 
 
 def validate(cfg) -> RunConfig:
-    """The typed config of a composed `cfg`; raises ConfigError with every problem found (schema and rules)."""
-    try:
-        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    except Exception as e:  # noqa: BLE001 - an interpolation that cannot be resolved (e.g. ${oc.env:...})
-        raise ConfigError([f"the configuration cannot be resolved: {e}"]) from None
+    """The typed config of a composed `cfg` (or of its plain-data form, a dict); raises ConfigError with every
+    problem found (schema and rules)."""
+    if isinstance(cfg, dict):
+        data = dict(cfg)
+    else:
+        try:
+            data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        except Exception as e:  # noqa: BLE001 - an interpolation that cannot be resolved (e.g. ${oc.env:...})
+            raise ConfigError([f"the configuration cannot be resolved: {e}"]) from None
     data.pop("hydra", None)  # present when composed with return_hydra_config=True
     walk = Walk()
     typed = walk.node(data, RunConfig, "", "the top level")

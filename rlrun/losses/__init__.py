@@ -28,15 +28,20 @@ def objective(
     kl_estimator: str = "k3",
     tis_cap: float | None = None,
     entropy_coef: float = 0.0,
+    tis_mode: str = "truncate",
+    tis_low: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ):
     """A per-token objective `f(logprobs, sl, entropy=None) -> (loss_tokens, stats)` over flat [tokens] inputs.
 
     `sl` selects the tokens `logprobs` belongs to. `old_logprobs=None` means the old-policy pass was skipped: the
     ratio is taken against `logprobs.detach()` (value 1, gradient intact). `tis_cap` turns on truncated importance
-    sampling: the policy-gradient term is weighted by min(exp(old - gen), tis_cap), detached. `entropy`: the
-    per-token entropy of the tempered distribution (the heads compute it), reported as the `entropy` stat and, with
-    `entropy_coef`, rewarded: loss - entropy_coef * entropy. `f.entropy_coef` tells the heads whether the loss
-    depends on the entropy (then they carry its gradient).
+    sampling: the policy-gradient term is weighted by min(exp(old - gen), tis_cap), detached; `tis_mode="mask"` weights
+    it by exp(old - gen) where that lies in [tis_low, tis_cap] and drops the token elsewhere (MIS / IcePop).
+    `is_weights`: per-token weights computed beforehand (sequence level: `sequence_is_weights`), used as they are.
+    `entropy`: the per-token entropy of the tempered distribution (the heads compute it), reported as the `entropy`
+    stat and, with `entropy_coef`, rewarded: loss - entropy_coef * entropy. `f.entropy_coef` tells the heads whether
+    the loss depends on the entropy (then they carry its gradient).
     """
     token_loss = registry.get("loss", name)  # the per-token term of loss=name (dapo.py, cispo.py)
 
@@ -44,10 +49,16 @@ def objective(
         old = logprobs.detach() if old_logprobs is None else old_logprobs[sl]
         loss, stats = token_loss(logprobs, old, advantages[sl], clip_low=clip_low, clip_high=clip_high)
         stats["pg_loss"] = loss.detach()
-        if tis_cap is not None:
-            weight = torch.clamp(torch.exp(old - gen_logprobs[sl]), max=tis_cap).detach()
+        weight = None
+        if is_weights is not None:
+            weight = is_weights[sl]
+        elif tis_cap is not None:
+            weight = tis_weight(old - gen_logprobs[sl], tis_mode, tis_cap, tis_low).detach()
+        if weight is not None:
             loss = loss * weight
             stats["is_weight"] = weight
+            if tis_mode == "mask":
+                stats["is_masked"] = (weight == 0).float()
         if ref_logprobs is not None:
             k = kl(logprobs, ref_logprobs[sl], kl_estimator)
             stats["kl"] = k.detach()
@@ -63,9 +74,28 @@ def objective(
     return f
 
 
+def tis_weight(log_ratio: torch.Tensor, mode: str, cap: float, low: float | None) -> torch.Tensor:
+    """The importance weight of trainer over generator, exp(log_ratio): `truncate` caps it at `cap` (TIS);
+    `mask` keeps it where it lies in [low, cap] and is 0 elsewhere (the token or sequence leaves the loss)."""
+    ratio = torch.exp(log_ratio)
+    if mode == "truncate":
+        return torch.clamp(ratio, max=cap)
+    return torch.where((ratio >= low) & (ratio <= cap), ratio, torch.zeros_like(ratio))
+
+
+def sequence_is_weights(old: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, rows: int, mode: str, cap: float,
+                        low: float | None) -> torch.Tensor:
+    """loss.tis.level=sequence: each sequence's weight from the product of its tokens' ratios, exp(sum over its
+    valid tokens of (old - gen)), truncated or masked as `tis_weight`, then given to each of its tokens. Inputs are
+    a micro-batch's flat [rows x R] tensors; needs the old-policy logprobs before the loss (the old pass)."""
+    log_ratio = torch.where(mask.bool(), old - gen, 0.0).view(rows, -1).sum(1, keepdim=True)
+    weight = tis_weight(log_ratio, mode, cap, low)
+    return weight.expand(rows, mask.numel() // rows).reshape(-1).detach()
+
+
 # How each per-token stat becomes metrics: token-weighted mean, and for some also min / max.
 MEAN = {"pg_loss": "pg_loss", "clipped": "clipfrac", "kl": "kl", "ratio": "ratio_mean", "is_weight": "is_weight_mean",
-        "entropy": "entropy"}
+        "entropy": "entropy", "is_masked": "mismatch/masked_frac"}
 RANGE = {"ratio": "ratio", "is_weight": "is_weight"}
 
 
@@ -128,5 +158,5 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, num_tokens=None, **kwar
     return _loss("cispo", logprobs, old_logprobs, advantages, mask, num_tokens, **kwargs)
 
 
-__all__ = ["ESTIMATORS", "objective", "partials", "combine", "summarize", "masked_total",
-           "dapo_loss", "cispo_loss", "kl"]
+__all__ = ["ESTIMATORS", "objective", "tis_weight", "sequence_is_weights", "partials", "combine", "summarize",
+           "masked_total", "dapo_loss", "cispo_loss", "kl"]

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import activations, evaluate, logprobs, losses, models, ranks, tasks
+from .. import activations, evaluate, logprobs, losses, models, pipeline, ranks, tasks
 from .. import batching as packing
-from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup
+from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup, timed
 
 
 @dataclass
@@ -39,6 +39,8 @@ class Micro:
     gen_logprobs: torch.Tensor  # [N]
     old_logprobs: torch.Tensor | None = None  # [N], None: old pass skipped
     ref_logprobs: torch.Tensor | None = None  # [N], None: reference pass skipped
+    is_weights: torch.Tensor | None = None  # [N] sequence-level importance weights (loss.tis.level=sequence)
+    version: int = 0  # the optimizer steps taken by the weights that generated it
 
 
 class RolloutBuffer:
@@ -84,11 +86,14 @@ class StepRollouts:
     gen_tokens: int = 0
     mismatch: np.ndarray = field(default_factory=lambda: np.zeros(3))  # see `mismatch`
     samples: list[dict] = field(default_factory=list)  # a few rows of the step's first rollout
+    ages: list[int] = field(default_factory=list)  # per micro-batch trained: step - the version that generated it
+    worker: list[tuple[float, float]] = field(default_factory=list)  # async: (busy, idle) s of the generator
 
     def reducible(self) -> dict:
         """The small numbers every rank sends (frame.reduce)."""
         return {"rewards": self.rewards, "by_reward": self.by_reward, "lengths": self.lengths,
-                "finished": self.finished, "gen_tokens": self.gen_tokens, "mismatch": self.mismatch}
+                "finished": self.finished, "gen_tokens": self.gen_tokens, "mismatch": self.mismatch,
+                "ages": self.ages, "worker": self.worker}
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
@@ -140,7 +145,7 @@ def logprob_pass(model, micros: list[Micro], head, size, temperature: float, bat
     return out
 
 
-FIELDS = ("targets", "advantages", "old_logprobs", "ref_logprobs", "gen_logprobs")
+FIELDS = ("targets", "advantages", "old_logprobs", "ref_logprobs", "gen_logprobs", "is_weights")
 
 
 def forwards(backbone, micros: list[Micro], batching, counts: dict, agree=None):
@@ -182,28 +187,34 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
         warnings = tasks.check_lengths(task, tokenizer, cfg.rollout.max_new_tokens, context)
         return Data(task, warm_rows=task.train, plan_rows=task.train, warnings=warnings)
 
-    s = setup(cfg, tracker, load=load, grad_accum=grad_accum, resume=resume, with_rollout=True,
+    s = setup(cfg, tracker, load=load, grad_accum=grad_accum, resume=resume,
+              with_rollout=cfg.rollout.pipeline == "sync",  # async: the generator builds its own
               with_reference=logprobs.needs_reference_model(cfg.logprob_policy.name, cfg.loss.kl_coef))
     frame, engine, task = Frame(cfg, raw, tracker, s, curve="reward_mean"), s.engine, s.data
     prompts = tasks.prompt_stream(task.train, cfg.seed)  # the same stream on every rank; each takes its slice
     buffer, passes = RolloutBuffer(window), logprobs.PassCounter()
     stateful = {"prompts": prompts, "buffer": buffer, "passes": passes}
+    pipe = None  # rollout.pipeline=async: the generator process, ahead of the trainer (rlrun/pipeline)
+    if cfg.rollout.pipeline == "async":
+        pipe = stateful["pipeline"] = pipeline.Pipeline(cfg, window=window, grad_accum=grad_accum,
+                                                        device=engine.device)
     start = frame.restore(resume, stateful)
     synced_at = start  # the rollout engine holds the weights after this many optimizer steps
 
-    with contextlib.closing(frame.steps(start, stateful, "rlrun", held_out(cfg, frame, s))) as steps:
+    with contextlib.closing(frame.steps(start, stateful, "rlrun", held_out(cfg, frame, s))) as steps, \
+            contextlib.ExitStack() as cleanup:
+        if pipe is not None:
+            cleanup.callback(pipe.close)  # however the loop ends (error, Ctrl-C, SIGTERM): no process left behind
+            with timed(tracker, "generator_start"):  # its own interpreter, model and rollout engine
+                pipe.start(engine.model, start)
         for step in steps:
-            # 1. Refill: generate, score, advantages, and only the logprob passes each rollout needs.
-            got = StepRollouts()
-            while len(buffer) < grad_accum:
-                if s.rollout.needs_sync and synced_at != step and cfg.rollout.sync_weights:
-                    with frame.meter.phase("sync"), engine.generation():  # only when a step changed the weights
-                        s.rollout.sync(engine.model)
-                    synced_at = step
-                refill(cfg, s, prompts, buffer, got)
+            # 1. Refill: generate (or take from the generator process), score, advantages, the logprob passes needed.
+            got, synced_at = refill(cfg, s, prompts, buffer, pipe, step, synced_at)
 
             # 2. Train: one optimizer step over grad_accum micro-batches, loss normalised by the step's token count.
-            loss_total, num_tokens, parts, layout = train_step(cfg, s, buffer.take(grad_accum), step)
+            micros = buffer.take(grad_accum)
+            got.ages = [step - mb.version for mb in micros]
+            loss_total, num_tokens, parts, layout = train_step(cfg, s, micros, step)
             grad_norm = engine.step()
 
             # 3. Metrics over all ranks. A metric that needs a skipped pass is absent, never a zero that looks real.
@@ -213,6 +224,31 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
             if cfg.log.samples_every and step % cfg.log.samples_every == 0 and got.samples:
                 frame.samples(step, got.samples, "train")
     return frame.finish()
+
+
+def refill(cfg, s, prompts, buffer: RolloutBuffer, pipe, step: int, synced_at: int):
+    """Rollouts until the buffer holds this optimizer step's micro-batches: generated here with the current weights
+    (sync), or taken in order from the generator process (async). Returns what they contribute to the step's
+    metrics, and the step whose weights the rollout engine holds."""
+    got, meter = StepRollouts(), s.meter
+    if pipe is not None:  # request what the next steps train on, publishing these weights if needed
+        pipe.ahead(step, s.engine.model, lambda r: draw(cfg, s, prompts, r), meter)
+    while len(buffer) < s.grad_accum:
+        if pipe is not None:
+            with meter.phase("wait"):  # the trainer idles until the generator has it
+                g = pipe.take()
+            got.worker.append((g.busy_s, g.idle_s))
+            consume(cfg, s, g.rows, g.rollout, buffer, got, g.version)
+            continue
+        if s.rollout.needs_sync and synced_at != step and cfg.rollout.sync_weights:
+            with meter.phase("sync"), s.engine.generation():  # only when a step changed the weights
+                s.rollout.sync(s.engine.model)
+            synced_at = step
+        rows, texts, seeds = draw(cfg, s, prompts, buffer.rollouts)
+        with meter.phase("generate"), s.engine.generation():
+            roll = s.rollout.generate(s.engine.model, texts, seeds)
+        consume(cfg, s, rows, roll, buffer, got, step)
+    return got, synced_at
 
 
 def held_out(cfg, frame, s):
@@ -237,22 +273,28 @@ def held_out(cfg, frame, s):
     return run
 
 
-def refill(cfg, s, prompts, buffer: RolloutBuffer, got: StepRollouts) -> None:
-    """One rollout: this rank's prompt groups, generated, scored, given advantages and the logprob passes the
-    policy needs, enqueued. Adds what it contributes to the step's metrics to `got`."""
-    t, engine, meter = cfg.train, s.engine, s.meter
+def draw(cfg, s, prompts, index: int):
+    """This rank's rows of rollout `index` (whole prompt groups, each prompt group_size times), their prompt texts
+    and sampling seeds."""
+    t, engine = cfg.train, s.engine
     groups = rank_slice([next(prompts) for _ in range(t.rollout_batch // t.group_size)], engine)  # whole groups
     rows = [ex for ex in groups for _ in range(t.group_size)]
     first_row = engine.rank * len(rows)
-    seeds = [sample_seed(cfg.seed, buffer.rollouts, first_row + i) for i in range(len(rows))]
-    with meter.phase("generate"), engine.generation():
-        roll = s.rollout.generate(engine.model, [ex["prompt"] for ex in rows], seeds)
+    return rows, [ex["prompt"] for ex in rows], [sample_seed(cfg.seed, index, first_row + i) for i in range(len(rows))]
+
+
+def consume(cfg, s, rows: list[dict], roll, buffer: RolloutBuffer, got: StepRollouts, version: int) -> None:
+    """One generated rollout (by the weights after `version` optimizer steps): scored, given advantages and the
+    logprob passes the policy needs, enqueued. Adds what it contributes to the step's metrics to `got`."""
+    t, engine, meter = cfg.train, s.engine, s.meter
     totals, by_reward = s.data.score(roll.completions, rows)
     reward = torch.tensor(totals, dtype=torch.float32)
     advantages = group_advantages(reward, t.group_size, t.scale_advantages).to(engine.device)
     micros = split_rollout(roll, advantages, t.micro_batch)
+    tis = cfg.loss.tis
     need = logprobs.plan(cfg.logprob_policy.name, start=buffer.enqueued, window=buffer.window,
-                         grad_accum=s.grad_accum, ref_coef=cfg.loss.kl_coef)
+                         grad_accum=s.grad_accum, ref_coef=cfg.loss.kl_coef,
+                         old_before_loss=tis.enabled and tis.level == "sequence")
     temperature = cfg.rollout.temperature
     got.counts.update({"old_run": int(need.old), "old_skipped": int(not need.old), "ref_run": int(need.ref),
                        "ref_skipped": int(not need.ref)})
@@ -273,6 +315,11 @@ def refill(cfg, s, prompts, buffer: RolloutBuffer, got: StepRollouts) -> None:
                     mb.ref_logprobs = lp
     with meter.phase("onload"):
         engine.onload()
+    for mb in micros:
+        mb.version = version
+        if tis.enabled and tis.level == "sequence":
+            mb.is_weights = losses.sequence_is_weights(mb.old_logprobs, mb.gen_logprobs, mb.mask,
+                                                       mb.input_ids.shape[0], tis.mode, tis.cap, tis.low)
     got.rewards.append(reward)
     if not got.samples:  # a few rows of the step's first rollout, for the samples table
         got.samples = [evaluate.sample_row(ex, c, float(r), by_reward, n)
@@ -287,16 +334,18 @@ def train_step(cfg, s, micros: list[Micro], step: int):
     """Forward and backward of this rank's micro-batches of one optimizer step (the engine steps after)."""
     lcfg, engine = cfg.loss, s.engine
     backbone, weight = models.split(engine.model)
+    tis = lcfg.tis
     loss_kwargs = dict(clip_low=lcfg.clip_low, clip_high=lcfg.clip_high, kl_coef=lcfg.kl_coef,
-                       kl_estimator=lcfg.kl_estimator, tis_cap=lcfg.tis.cap if lcfg.tis.enabled else None,
-                       entropy_coef=lcfg.entropy_coef)
+                       kl_estimator=lcfg.kl_estimator, entropy_coef=lcfg.entropy_coef,
+                       tis_cap=tis.cap if tis.enabled and tis.level == "token" else None, tis_mode=tis.mode,
+                       tis_low=tis.low)
     num_tokens = max(sum(engine.gather(sum(int(mb.mask.sum()) for mb in micros))), 1)  # over all ranks
     stats_parts, masks, loss_total = [], [], 0.0
     layout = {"real": sum(int(mb.attention_mask.sum()) for mb in micros)}  # tokens that are not padding
     with s.meter.phase("train"), activations.saving(cfg.activations, engine.device):
         for hidden, t, mask, boundary in forwards(backbone, micros, cfg.batching, layout, packing.agree(engine)):
             objective = losses.objective(lcfg.name, t["advantages"], t["old_logprobs"], t["ref_logprobs"],
-                                         t["gen_logprobs"], **loss_kwargs)
+                                         t["gen_logprobs"], is_weights=t["is_weights"], **loss_kwargs)
             loss, stats = s.head.loss(hidden, weight, t["targets"], mask, objective, num_tokens,
                                       cfg.rollout.temperature, s.head_size)
             check_finite(loss, step, "lower train.lr or train.grad_clip, or check the reward function.")
@@ -331,8 +380,14 @@ def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_to
     m.update(passes.metrics(got.counts, frame.meter.seconds))
     m.update(meter_metrics([p["meter"] for p in by_rank]))
     gen_tokens = sum(p["gen_tokens"] for p in by_rank)
-    if gen_tokens:
-        m["throughput/gen_tokens_per_s"] = gen_tokens / m["time/generate_s"]
+    ages = [a for p in by_rank for a in p["ages"]]
+    m["staleness_mean"], m["staleness_max"] = sum(ages) / len(ages), max(ages)
+    if by_rank[0]["worker"]:  # async: the generator's seconds for this step's rollouts (the slowest rank's)
+        m["pipeline/gen_busy_s"] = max(sum(b for b, _ in p["worker"]) for p in by_rank)
+        m["pipeline/gen_idle_s"] = max(sum(i for _, i in p["worker"]) for p in by_rank)
+    gen_seconds = m.get("time/generate_s", m.get("pipeline/gen_busy_s"))
+    if gen_tokens and gen_seconds:
+        m["throughput/gen_tokens_per_s"] = gen_tokens / gen_seconds
     m["throughput/train_tokens_per_s"] = num_tokens / m["time/train_s"]
     m["train_tokens"] = num_tokens
     m.update(packing.metrics([p["layout"] for p in by_rank]))
