@@ -138,3 +138,29 @@ def test_plan_table_and_figure_from_measured_runs(tmp_path):
     assert text.splitlines()[-1] == "2 of 3 train / logprob phases within 15% or 32 MiB"
     path = bench_plan.figure(rows, str(tmp_path / "plan.png"))
     assert (tmp_path / "plan.png").stat().st_size > 10_000 and path.endswith("plan.png")
+
+
+def test_pipeline_bench_rotates_the_order_and_compares_with_sync(tmp_path):
+    """The pipeline bench's logic on made-up runs: every round runs every mode, no mode always first; steps/s is
+    the median step of each round, then the median over rounds; accuracy per seed; the ratio to sync's."""
+    from rlrun.tools import bench_pipeline
+
+    a = bench.parser().parse_args(["pipeline", "--modes", "sync,async_k1", "--rounds", "3", "--steps", "4",
+                                   "--tracking-uri", "none"])
+    order = []
+
+    def fake(mode, seed, args):
+        order.append((seed, mode))
+        step = 0.10 if mode == "sync" else 0.05 + 0.01 * seed
+        return {"step_s": [step, step, 9.0], "accuracy": [0.0, 0.5 + 0.1 * seed], "wait_s": 0.001,
+                "gen_busy_s": 0.04 if mode != "sync" else 0.0, "gen_idle_s": 0.0, "staleness": 1.0}
+
+    rows = bench_pipeline.summarize(bench_pipeline.rounds(a, run=fake), a.modes)
+    assert [m for s, m in order if s == 0][0] == "sync" and [m for s, m in order if s == 1][0] == "async_k1"
+    sync, asyn = rows
+    assert sync["steps_per_s"] == pytest.approx(10.0) and asyn["rounds_steps_per_s"] == pytest.approx([20, 1 / .06,
+                                                                                                        1 / .07])
+    assert asyn["speedup"] == pytest.approx((1 / 0.06) / 10.0)  # the median round's
+    assert asyn["seeds_accuracy_end"] == pytest.approx([0.5, 0.6, 0.7]) and asyn["accuracy_vs_sync"] == 0.0
+    text = bench_pipeline.table(rows, a)
+    assert "async_k1" in text and "1.67x" in text

@@ -149,10 +149,38 @@ def test_no_legend_covers_the_data():
     figs = {"throughput": report.throughput_figure(names, data),
             "plan": report.plan_figure(names, data, "cpu", 0.004),
             "equivalence": report.equivalence_figure([{"run": names[1], "baseline": names[0], "loss": 1e-9,
-                                                       "reward_mean": 0.0}])}
+                                                       "reward_mean": 0.0}]),
+            "pipeline": report.pipeline_figure(names, [history(job()), history(async_job())])}
     for name, fig in figs.items():
         fig.canvas.draw()
         for ax in fig.axes:
             if ax.get_legend() is not None:
                 legend, data_area = ax.get_legend().get_window_extent(), ax.get_window_extent()
                 assert legend.y0 >= data_area.y1 - 1 or not legend.overlaps(data_area), (name, ax.get_title())
+
+
+def async_job(wait_s=0.01, busy_s=0.02, idle_s=0.005, steps=4):
+    """A job with rollout.pipeline=async: no generate phase in its step; the trainer waits, the generator reports."""
+    out = []
+    for s, m in job(steps=steps):
+        if "time/step_s" in m:
+            m = {k: v for k, v in m.items() if k != "time/generate_s"}
+            m.update({"time/wait_s": wait_s, "pipeline/gen_busy_s": busy_s, "pipeline/gen_idle_s": idle_s,
+                      "staleness_mean": 1.0 if s else 0.0})
+            m["time/step_s"] = sum(v for k, v in m.items() if k.startswith("time/") and k != "time/step_s")
+        out.append((s, m))
+    return out
+
+
+def test_pipeline_numbers_are_steps_per_s_and_each_sides_time():
+    sync, asyn = history(job()), history(async_job())
+    assert costs.pipeline([sync, sync]) is None  # no async job: no pipeline figure
+    p = costs.pipeline([sync, asyn])
+    assert p["steps_per_s"] == pytest.approx([1 / costs.step_seconds(sync), 1 / costs.step_seconds(asyn)])
+    assert p["trainer_wait_s"] == pytest.approx([0.0, 0.01])
+    assert p["trainer_busy_s"][1] == pytest.approx(costs.step_seconds(asyn) - 0.01)  # working = step - waiting
+    assert p["generator_busy_s"][1] == pytest.approx(0.02) and p["generator_idle_s"][1] == pytest.approx(0.005)
+    assert np.isnan(p["generator_busy_s"][0])  # sync generates inside its step: no generator process
+    assert p["staleness"][1] == pytest.approx(0.75)
+    fig = report.pipeline_figure(["sync", "async"], [sync, asyn])
+    assert [ax.get_title() for ax in fig.axes][0].startswith("Steps / s")

@@ -5,6 +5,7 @@
     python -m rlrun.bench trl                     # needs TRL: pip install -e '.[bench]'
     python -m rlrun.bench plan                    # the memory plan's accuracy (rlrun/tools/bench_plan.py)
     python -m rlrun.bench batching                # padded vs packed vs shared_prompt (rlrun/tools/bench_batching.py)
+    python -m rlrun.bench pipeline                # rollout.pipeline=sync vs async (rlrun/tools/bench_pipeline.py)
 
 `heads`: one DAPO forward+backward of the lm head + loss per implementation, each in its own process (so peaks do
 not mix), on identical seeded inputs: rlrun's dense / tiled / chunked heads and the peers a user would pick
@@ -23,6 +24,9 @@ machine's available memory are skipped rather than run into the OOM killer.
 
 `batching`: the training and old-logprob passes of each batching option on a long-tailed workload
 (rlrun/tools/bench_batching.py).
+
+`pipeline`: the default run synchronous and asynchronous (one / two steps off), interleaved rounds over seeds:
+steps/s and held-out accuracy (rlrun/tools/bench_pipeline.py).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from ..losses.dapo import token_loss as dapo_token_loss
 from ..meters import MIB, Meter, proc_bytes
 from ..render import in_child, num, table
 from ..tracking import MLflow, TrackingError, check_uri, log_metrics
-from . import bench_batching, bench_plan, bench_trl
+from . import bench_batching, bench_pipeline, bench_plan, bench_trl
 
 PEERS = ("deepspeed", "liger")
 CLIP = dict(clip_low=0.2, clip_high=0.28)
@@ -299,6 +303,10 @@ def batching_bench(a):
     return bench_batching.bench(a, log_mlflow)
 
 
+def pipeline_bench(a):
+    return bench_pipeline.bench(a, log_mlflow)
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -359,6 +367,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
     m.set_defaults(func=plan_bench)
     bench_batching.add_parser(sub, batching_bench)
+    bench_pipeline.add_parser(sub, pipeline_bench)
     return p
 
 
@@ -367,6 +376,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.func is heads_bench and a.tokens % a.seqs:
         p.error(f"--tokens {a.tokens} must be divisible by --seqs {a.seqs}")
+    if a.func is pipeline_bench and set(a.modes) - set(bench_pipeline.MODES):
+        p.error(f"--modes {','.join(a.modes)}: each must be one of {', '.join(bench_pipeline.MODES)}")
     if a.func is plan_bench and set(a.tokens) - set(bench_plan.TOKENS):
         p.error(f"--tokens {a.tokens}: each must be one of {sorted(bench_plan.TOKENS)}")
     if a.tracking_uri != "none":  # a store that cannot be used fails now, not after the benchmark

@@ -149,3 +149,26 @@ def cost_figure(rows: list[dict]):
     legend_above(axes[0])
     fig.tight_layout()
     return fig
+
+
+def pipeline_figure(names, data):
+    """rollout.pipeline: steps/s per job, then where each side's time goes per step: the trainer working and
+    waiting for rollouts, the generator generating and idle (async jobs). None without an async job."""
+    p = costs.pipeline(data)
+    if p is None:
+        return None
+    fig, axes = figure([panel_height(names)] * 3)
+    job_bars(axes[0], names, p["steps_per_s"], "optimizer steps / s (no evaluation)", "Steps / s: higher is faster",
+             [num(v, ".3g") for v in p["steps_per_s"]])
+    hbars(axes[1], names, {"working": p["trainer_busy_s"], "waiting for a rollout": p["trainer_wait_s"]},
+          "seconds per step (mean)", "Trainer: working vs waiting for the generator", stacked=True, legend=False)
+    legend_above(axes[1])
+    hbars(axes[2], names, {"generating": p["generator_busy_s"], "idle (waiting for weights or a request)":
+                           p["generator_idle_s"]}, "seconds per step (mean)",
+          "Generator process (async jobs; sync generates inside its step)", stacked=True, legend=False)
+    legend_above(axes[2], ncol=2)
+    for i, (s, stale) in enumerate(zip(p["trainer_busy_s"], p["staleness"])):
+        if math.isfinite(stale):
+            axes[1].text(s + p["trainer_wait_s"][i], i, f"  staleness {stale:.2g}", va="center", fontsize=FONT - 1)
+    fig.tight_layout()
+    return fig

@@ -27,7 +27,8 @@ STEP_PHASES = tuple(p for p in PHASES if p != "eval")  # evaluation runs between
 # the growth of an empty phase, the floor of the measurement.
 EMPTY_WHEN_NOT_OFFLOADED = ("offload", "onload")
 NAN = float("nan")
-KEYS = (STEP, TOKENS, "throughput/gen_tokens_per_s", "throughput/train_tokens_per_s",
+PIPELINE = ("pipeline/gen_busy_s", "pipeline/gen_idle_s", "staleness_mean")  # rollout.pipeline=async
+KEYS = (STEP, TOKENS, "throughput/gen_tokens_per_s", "throughput/train_tokens_per_s", *PIPELINE,
         *(k(p) for k in (peak_key, growth_key, time_key, plan_growth_key) for p in PHASES))
 
 
@@ -136,3 +137,18 @@ def throughput(data: list[dict]) -> dict:
             "phases": {p: [s.get(p, 0.0) for s in per_phase] for p in phases},
             "generated": [mean(h, "throughput/gen_tokens_per_s") for h in data],
             "trained": [mean(h, "throughput/train_tokens_per_s") for h in data]}
+
+
+def pipeline(data: list[dict]) -> dict | None:
+    """pipeline.png's numbers per job: steps/s, the trainer's seconds per step working and waiting for rollouts,
+    the generator's seconds per step generating and idle (async jobs; a sync job generates inside its step), and the
+    mean staleness; None where no job ran the async pipeline."""
+    if not any(PIPELINE[0] in h for h in data):
+        return None
+    step = [step_seconds(h) for h in data]
+    wait = [mean(h, time_key("wait")) if time_key("wait") in h else 0.0 for h in data]
+    return {"steps_per_s": [1.0 / s if s else NAN for s in step],
+            "trainer_busy_s": [s - w for s, w in zip(step, wait)], "trainer_wait_s": wait,
+            "generator_busy_s": [mean(h, PIPELINE[0]) if PIPELINE[0] in h else NAN for h in data],
+            "generator_idle_s": [mean(h, PIPELINE[1]) if PIPELINE[1] in h else NAN for h in data],
+            "staleness": [mean(h, PIPELINE[2]) for h in data]}

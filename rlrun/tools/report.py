@@ -6,7 +6,8 @@
 Draws cost.png (per job: step time, peak growth and tokens/s, against its group's equivalence baseline),
 memory.png (peak growth per phase; the absolute peak as context), memory_plan.png (predicted vs measured growth per
 phase), throughput.png (tokens/s of the whole step, step time by phase, each phase's rate), curves.png (loss and
-reward per step, one line per run) and, where runs differ only in efficiency axes, equivalence.png and
+reward per step, one line per run), pipeline.png where a job ran rollout.pipeline=async (steps/s, the trainer's
+and the generator's working and idle time per step) and, where runs differ only in efficiency axes, equivalence.png and
 equivalence.txt (max difference of each curve from its group's baseline, tools/equivalence.py; a group with no
 baseline is named there, with the job to add). Step time and tokens/s leave evaluation and checkpoints out: the
 numbers each job's console prints at its end (tools/costs.py says how each number is taken).
@@ -27,7 +28,13 @@ from ..tracking import log_figures, metric_key, open_client, spill
 from . import costs
 from . import equivalence as eq
 from .charts import DPI, FONT, colors, figure, hbars, panel_height, wrap
-from .cost_figures import cost_figure, memory_figure, plan_figure, throughput_figure  # noqa: F401 (report.*)
+from .cost_figures import (  # noqa: F401 (report.*)
+    cost_figure,
+    memory_figure,
+    pipeline_figure,
+    plan_figure,
+    throughput_figure,
+)
 
 STYLES = ["-", "--", ":", "-."]
 
@@ -167,6 +174,9 @@ def figures(client, runs, device="cpu", baseline: str | None = None):
     plan = plan_figure(names, data, device, costs.empty_phase_floor(params, data))
     if plan is not None:
         figs["memory_plan.png"] = plan
+    pipe = pipeline_figure(names, data)
+    if pipe is not None:
+        figs["pipeline.png"] = pipe
     print(table(names, data))
     rows, problems = equivalence(runs, names, data, baseline)
     if rows:
