@@ -72,6 +72,19 @@ def test_two_ranks_match_one(tmp_path, stage):
             "system/mem/rank1/train_peak_mib"} <= set(run.data.metrics)
 
 
+def test_async_two_ranks_match_one(tmp_path):
+    """rollout.pipeline=async under ZeRO-2: each rank publishes its (replicated) weights to a generator of its own,
+    which draws that rank's share with the same seeds; the curves equal one process's async run."""
+    async_ = ["rollout.pipeline=async", "rollout.max_staleness=1"]
+    one = single_process(tmp_path / "one", *async_)
+    out = rlrun(2, tmp_path, *EQUIV, *async_, "engine=deepspeed", "engine.zero_stage=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run, two = curves(tmp_path / "mlflow.db")
+    assert_close(two, one)
+    # one step off, and each rollout's second pass (num_iterations=2) one step later still
+    assert run.data.metrics["train/staleness_max"] == 2.0
+
+
 @pytest.mark.parametrize("tied", [False, True])  # tied: the lm-head weight is also the embedding ZeRO-3 gathers
 def test_heads_under_zero3_match_dense_and_one_process(tmp_path, tied):
     import json

@@ -356,6 +356,22 @@ def _k0_and_reproducible(tmp_path):
     assert a["loss"] != sync["loss"]  # stale rollouts: another (valid) run
 
 
+@pytest.mark.slow  # two short runs
+def test_lora_adapters_are_what_the_generator_receives(tmp_path):
+    """With LoRA only the adapters train, so only they are published: K=0 still draws what sync draws."""
+    pytest.importorskip("peft")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        lora = ("model.lora.enabled=true", "train.lr=5e-2")
+        sync = curves(tmp_path / "sync", *lora)
+        k0 = curves(tmp_path / "k0", *lora, "rollout.pipeline=async", "rollout.max_staleness=0")
+    finally:
+        torch.set_num_threads(threads)
+    for key in DETERMINISTIC:
+        assert k0[key] == sync[key], key
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_the_run_killed_and_leaves_no_process(tmp_path):
     """Ctrl-C in a terminal reaches the whole process group: the trainer finishes its step, checkpoints the
