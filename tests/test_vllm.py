@@ -68,3 +68,22 @@ def test_vllm_smoke_run_trains_and_logs(tmp_path, mode):
     assert len(history(client, run.info.run_id, "throughput/gen_tokens_per_s")) == 2
     assert max(history(client, run.info.run_id, "mismatch/gen_vs_train_abs")) < 1e-4
     assert summary["gen_tokens_per_s"] > 0
+
+
+def test_vllm_as_the_asynchronous_generator(tmp_path):
+    """rollout.pipeline=async with rollout=vllm: the generator process runs vLLM's engine and syncs it from each
+    published version. K=0: the engine held exactly the trainer's weights for every rollout (gen vs train ~1e-5);
+    K=1: one step stale, so the mismatch the old pass measures is much larger."""
+    from rlrun import cli
+
+    mismatch = {}
+    for k in (0, 1):
+        (tmp_path / str(k)).mkdir()
+        cli.run(make_cfg("experiment=smoke", "rollout=vllm", "rollout.pipeline=async", f"rollout.max_staleness={k}",
+                         "train.steps=4", "train.num_iterations=2", "train.lr=1e-2", tmp_path=tmp_path / str(k)),
+                f"vllm-async-{k}")
+        client, (run,) = runs(tmp_path / str(k) / "mlflow.db")
+        assert run.info.status == "FINISHED"
+        assert history(client, run.info.run_id, "staleness_max")[-1] == k + 1  # + the rollout's second pass
+        mismatch[k] = max(history(client, run.info.run_id, "mismatch/gen_vs_train_abs"))
+    assert mismatch[0] < 1e-4 < 1e-3 < mismatch[1]
