@@ -49,7 +49,20 @@ def test_threads_split_the_cores_on_cpu():
 
 # -- the worker -------------------------------------------------------------------------------------------------------
 def cfg_for(*overrides):
-    return validate(make_cfg("experiment=smoke", "rollout.pipeline=async", *overrides))
+    return validate(make_cfg("experiment=smoke", "rollout.pipeline=async", "train.steps=20", *overrides))
+
+
+def test_nothing_is_requested_for_steps_the_run_will_not_take():
+    cfg = cfg_for("train.steps=3", "rollout.max_staleness=2")
+    pipe = pipeline.Pipeline(cfg, window=1, grad_accum=1, device=torch.device("cpu"))
+    sent = []
+    pipe.proc, pipe.published = object(), 0  # no worker: the requests are only recorded
+    pipe.inbox = SimpleNamespace(put=sent.append)
+    meter = SimpleNamespace(phase=lambda name: __import__("contextlib").nullcontext())
+    for step in range(3):
+        pipe.published = step  # as if the weights of this step were out
+        pipe.ahead(step, None, prompts_for, meter)
+    assert [m[1] for m in sent if m[0] == "generate"] == [0, 1, 2]  # rollouts of steps 0-2 only, not 3 and 4
 
 
 def trainer_logprobs(model, roll, temperature=1.0):

@@ -134,7 +134,8 @@ class Pipeline:
         first trained on by step + K, publishing these weights first when a request needs them. `draw(index)` ->
         (rows, prompts, seeds) draws the prompts of rollout `index`."""
         assert self.proc is not None, "start() the pipeline first"
-        while first_step(self.submitted, self.window, self.grad_accum) <= step + self.staleness:
+        last = min(step + self.staleness, self.cfg.train.steps - 1)  # nothing for steps the run will not take
+        while first_step(self.submitted, self.window, self.grad_accum) <= last:
             r = self.submitted
             v = version(r, self.window, self.grad_accum, self.staleness)
             assert v <= step, (r, v, step)  # a rollout is never requested before its weights exist
