@@ -191,7 +191,9 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     start = frame.restore(resume, stateful)
     synced_at = start  # the rollout engine holds the weights after this many optimizer steps
 
-    with contextlib.closing(frame.steps(start, stateful, "rlrun", held_out(cfg, frame, s))) as steps:
+    # the rewards run in a worker process: bounded, and unable to end or hold up the run (rlrun/tasks/worker.py)
+    with tasks.isolated(task, cfg.task.reward_timeout_s, cfg.seed), \
+            contextlib.closing(frame.steps(start, stateful, "rlrun", held_out(cfg, frame, s))) as steps:
         for step in steps:
             # 1. Refill: generate, score, advantages, and only the logprob passes each rollout needs.
             got = StepRollouts()
@@ -212,7 +214,7 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
             if cfg.log.samples_every and step % cfg.log.samples_every == 0 and got.samples:
                 frame.samples(step, got.samples, "train")
-    return frame.finish()
+        return frame.finish()
 
 
 def held_out(cfg, frame, s):
