@@ -235,6 +235,26 @@ def test_malformed_rows_of_other_formats_name_the_row(tmp_path):
         tasks.load(task_cfg(other), 0, None)
 
 
+@pytest.mark.parametrize("folder,files,held", [
+    ("data", [], "it is empty"),
+    ("x.jsonl", [], "it is empty"),  # a folder named like a file
+    ("notes", ["readme.txt", "sub/a.md"], "it holds readme.txt, sub/a.md"),
+])
+def test_a_folder_without_data_files_is_one_message(tmp_path, folder, files, held):
+    """Was: datasets' "EmptyDatasetError: Couldn't resolve pattern ** with resolver functools.partial(...)"."""
+    path = tmp_path / folder
+    path.mkdir()
+    for name in files:
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text("hello")
+    with pytest.raises(tasks.TaskError) as e:
+        tasks.load(task_cfg(path), 0, None)
+    named = " (named like a .jsonl file)" if folder.endswith(".jsonl") else ""
+    assert str(e.value).startswith(f"task.path='{path}' is a folder{named} with no data file in it ({held}). "
+                                   "task=dataset reads a file (.jsonl, .json, .parquet, .csv, .arrow"), str(e.value)
+    assert "point task.path at one of those" in str(e.value) and "resolve pattern" not in str(e.value)
+
+
 def test_unimportable_rewards_say_why(tmp_path, monkeypatch):
     path = write(tmp_path, GSM, "jsonl")
     monkeypatch.chdir(tmp_path)

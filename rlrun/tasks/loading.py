@@ -169,11 +169,32 @@ def _text_columns(p: Path, datasets):
     return datasets.Features({name: datasets.Value("string") for name in header})
 
 
+def _is_data(f: Path) -> bool:
+    suffixes = [x.lower() for x in f.suffixes if x.lower() not in COMPRESSED]
+    return bool(suffixes) and suffixes[-1] in FORMATS
+
+
+def _check_folder(p: Path) -> None:
+    """A folder `datasets` would read must hold data files: an empty one, or one of other files (or one named
+    like a file, `x.jsonl/`), is one message here, not datasets' "Couldn't resolve pattern **"."""
+    files = [f for f in p.rglob("*") if f.is_file() and not any(x.startswith(".") for x in f.relative_to(p).parts)]
+    if any(_is_data(f) for f in files):
+        return
+    named = f" (named like a {''.join(p.suffixes)} file)" if _is_data(p) else ""
+    held = "it is empty" if not files else "it holds " + ", ".join(str(f.relative_to(p)) for f in files[:4]) + (
+        f" and {len(files) - 4} more" if len(files) > 4 else "")
+    raise TaskError(f"task.path={str(p)!r} is a folder{named} with no data file in it ({held}). task=dataset reads a "
+                    f"file ({', '.join(FORMATS)}, optionally {'/'.join(COMPRESSED)}), a folder of such files (their "
+                    "names give the splits: train.jsonl, test.jsonl) or a folder written by save_to_disk: point "
+                    "task.path at one of those.")
+
+
 def _open(p: Path, datasets, cache: str) -> dict:
     """{split name: datasets.Dataset} of a file or folder."""
     if p.is_dir() and ((p / "dataset_dict.json").exists() or (p / "state.json").exists()):
         d = datasets.load_from_disk(str(p), keep_in_memory=True)
     elif p.is_dir():
+        _check_folder(p)
         d = datasets.load_dataset(str(p), cache_dir=cache, keep_in_memory=True)
     else:
         text = {"features": _text_columns(p, datasets)} if _format(p) == "csv" else {}
