@@ -12,8 +12,10 @@ cannot take the run down or hold it forever.
 - Each call gets copies of the row's mutable values and runs in the run's working directory (scoring.call_one).
 
 Protocol, over two pipes: length-prefixed pickles. The trainer sends the rewards' specs once (the worker imports
-and binds them itself), then one `(completions, rows)` request per batch; the worker answers one message per
-call, ("v", value) or ("error", message), so the trainer always knows which call is running.
+and binds them itself), then one `(number, completions, rows)` request per batch; the worker answers once per
+batch, ("ok", values per reward) or ("error", message). Which call is running, and since when, is in a small
+record both processes map (`PROGRESS`, written before each call): the trainer reads it only while it waits, to
+bound the call and to name it; so a batch costs two pipe messages, not one per call.
 
 Rewards that draw random numbers draw from the worker's `random` (and numpy's / torch's, when the reward module
 imported them), seeded with the run's seed when the worker starts; a resumed run starts them afresh.
@@ -21,8 +23,8 @@ imported them), seeded with the run's seed when the worker starts; a resumed run
 
 from __future__ import annotations
 
-import functools
 import logging
+import mmap
 import os
 import pickle
 import select
@@ -30,6 +32,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 
@@ -39,7 +42,8 @@ log = logging.getLogger("rlrun")
 GRACE_S = 3.0  # after a deferred SIGTERM / Ctrl-C, how long a running reward may still take before it is abandoned
 IMPORT_S = 120.0  # the least time importing the rewards in the worker may take (a module may import a big library)
 POLL_S = 0.2  # how often a wait on the worker looks at the clock and at signals
-_HEADER = struct.Struct("<Q")
+_HEADER = struct.Struct("<Q")  # a message's length, then its pickle
+PROGRESS = struct.Struct("<qqd")  # shared by both processes: request number, call index, time.monotonic() it began
 
 
 def _write(fd: int, obj) -> None:
@@ -60,21 +64,27 @@ class RewardWorker:
 
     def __init__(self, rewards: list, timeout_s: float, seed: int = 0):
         self.rewards, self.timeout_s, self.seed = rewards, float(timeout_s), seed
-        self.proc = None
+        self.proc, self.requests = None, 0
         self.start()
 
     def start(self) -> None:
         req_r, req_w = os.pipe()
         res_r, res_w = os.pipe()
+        shared = tempfile.TemporaryFile()  # the progress record, mapped by both processes
+        shared.truncate(PROGRESS.size)
+        self.progress = mmap.mmap(shared.fileno(), PROGRESS.size)
         self.proc = subprocess.Popen([sys.executable, "-m", "rlrun.tasks.worker", str(req_r), str(res_w),
-                                      str(os.getpid())], pass_fds=(req_r, res_w), stdin=subprocess.DEVNULL)
+                                      str(shared.fileno()), str(os.getpid())],
+                                     pass_fds=(req_r, res_w, shared.fileno()), stdin=subprocess.DEVNULL)
         os.close(req_r)
         os.close(res_w)
         self.fd_out, self.fd_in, self.buffer = req_w, res_r, bytearray()
-        self._closer = weakref.finalize(self, _close_fds, self.proc, req_w, res_r)
+        self._closer = weakref.finalize(self, _release, self.proc, req_w, res_r, self.progress, shared)
         specs = [(r.spec, r.key, r.name, r.weight, r.kwargs, list(r.fields)) for r in self.rewards]
         self._send({"rewards": specs, "path": list(sys.path), "cwd": os.getcwd(), "seed": self.seed})
-        reply = self._receive(lambda: "importing the rewards in the reward worker", max(self.timeout_s, IMPORT_S))
+        sent = time.monotonic()
+        reply = self._receive(lambda: ("importing the rewards in the reward worker", sent),
+                              max(self.timeout_s, IMPORT_S))
         if reply[0] != "ready":
             self.close()
             raise TaskError(reply[1])
@@ -87,9 +97,8 @@ class RewardWorker:
         try:
             self.proc.wait(timeout=1)
         except subprocess.TimeoutExpired:
-            _kill(self.proc)
-        os.close(self.fd_in)
-        self._closer.detach()
+            pass
+        self._closer()  # kills it if it is still there, and closes the rest
         self.proc = None
 
     def _abandon(self) -> str:
@@ -117,34 +126,35 @@ class RewardWorker:
         del self.buffer[: _HEADER.size + n]
         return msg
 
-    def _receive(self, what, bound: float | None = None):
-        """The worker's next message; TaskError when the call `what()` describes outlasts `bound` (default: the
-        reward timeout) or kills the worker; KeyboardInterrupt when a held-back signal has waited GRACE_S for it."""
+    def _receive(self, running, bound: float | None = None):
+        """The worker's next message. `running()` -> (what the worker is running now, since when); TaskError
+        when that outlasts `bound` (default: the reward timeout) or ends the worker; KeyboardInterrupt when a
+        held-back signal has waited GRACE_S for it."""
         from .. import signals
 
         bound = self.timeout_s if bound is None else bound
-        deadline = time.monotonic() + bound
         while True:
             msg = self._frame()
             if msg is not None:
                 return msg
-            now, asked = time.monotonic(), signals.stop_asked()
+            (what, since), now, asked = running(), time.monotonic(), signals.stop_asked()
             if asked is not None and now - asked > GRACE_S:
                 self._abandon()
                 log.warning("%s was still running %.0f s after the signal: stopping now, without finishing the "
-                            "step (the checkpoints written so far are kept)", what(), GRACE_S)
+                            "step (the checkpoints written so far are kept)", what, GRACE_S)
                 raise KeyboardInterrupt("a reward was still running after the signal")
-            if now > deadline:
+            if now - since > bound:
                 self._abandon()
-                raise TaskError(f"{what()} did not return within {bound:g} s (task.reward_timeout_s="
+                raise TaskError(f"{what} did not return within {bound:g} s (task.reward_timeout_s="
                                 f"{self.timeout_s:g}); the reward worker was stopped. Make the reward faster (or "
                                 "give it its own timeout), or raise task.reward_timeout_s.")
-            ready, _, _ = select.select([self.fd_in], [], [], max(0.0, min(POLL_S, deadline - now)))
+            ready, _, _ = select.select([self.fd_in], [], [], max(0.0, min(POLL_S, since + bound - now)))
             if ready:
                 chunk = os.read(self.fd_in, 1 << 20)
                 if not chunk:
+                    what, _ = running()  # read before the progress record goes with the worker
                     how = self._abandon()
-                    raise TaskError(f"{what()} ended the reward worker process ({how}): os._exit, a crash, or "
+                    raise TaskError(f"{what} ended the reward worker process ({how}): os._exit, a crash, or "
                                     "the process being killed. A reward must return a number.")
                 self.buffer += chunk
 
@@ -153,30 +163,36 @@ class RewardWorker:
 
         if self.proc is None:
             self.start()
-        n = len(rows)
-        self._send((completions, rows))
-        per = {r.name: [] for r in self.rewards}
+        self.requests += 1
+        number, n, sent = self.requests, len(rows), time.monotonic()
+
+        def running():  # the call the worker is in (its progress record), and since when
+            request, k, since = PROGRESS.unpack_from(self.progress)
+            k, since = (k, since) if request == number else (0, sent)  # not begun yet: the first call, from now
+            r, i = self.rewards[k // n], k % n
+            return _context(r, i, n, completions[i], rows[i]), since
+
+        self._send((number, completions, rows))
         try:
-            for k in range(len(self.rewards) * n):
-                r, i = self.rewards[k // n], k % n
-                msg = self._receive(functools.partial(_context, r, i, n, completions[i], rows[i]))
-                if msg[0] == "error":
-                    raise TaskError(msg[1])
-                per[r.name].append(msg[1])
+            msg = self._receive(running)
         except KeyboardInterrupt:  # a signal that interrupted the wait itself: the worker is mid-call
             if self.proc is not None:
                 self._abandon()
             raise
-        return per
+        if msg[0] == "error":
+            raise TaskError(msg[1])
+        return {r.name: values for r, values in zip(self.rewards, msg[1])}
 
 
-def _close_fds(proc, *fds) -> None:
+def _release(proc, fd_out, fd_in, progress, shared) -> None:
     _kill(proc)
-    for fd in fds:
+    for fd in (fd_out, fd_in):
         try:
             os.close(fd)
         except OSError:
             pass
+    progress.close()
+    shared.close()
 
 
 # --- the worker process ------------------------------------------------------------------------------------------
@@ -225,16 +241,22 @@ def _load(init: dict) -> list:
     return out
 
 
-def _serve(requests, fd: int, rewards: list, home: str) -> None:
+def _serve(requests, fd: int, progress, rewards: list, home: str) -> None:
+    """Answer each request with all its values, or the first error; before each call, the progress record says
+    which call is running and since when (the trainer reads it to bound and name a call: no message per call)."""
     from .scoring import call_one
 
     while (request := _read(requests)) is not None:
-        completions, rows = request
+        number, completions, rows = request
         n = len(rows)
         try:
-            for r in rewards:
+            values = []
+            for j, r in enumerate(rewards):
+                values.append([])
                 for i, (c, row) in enumerate(zip(completions, rows)):
-                    _write(fd, ("v", call_one(r, i, n, c, row, home, isolated=True)))
+                    PROGRESS.pack_into(progress, 0, number, j * n + i, time.monotonic())
+                    values[-1].append(call_one(r, i, n, c, row, home, isolated=True))
+            _write(fd, ("ok", values))
         except TaskError as e:
             _write(fd, ("error", str(e)))
 
@@ -242,8 +264,9 @@ def _serve(requests, fd: int, rewards: list, home: str) -> None:
 def main(argv: list[str]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle; it stops this process itself
         signal.signal(sig, signal.SIG_IGN)
-    req_fd, res_fd, parent = (int(a) for a in argv[:3])
+    req_fd, res_fd, progress_fd, parent = (int(a) for a in argv[:4])
     _die_with_parent(parent)
+    progress = mmap.mmap(progress_fd, PROGRESS.size)
     with os.fdopen(req_fd, "rb") as requests:
         init = _read(requests)
         if init is None:
@@ -258,7 +281,7 @@ def main(argv: list[str]) -> None:
                                      f"{short(str(e), 300)}"))
             return
         _write(res_fd, ("ready",))
-        _serve(requests, res_fd, rewards, init["cwd"])
+        _serve(requests, res_fd, progress, rewards, init["cwd"])
 
 
 if __name__ == "__main__":
