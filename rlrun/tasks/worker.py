@@ -161,6 +161,8 @@ class RewardWorker:
     def score(self, completions: list[str], rows: list[dict]) -> dict[str, list[float]]:
         from .scoring import _context
 
+        if not rows:
+            return {r.name: [] for r in self.rewards}
         if self.proc is None:
             self.start()
         self.requests += 1
