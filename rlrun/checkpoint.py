@@ -1,8 +1,11 @@
 """Checkpoints: atomic, checksummed, newest valid one wins.
 
-A checkpoint is one file `step_NNNNNNNN.pt`: a 64-character sha256 of the payload, then the payload (torch.save
-of the training state). It is written to a temporary name, flushed to disk and renamed, so a kill during a write
-leaves either the previous checkpoint or the new one, never a partial one under the real name. On load a file
+A checkpoint is one file `step_NNNNNNNN.pt`: a first line naming its owner (`rlrun-checkpoint owner=<id>`: the
+run lineage that wrote it, kept across resumes), a 64-character sha256 of the payload, then the payload
+(torch.save of the training state). Rotation (`keep`) removes only the owner's own checkpoints: never a file of
+another run, one an older rlrun wrote (no owner line), or a file that merely matches `step_*.pt`. It is written
+to a temporary name, flushed to disk and renamed, so a kill during a write leaves either the previous checkpoint
+or the new one, never a partial one under the real name. On load a file
 whose checksum or decoding fails is skipped with a warning and the previous one is used.
 
 Loading a checkpoint never runs code: the payload is read with `torch.load(weights_only=True)`, which rebuilds
@@ -16,7 +19,8 @@ that could not be loaded back this way is refused when it is saved, not at resum
 Under engine=deepspeed a checkpoint is a folder `step_NNNNNNNN/` (DeepSpeed's own model and ZeRO optimizer files,
 plus one `rlrun_rank{R}.pt` per rank with that rank's loop state and RNG) and a manifest `step_NNNNNNNN.manifest`
 with the sha256 of every file in it. The manifest is written last (atomically, by rank 0, after all ranks wrote),
-so a checkpoint without one, or with a file that no longer matches it, is incomplete and skipped.
+so a checkpoint without one, or with a file that no longer matches it, is incomplete and skipped. The manifest
+names the owner too, and rotation removes only the owner's sealed checkpoints.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 
 import numpy as np
@@ -44,6 +49,9 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint that asks for code or objects beyond tensors and plain data: refused, never unpickled."""
 
 
+OWNER = b"rlrun-checkpoint owner="  # a checkpoint file's first line: this, the owner's id, a newline
+_NAME = re.compile(r"step_\d{8}\.(pt|manifest)")  # what `tag` names: nothing else is ever rotated away
+_warned: set = set()  # folders whose foreign checkpoints were reported (once per process)
 _TAG = "__rlrun_numpy__"  # the key of a numpy array or scalar stored as plain data
 
 
@@ -138,7 +146,7 @@ def _write_atomic(path: str, chunks: list[bytes]) -> None:
 
 
 def write(path: str, state: dict) -> str:
-    """One checksummed file, written atomically."""
+    """One checksummed file, written atomically, its first line naming `state["owner"]` (see `owner_of`)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     buf = io.BytesIO()
     torch.save(_encode(state), buf)
@@ -147,7 +155,8 @@ def write(path: str, state: dict) -> str:
     if unsafe:  # it could not be resumed from: say so now, not at resume
         raise CheckpointError(f"{path}: the training state holds objects a checkpoint cannot load ({', '.join(unsafe)}"
                               "); a recipe's state_dict must return tensors and plain data only.")
-    _write_atomic(path, [hashlib.sha256(payload).hexdigest().encode(), payload])
+    owner = OWNER + str(state.get("owner") or "").encode() + b"\n"
+    _write_atomic(path, [owner, hashlib.sha256(payload).hexdigest().encode(), payload])
     return path
 
 
@@ -162,9 +171,37 @@ def check_writable(folder: str | None) -> None:
                               "can write to, or leave checkpoint.dir unset to train without checkpoints.") from None
 
 
+def owner_of(path: str) -> str | None:
+    """Who wrote a checkpoint: the owner id on a file's first line or in a manifest; None when it names none (an
+    older rlrun's, or not rlrun's) or cannot be read."""
+    try:
+        if path.endswith(".manifest"):
+            with open(path, encoding="utf-8") as f:
+                owner = json.load(f).get("owner")
+            return owner if isinstance(owner, str) else None
+        with open(path, "rb") as f:
+            line = f.readline(200)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return line[len(OWNER):].rstrip(b"\n").decode(errors="replace") if line.startswith(OWNER) else None
+
+
+def rotate(folder: str, suffix: str, owner: str, keep: int) -> list[str]:
+    """The checkpoints (`suffix`: .pt or .manifest) of `owner` in `folder` beyond the newest `keep`: those rotation
+    removes. Anything else (another run's, an older rlrun's, a user's `step_best.pt`) is left, and said once."""
+    names = sorted(n for n in os.listdir(folder) if _NAME.fullmatch(n) and n.endswith(suffix))
+    own = [n for n in names if owner_of(os.path.join(folder, n)) == owner]
+    others = [n for n in os.listdir(folder) if n.startswith("step_") and n.endswith(suffix) and n not in own]
+    if others and folder not in _warned:
+        _warned.add(folder)
+        log.warning("checkpoint.dir %s holds %d checkpoint(s) this run did not write (%s); rotation leaves them",
+                    folder, len(others), ", ".join(sorted(others)[:3]))
+    return [os.path.join(folder, n) for n in own[:-keep]]
+
+
 def save(folder: str, step: int, state: dict, keep: int) -> str:
     path = write(os.path.join(folder, tag(step) + ".pt"), state)
-    for old in sorted(glob.glob(os.path.join(folder, "step_*.pt")))[:-keep]:
+    for old in rotate(folder, ".pt", str(state.get("owner") or ""), keep):
         os.remove(old)
     return path
 
@@ -177,14 +214,15 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def write_manifest(folder: str, step: int, keep: int) -> str:
-    """Seal the sharded checkpoint folder of `step` (every rank has written), then drop the oldest beyond `keep`."""
+def write_manifest(folder: str, step: int, keep: int, owner: str | None = None) -> str:
+    """Seal the sharded checkpoint folder of `step` (every rank has written), then drop `owner`'s oldest beyond
+    `keep`."""
     root = os.path.join(folder, tag(step))
     files = {os.path.relpath(os.path.join(d, n), root): _sha256(os.path.join(d, n))
              for d, _, names in os.walk(root) for n in names}
     path = os.path.join(folder, tag(step) + ".manifest")
-    _write_atomic(path, [json.dumps({"step": step, "files": files}, indent=1).encode()])
-    for old in sorted(glob.glob(os.path.join(folder, "step_*.manifest")))[:-keep]:
+    _write_atomic(path, [json.dumps({"step": step, "owner": owner or "", "files": files}, indent=1).encode()])
+    for old in rotate(folder, ".manifest", owner or "", keep):
         os.remove(old)
         shutil.rmtree(old.removesuffix(".manifest"), ignore_errors=True)
     return path
@@ -207,6 +245,8 @@ def read_sharded(manifest: str, rank: int) -> dict:
 def read(path: str) -> dict:
     with open(path, "rb") as f:
         data = f.read()
+    if data.startswith(OWNER):  # files of older rlruns start with the digest
+        data = data.partition(b"\n")[2]
     digest, payload = data[:64].decode(errors="replace"), data[64:]
     if hashlib.sha256(payload).hexdigest() != digest:
         raise CheckpointError(f"{path}: checksum mismatch (truncated or corrupted)")
@@ -233,7 +273,7 @@ def check_foreign(root: str, allowed: set[str]) -> None:
 
 def load_latest(where: str) -> tuple[dict, str]:
     """The newest valid checkpoint in folder `where` (or the file `where`), skipping corrupted ones."""
-    found = glob.glob(os.path.join(where, "step_*.pt")) + glob.glob(os.path.join(where, "step_*.manifest"))
+    found = [p for p in glob.glob(os.path.join(where, "step_*")) if _NAME.fullmatch(os.path.basename(p))]
     paths = [where] if os.path.isfile(where) else sorted(found, key=os.path.basename, reverse=True)
     if not paths:
         raise CheckpointError(f"no checkpoint in {where!r}; set checkpoint.dir to the folder of the run to resume.")

@@ -6,7 +6,9 @@
   second signal interrupts at once;
 - `held()` while a run's final status is written: the signal waits until the block is done, then takes effect.
 
-`received()` is the last signal seen, so the exit status can name it (130 Ctrl-C, 143 SIGTERM).
+`received()` is the last signal seen, so the exit status can name it (130 Ctrl-C, 143 SIGTERM); `stop_asked()` is
+when a deferred stop was asked for, so code that waits on something it cannot interrupt (a reward in its worker
+process) can give up after a grace period instead of holding the run past a scheduler's SIGKILL.
 """
 
 from __future__ import annotations
@@ -14,10 +16,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import time
 
 log = logging.getLogger("rlrun")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state = {"received": None}
+_state = {"received": None, "stop_at": None}
+
+
+def stop_asked() -> float | None:
+    """time.monotonic() of the first signal `deferred()` is holding back (None: none, or not in that regime)."""
+    return _state["stop_at"]
 
 
 def received() -> int | None:
@@ -67,12 +75,14 @@ def deferred():
         if flag["stop"]:
             raise KeyboardInterrupt
         flag["stop"] = True
+        _state["stop_at"] = time.monotonic()
         log.warning("signal %s: stopping after this step (again to stop now)", signal.Signals(signum).name)
 
     previous = install(handler)
     try:
         yield flag
     finally:
+        _state["stop_at"] = None
         restore(previous)
 
 

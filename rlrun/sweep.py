@@ -141,6 +141,9 @@ class SweepCallback(Callback):
             self.client.set_terminated(self.parent_id, status)
         print(links(config.tracking.uri, self.client.get_run(self.parent_id).info.experiment_id, self.parent_id),
               flush=True)
+        if not runs:  # a sweeper that chose no job (the basic one refuses that before it starts)
+            print("rlrun: error: the sweep ran no job; the parent run is marked FAILED", file=sys.stderr)
+            sys.exit(1)
         if failed:
             lines = [f"  - {r.data.tags.get('mlflow.runName')}: {r.info.status} "
                      f"({r.data.tags.get('error', '')})" for r in failed]
@@ -276,6 +279,8 @@ def refuse_invalid_jobs(config, config_name) -> None:
 
     bad = []
     todo = jobs(config)
+    if not todo:
+        refuse_empty(config)
     for overrides in todo:
         try:
             validate(compose(config_name=config_name, overrides=overrides))
@@ -288,3 +293,17 @@ def refuse_invalid_jobs(config, config_name) -> None:
               + "\n".join(bad), file=sys.stderr)
         sys.exit(2)
 
+
+
+def refuse_empty(config) -> None:
+    """A sweep with no job (a swept key with no values, e.g. seed='range(0,0)'): one line and exit 2, before the
+    parent run exists (it used to end FAILED with exit 0)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = config.hydra.sweeper.get("params") or {}
+    args = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    empty = [a for a, o in zip(args, OverridesParser.create().parse_overrides(args))
+             if o.is_sweep_override() and not list(o.sweep_string_iterator())]
+    print(f"rlrun: error: the sweep has no jobs: {', '.join(empty) or 'its swept keys'} give(s) no values; give "
+          "every swept key at least one value, e.g. seed='range(0,3)' or seed=0,1,2", file=sys.stderr)
+    sys.exit(2)

@@ -22,20 +22,28 @@ RNG is seeded inside `fork_rng`, so the caller's RNG state is untouched. The res
 the torch / transformers versions; the file is written to a temporary name and renamed (atomic), and a cache hit
 loads exactly the saved tensors, so it is bit-identical to the fresh warm start that wrote it. (Two fresh warm
 starts agree bit for bit on the same CPU and thread count; on GPU, kernels may round differently.)
+
+A cache entry carries the sha256 of its payload (first line); an entry that fails the check, cannot be decoded
+(weights only: nothing in it runs) or does not fit the model is named in a warning and recomputed, and a cache
+that cannot be written (disk full, read-only) is a warning: the run goes on with the warm start it computed.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
+import logging
 import os
 import random
 from pathlib import Path
 
 import torch
 
-VERSION = 1  # bump when the warm start's computation changes: old cache entries stop matching
+log = logging.getLogger("rlrun")
+VERSION = 2  # bump when the warm start's computation changes: old cache entries stop matching
+HEADER = b"rlrun-warmstart sha256 "  # then the payload's hex digest and a newline (VERSION 2 on)
 DEFAULTS = {"steps": 300, "batch_size": 64, "lr": 3e-3, "weight_decay": 0.1, "wrong_prob": 0.75, "offsets": [1]}
 
 
@@ -134,21 +142,55 @@ def cache_key(model, rows: list[dict], cfg, seed: int) -> str:
     return h.hexdigest()[:32]
 
 
+def _load_cached(path: Path) -> dict | None:
+    """The weights of a cache entry, or None (with a warning naming the file) when it is not a sound one."""
+    try:
+        data = path.read_bytes()
+        head, _, payload = data.partition(b"\n")
+        if not head.startswith(HEADER) or hashlib.sha256(payload).hexdigest() != head[len(HEADER):].decode():
+            raise ValueError("checksum mismatch (truncated or corrupted)")
+        state = torch.load(io.BytesIO(payload), weights_only=True)
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ValueError("not a state dict of tensors")
+        return state
+    except Exception as e:  # noqa: BLE001 - any bad entry is recomputed, whatever the reason
+        log.warning("warm-start cache entry %s is unusable (%s: %s); recomputing it", path, type(e).__name__,
+                    str(e).splitlines()[0][:200] if str(e) else "")
+        return None
+
+
+def _save_cached(path: Path, model) -> None:
+    """Write the entry atomically (a per-process temporary name, then a rename); a failed write is a warning."""
+    buf = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
+    payload = buf.getvalue()
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(HEADER + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+        os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log.warning("could not write the warm-start cache entry %s (%s); the run goes on (set RLRUN_CACHE to a "
+                    "writable folder, or warm_start.cache=false)", path, e.strerror or e)
+
+
 def warm_start(model, tokenizer, rows: list[dict], cfg, seed: int, cache: bool = True):
     """Warm-start `model` in place on the training `rows` ({"prompt", "answer"}), or load the cached result of
     the same warm start; returns the model. `cfg`: the options (see DEFAULTS), a dict or an OmegaConf node.
     Call it on the plain model before any engine wraps or partitions it, and copy the reference model after."""
     opts, rows = options(cfg), distinct(rows)
     path = cache_dir() / f"{cache_key(model, rows, opts, seed)}.pt" if cache else None
-    if path is not None and path.is_file():
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return model
+    state = _load_cached(path) if path is not None and path.is_file() else None
+    if state is not None:
+        shapes = {k: v.shape for k, v in model.state_dict().items()}
+        if {k: v.shape for k, v in state.items()} == shapes:  # checked first: a failed load would leave it half-set
+            model.load_state_dict(state)
+            return model
+        log.warning("warm-start cache entry %s does not fit the model (other weights); recomputing it", path)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         fit(model, tokenizer, rows, opts, seed)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
-        os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+        _save_cached(path, model)
     return model

@@ -31,9 +31,13 @@ def constant_reward(completion: str, answer: str) -> float:
 
 
 def interrupt_after_two_rollouts(completion: str, answer: str) -> float:
+    """Ctrl-C at the trainer (pid $RLRUN_TEST_TRAINER_PID) while the third rollout is scored. A reward runs in the
+    run's reward worker, where a KeyboardInterrupt it raises is its own failure, not a Ctrl-C."""
+    import signal
+
     calls["interrupt"] += 1
-    if calls["interrupt"] > 16:  # smoke rollouts have 8 completions: the third rollout is interrupted
-        raise KeyboardInterrupt
+    if calls["interrupt"] == 17:  # smoke rollouts have 8 completions: during the third rollout
+        os.kill(int(os.environ["RLRUN_TEST_TRAINER_PID"]), signal.SIGINT)
     return 0.5
 
 

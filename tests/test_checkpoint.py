@@ -1,5 +1,7 @@
 """Checkpoint and resume: kill -9 or Ctrl-C at any moment, resume, and get the same curve in the same run."""
 
+import hashlib
+import io
 import os
 import random
 import signal
@@ -176,3 +178,52 @@ def test_resume_by_run_id_restores_the_runs_config_and_applies_only_the_new_over
     refused = rlrun(tmp_path, f"resume={r.info.run_id}", "train.steps=6", "loss=cispo")
     assert refused.wait(timeout=300) == 2
     assert "loss.name was 'dapo', now 'cispo'; a resumed run must train the same thing" in refused.stderr.read()
+
+
+def test_rotation_removes_only_this_runs_own_checkpoints(tmp_path, caplog):
+    """Two runs' checkpoints in one folder (the lock is the first guard; this is the second), an older rlrun's
+    checkpoint without an owner line, and a user's file that matches step_*.pt: rotation removes none of them."""
+    for step in (1, 2, 3):
+        checkpoint.save(str(tmp_path), step, {"step": step, "owner": "run-a"}, keep=5)
+    (tmp_path / "step_best.pt").write_bytes(b"the user's own")
+    older = tmp_path / "step_00000004.pt"
+    payload = io.BytesIO()
+    torch.save({"step": 4}, payload)
+    older.write_bytes(hashlib.sha256(payload.getvalue()).hexdigest().encode() + payload.getvalue())  # no owner line
+    for step in (5, 6, 7):
+        checkpoint.save(str(tmp_path), step, {"step": step, "owner": "run-b"}, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000001.pt", "step_00000002.pt", "step_00000003.pt", "step_00000004.pt", "step_00000007.pt",
+        "step_best.pt"]  # run-b kept its newest only; nothing else was touched
+    assert [checkpoint.owner_of(str(tmp_path / f"step_0000000{i}.pt")) for i in (1, 4, 7)] == ["run-a", None, "run-b"]
+    assert "holds 5 checkpoint(s) this run did not write" in caplog.text
+    assert checkpoint.read(str(older))["step"] == 4  # an older rlrun's checkpoint still loads
+    state, path = checkpoint.load_latest(str(tmp_path))  # step_best.pt is not a checkpoint name: never loaded
+    assert state["step"] == 7
+
+
+def test_sharded_rotation_removes_only_this_runs_own_checkpoints(tmp_path):
+    for step, owner in ((2, "run-a"), (4, "run-b"), (6, "run-b"), (8, "run-b")):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        checkpoint.write(str(tmp_path / f"step_{step:08d}" / "rlrun_rank0.pt"), {"step": step, "owner": owner})
+        checkpoint.write_manifest(str(tmp_path), step, keep=2, owner=owner)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000002", "step_00000002.manifest", "step_00000006", "step_00000006.manifest", "step_00000008",
+        "step_00000008.manifest"]
+
+
+@pytest.mark.slow  # two short in-process runs
+def test_a_resumed_run_rotates_the_checkpoints_it_wrote_before(tmp_path):
+    from conftest import make_cfg, new_store
+
+    from rlrun.cli import run
+
+    new_store(tmp_path)
+    args = ["experiment=smoke", "eval.every=0", f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.every=1",
+            "checkpoint.keep=2", "export.enabled=false"]
+    run(make_cfg(*args, "train.steps=3", tmp_path=tmp_path), "first")
+    owners = {checkpoint.owner_of(str(p)) for p in (tmp_path / "ckpt").glob("step_*.pt")}
+    assert len(owners) == 1 and None not in owners
+    run(make_cfg(*args, "train.steps=5", "resume=true", tmp_path=tmp_path), "first")
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*.pt")) == ["step_00000004.pt", "step_00000005.pt"]
+    assert {checkpoint.owner_of(str(p)) for p in (tmp_path / "ckpt").glob("step_*.pt")} == owners  # one lineage

@@ -174,6 +174,83 @@ def test_dpo_pairs_through_the_loader(tmp_path, chat_tok):
         tasks.load_pairs(task_cfg(path, prompt_key="q"), 0, None)
 
 
+CSV_TEXT = "question,answer,level\nq1,007,1\nq2,1.50,2\nq3,+3,3\n"
+
+
+@pytest.mark.parametrize("kind", ["csv.gz", "csv.bz2", "csv.xz", "folder of csv"])
+def test_compressed_csv_and_a_folder_of_csv_keep_the_text_in_the_file(tmp_path, kind):
+    """Was: a.csv.gz failed with UnicodeDecodeError (its header was read uncompressed); a folder of CSVs typed its
+    columns, so '007' reached the reward as '7'."""
+    import bz2
+    import lzma
+
+    if kind == "folder of csv":
+        path = tmp_path / "data"
+        path.mkdir()
+        (path / "train.csv").write_text(CSV_TEXT)
+        (path / "test.csv").write_text(CSV_TEXT.replace("q1,007", "q9,0.10"))
+    else:
+        path = tmp_path / f"data.{kind}"
+        opener = {"gz": gzip.open, "bz2": bz2.open, "xz": lzma.open}[kind.split(".")[1]]
+        with opener(path, "wt") as f:
+            f.write(CSV_TEXT)
+    task = tasks.load(task_cfg(path, prompt_key="question"), 0, None)
+    assert [(r["answer"], r["level"]) for r in task.train] == [("007", "1"), ("1.50", "2"), ("+3", "3")]
+    if kind == "folder of csv":
+        split = tasks.load(task_cfg(path, prompt_key="question", split="test"), 0, None)
+        assert split.train[0]["answer"] == "0.10"
+
+
+JSON_ROWS = '[{"q": "a", "answer": 1.50, "level": 7}, {"q": "b", "answer": 7, "level": 1.5}, ' \
+            '{"q": "c", "answer": 1e3, "level": 2}, {"q": "d", "answer": "12", "level": 3}]'
+
+
+@pytest.mark.parametrize("kind", ["json", "jsonl", "jsonl.gz", "folder of jsonl"])
+def test_json_numbers_reach_the_reward_as_written(tmp_path, kind):
+    """Was: the answer 1.50 reached the reward as '1.5' and 7 as '7.0' (pyarrow makes a column of ints and floats
+    float); a number column keeps the file's type per cell (7 an int)."""
+    records = json.loads(JSON_ROWS)
+    lines = [json.dumps(r) for r in records]
+    text = "\n".join(line.replace('"answer": 1.5,', '"answer": 1.50,').replace('"answer": 1000.0', '"answer": 1e3')
+                     for line in lines) + "\n"
+    if kind == "json":
+        path = tmp_path / "data.json"
+        path.write_text(JSON_ROWS)
+    elif kind == "jsonl":
+        path = tmp_path / "data.jsonl"
+        path.write_text(text)
+    elif kind == "jsonl.gz":
+        path = tmp_path / "data.jsonl.gz"
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path = tmp_path / "data"
+        path.mkdir()
+        (path / "train.jsonl").write_text(text)
+        (path / "test.jsonl").write_text(text)
+    task = tasks.load(task_cfg(path, prompt_key="q"), 0, None)
+    assert [r["answer"] for r in task.train] == ["1.50", "7", "1e3", "12"]
+    levels = [r["level"] for r in task.train]
+    assert levels == [7, 1.5, 2, 3] and [type(v) for v in levels] == [int, float, int, int]
+    assert task.score(["1.50", "7"], task.train[:2])[0] == [1.0, 1.0]
+
+
+def test_parquet_numbers_become_their_value_as_text(tmp_path):
+    """Parquet stores values, not characters: an int answer reads '7', a float its shortest repr ('1.5', and 7.0 as
+    '7.0'), a decimal keeps its scale ('1.50'). Store answers as strings to keep them exactly (docs/data.md)."""
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    decimals = pa.array([decimal.Decimal(x) for x in ("1.50", "7", "0.10")], pa.decimal128(5, 2))
+    cols = {"q": ["a", "b", "c"], "i": [7, 8, 9], "f": [1.5, 7.0, 1e3], "d": decimals}
+    pq.write_table(pa.table(cols), tmp_path / "data.parquet")
+    got = {k: [r["answer"] for r in tasks.load(task_cfg(tmp_path / "data.parquet", prompt_key="q", answer_key=k), 0,
+                                               None).train] for k in ("i", "f", "d")}
+    assert got == {"i": ["7", "8", "9"], "f": ["1.5", "7.0", "1000.0"], "d": ["1.50", "7.00", "0.10"]}
+
+
 # --- bad inputs ------------------------------------------------------------------------------------------------
 
 
@@ -233,6 +310,26 @@ def test_malformed_rows_of_other_formats_name_the_row(tmp_path):
     other.write_text("hello")
     with pytest.raises(tasks.TaskError, match=r"unknown file type .txt; supported: \['.arrow', '.csv', '.json', "):
         tasks.load(task_cfg(other), 0, None)
+
+
+@pytest.mark.parametrize("folder,files,held", [
+    ("data", [], "it is empty"),
+    ("x.jsonl", [], "it is empty"),  # a folder named like a file
+    ("notes", ["readme.txt", "sub/a.md"], "it holds readme.txt, sub/a.md"),
+])
+def test_a_folder_without_data_files_is_one_message(tmp_path, folder, files, held):
+    """Was: datasets' "EmptyDatasetError: Couldn't resolve pattern ** with resolver functools.partial(...)"."""
+    path = tmp_path / folder
+    path.mkdir()
+    for name in files:
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text("hello")
+    with pytest.raises(tasks.TaskError) as e:
+        tasks.load(task_cfg(path), 0, None)
+    named = " (named like a .jsonl file)" if folder.endswith(".jsonl") else ""
+    assert str(e.value).startswith(f"task.path='{path}' is a folder{named} with no data file in it ({held}). "
+                                   "task=dataset reads a file (.jsonl, .json, .parquet, .csv, .arrow"), str(e.value)
+    assert "point task.path at one of those" in str(e.value) and "resolve pattern" not in str(e.value)
 
 
 def test_unimportable_rewards_say_why(tmp_path, monkeypatch):

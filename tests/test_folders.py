@@ -138,3 +138,11 @@ def test_a_new_run_refuses_a_folder_of_another_runs_checkpoints(tmp_path):
         run(tmp_path, f"checkpoint.dir={ckpt}", "seed=2")
     assert sorted(os.listdir(ckpt)) == before
     run(tmp_path, f"checkpoint.dir={ckpt}", "resume=true", "train.steps=3")  # a resume may use it
+
+
+def test_an_export_dir_that_cannot_be_written_is_refused_before_training(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(ExportError, match=r"export.dir='.*a_file/model': cannot write in '.*a_file' \(File "
+                                          r"exists\); choose a folder you can write to, or export.enabled=false"):
+        folders.check_export(str(tmp_path / "a_file" / "model"), None, None)
+    assert (tmp_path / "a_file").read_text() == "not a folder"

@@ -327,3 +327,21 @@ def test_two_processes_create_a_new_sqlite_store_together(tmp_path, attempt):
         assert p.returncode == 0 and out.strip() == "ok 1", err[-2000:]
     _, found = runs(db)
     assert len(found) == 2 and {r.info.status for r in found} == {"FINISHED"}
+
+
+def test_every_test_the_reliability_page_names_exists():
+    """docs/reliability.md lists each guarantee with its tests (`tests/test_x.py::name`, or `::name` after one of the
+    same file): each must be a test function in that file, so the page cannot point at a test that is gone."""
+    import ast
+    import re
+
+    text = open(os.path.join(ROOT, "docs", "reliability.md"), encoding="utf-8").read()
+    named, current = [], None
+    for file, name in re.findall(r"`(?:tests/)?(test_\w+\.py)?(?:::(\w+))?`", text):
+        current = file or current
+        if name:
+            named.append((current, name))
+    assert len(named) > 20
+    for file, name in named:
+        tree = ast.parse(open(os.path.join(ROOT, "tests", file), encoding="utf-8").read())
+        assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, f"{file}::{name}"

@@ -227,16 +227,17 @@ def test_nan_reward_stops_the_run_naming_the_reward_and_the_value(tmp_path):
     assert history(client, run_.info.run_id, "loss") == []  # refused while scoring the first rollout
 
 
-def test_ctrl_c_marks_run_killed(tmp_path):
+def test_ctrl_c_marks_run_killed(tmp_path, monkeypatch):
     from conftest import make_cfg, new_store
 
     new_store(tmp_path)
+    monkeypatch.setenv("RLRUN_TEST_TRAINER_PID", str(os.getpid()))
     with pytest.raises(KeyboardInterrupt):
         # eval.every=0: the reward counts training rollouts only (a held-out evaluation would score with it too)
         run(make_cfg(SMOKE, "task.reward=helpers:interrupt_after_two_rollouts", "eval.every=0", tmp_path=tmp_path))
     client, (r,) = runs(tmp_path / "mlflow.db")
     assert r.info.status == "KILLED" and "KeyboardInterrupt" in r.data.tags["error"]
-    assert steps(client, r.info.run_id, "loss") == [0, 1]  # interrupted while scoring the third rollout
+    assert steps(client, r.info.run_id, "loss") == [0, 1, 2]  # Ctrl-C while scoring the third rollout: it finishes
 
 
 def progress_shown(stderr: str) -> bool:

@@ -252,3 +252,15 @@ def test_report_unknown_run_is_one_clear_message(tmp_path):
                        env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("rlrun-report:"), r.stderr
 
+
+
+@pytest.mark.slow  # one `rlrun -m` that is refused (a few seconds)
+@pytest.mark.parametrize("args", [["seed=range(0,0)"], ["seed=range(0,0)", "head=dense,tiled"]])
+def test_a_sweep_of_no_jobs_is_one_error_and_exit_2(tmp_path, args):
+    """Was: exit 0, 'Launching 0 jobs', and a parent run left FAILED."""
+    r = sweep(tmp_path, "-m", *args, "experiment=smoke")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        "rlrun: error: the sweep has no jobs: seed=range(0,0) give(s) no values; give every swept key at least one "
+        "value, e.g. seed='range(0,3)' or seed=0,1,2")
+    assert not (tmp_path / "mlflow.db").exists()  # refused before the parent run was created

@@ -159,3 +159,47 @@ def test_auto_warm_starts_the_embedded_model_on_its_own_task_only(caplog):
     note = warm_notice(cfg(True, "dataset"), 188)
     assert "300 supervised steps on 188 training rows, prompt -> answer" in note and "75% of the labels" in note
     assert "warm_start.enabled=false turns it off" in note
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "not rlrun's", "empty"])
+def test_a_bad_cache_entry_is_named_and_recomputed(caplog, damage):
+    """Was: every later run failed with torch's "your checkpoint file is corrupted", not naming the file."""
+    model, tok = tiny_model()
+    warmstart.warm_start(model, tok, ROWS, CFG, seed=0)
+    fresh = weights(model)
+    [entry] = warmstart.cache_dir().glob("*.pt")
+    data = bytearray(entry.read_bytes())
+    assert data.startswith(warmstart.HEADER)  # checksummed
+    if damage == "flipped byte":
+        data[len(data) // 2] ^= 0xFF
+    elif damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "not rlrun's":  # a plain torch.save of the same weights: no checksum, not trusted
+        import io
+
+        buf = io.BytesIO()
+        torch.save(fresh, buf)
+        data = buf.getvalue()
+    else:
+        data = b""
+    entry.write_bytes(bytes(data))
+    model, tok = tiny_model()
+    with caplog.at_level("WARNING", logger="rlrun"):
+        warmstart.warm_start(model, tok, ROWS, CFG, seed=0)
+    assert f"warm-start cache entry {entry} is unusable" in caplog.text and "recomputing it" in caplog.text
+    assert_identical(weights(model), fresh)  # recomputed: the same weights
+    caplog.clear()
+    model, tok = tiny_model()
+    with caplog.at_level("WARNING", logger="rlrun"):
+        warmstart.warm_start(model, tok, ROWS, CFG, seed=0)  # the entry was rewritten: a clean hit
+    assert "unusable" not in caplog.text
+    assert_identical(weights(model), fresh)
+
+
+def test_a_cache_that_cannot_be_written_is_a_warning(caplog, monkeypatch):
+    monkeypatch.setattr(warmstart.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError(28, "No space left")))
+    model, tok = tiny_model()
+    with caplog.at_level("WARNING", logger="rlrun"):
+        warmstart.warm_start(model, tok, ROWS, CFG, seed=0)
+    assert "could not write the warm-start cache entry" in caplog.text and "No space left" in caplog.text
+    assert not list(warmstart.cache_dir().glob("*"))  # no temporary file left

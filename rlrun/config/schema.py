@@ -150,6 +150,7 @@ class ArithTask:
     add_generation_prompt: bool
     system_prompt: Text | None
     max_prompt_tokens: PosInt | None  # GRPO prompts longer than this keep their last N tokens
+    reward_timeout_s: Positive  # seconds one reward call may take (the run's reward worker: rlrun/tasks/worker.py)
 
 
 @dataclass
@@ -163,6 +164,7 @@ class JsonlTask:
     add_generation_prompt: bool
     system_prompt: Text | None
     max_prompt_tokens: PosInt | None  # GRPO prompts longer than this keep their last N tokens
+    reward_timeout_s: Positive  # seconds one reward call may take (the run's reward worker: rlrun/tasks/worker.py)
 
 
 @dataclass
@@ -181,6 +183,7 @@ class DatasetTask:
     add_generation_prompt: bool
     system_prompt: Text | None
     max_prompt_tokens: PosInt | None  # GRPO prompts longer than this keep their last N tokens
+    reward_timeout_s: Positive  # seconds one reward call may take (the run's reward worker: rlrun/tasks/worker.py)
     reward: ImportPath | None
     rewards: list[RewardEntry] | None
 

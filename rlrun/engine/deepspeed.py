@@ -205,7 +205,7 @@ class Engine:
         checkpoint.write(os.path.join(folder, checkpoint.tag(step), f"rlrun_rank{self.rank}.pt"),
                          {**state, "world_size": self.world})
         dist.barrier()
-        path = checkpoint.write_manifest(folder, step, keep) if self.main else ""
+        path = checkpoint.write_manifest(folder, step, keep, state.get("owner")) if self.main else ""
         dist.barrier()
         return path
 

@@ -201,7 +201,9 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     start = frame.restore(resume, stateful)
     synced_at = start  # the rollout engine holds the weights after this many optimizer steps
 
-    with contextlib.closing(frame.steps(start, stateful, "rlrun", held_out(cfg, frame, s))) as steps, \
+    # the rewards run in a worker process: bounded, and unable to end or hold up the run (rlrun/tasks/worker.py)
+    with tasks.isolated(task, cfg.task.reward_timeout_s, cfg.seed), \
+            contextlib.closing(frame.steps(start, stateful, "rlrun", held_out(cfg, frame, s))) as steps, \
             contextlib.ExitStack() as cleanup:
         if pipe is not None:
             cleanup.callback(pipe.close)  # however the loop ends (error, Ctrl-C, SIGTERM): no process left behind
@@ -223,7 +225,7 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
             if cfg.log.samples_every and step % cfg.log.samples_every == 0 and got.samples:
                 frame.samples(step, got.samples, "train")
-    return frame.finish()
+        return frame.finish()
 
 
 def refill(cfg, s, prompts, buffer: RolloutBuffer, pipe, step: int, synced_at: int):

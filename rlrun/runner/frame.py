@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import uuid
 
 import numpy as np
 import torch
@@ -24,10 +25,10 @@ from .summary import DEAD_GRADIENTS_TAG, Summary, watch_gradients
 
 log = logging.getLogger("rlrun")
 
-# Keys of a checkpoint that the frame (step, rng, run_id, config) and the engines (model, optimizer, scheduler,
+# Keys of a checkpoint that the frame (step, rng, run_id, owner, config) and the engines (model, optimizer, scheduler,
 # reference, world_size, deepspeed_checkpoint) write; a recipe's stateful objects take other names.
-RESERVED = {"step", "rng", "run_id", "spill", "config", "model", "optimizer", "scheduler", "reference", "world_size",
-            "deepspeed_checkpoint"}
+RESERVED = {"step", "rng", "run_id", "owner", "spill", "config", "model", "optimizer", "scheduler", "reference",
+            "world_size", "deepspeed_checkpoint"}
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -86,6 +87,8 @@ class Frame:
         self.bar = None
         self.last_samples: list[dict] = []  # the last samples table, printed at the end of the run
         self.exported: str | None = None
+        # who owns the checkpoints this run writes: rotation removes only the owner's (kept across resumes: restore)
+        self.owner = self.engine.gather(uuid.uuid4().hex)[0]  # rank 0's, on every rank
         self.grad_watch: dict = {}  # consecutive dead-gradient steps (watch_gradients)
         self.warnings: list[str] = list(s.warnings)  # about the data and settings, all in the run tag rlrun.warnings
         if self.warnings:
@@ -98,6 +101,7 @@ class Frame:
         returns the step to continue from."""
         if resume is None:
             return 0
+        self.owner = resume.get("owner") or self.owner  # a checkpoint of an older rlrun names none: a new owner
         for name, obj in {**stateful, "summary": self.summary}.items():
             obj.load_state_dict(resume[name])
         set_rng_state(resume["rng"])
@@ -139,7 +143,7 @@ class Frame:
         stop = any(self.engine.gather(stop))  # a signal that reached one rank stops all of them after the same step
         if c.dir and ((c.every and done % c.every == 0) or done == self.cfg.train.steps or stop):
             self.tracker.flush()  # every step up to here is in the store: a resume from this checkpoint logs none twice
-            state = {"step": done, "rng": rng_state(), "run_id": self.tracker.run_id,
+            state = {"step": done, "rng": rng_state(), "run_id": self.tracker.run_id, "owner": self.owner,
                      "spill": getattr(self.tracker, "spill_path", None), "config": cfg_flat(self.raw),
                      **{name: obj.state_dict() for name, obj in stateful.items()}}
             path = self.engine.save(c.dir, done, state, c.keep)

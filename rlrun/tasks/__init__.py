@@ -50,16 +50,23 @@ How a reward is called, per completion (not with a batch, as TRL's are): `fn(com
   `task.rewards`, `f(completion, answer)` works by name, and `f(completion, target)` is refused: a forgotten
   kwarg must not silently get the answer); a positional-only second parameter always gets the answer;
 - a required parameter nothing provides, or a kwarg the function does not take, is refused when the task loads.
-A reward must return a finite number: int, float, bool (True is 1.0) or a numpy scalar. Raising, or returning
-None, NaN, inf, a string, a list or a tensor stops with one TaskError naming the reward, the completion's place,
-its prompt and answer, and the value.
+A reward must return a finite number: int, float, bool (True is 1.0) or a numpy scalar. Raising (SystemExit
+included), or returning None, NaN, inf, a string, a list or a tensor stops with one TaskError naming the reward,
+the completion's place, its prompt and answer, and the value; so does a weighted total that is not finite. Each call
+gets copies of the row's mutable values (a list column changed by one call is unchanged for the next) and the
+working directory is restored after it.
+
+A run calls the rewards in one worker process (`with tasks.isolated(task, cfg.task.reward_timeout_s, seed):`,
+worker.py): a call bounded by task.reward_timeout_s, os._exit / KeyboardInterrupt / a crash inside a reward a
+TaskError naming it, SIGTERM never held up by a hung reward. Outside that block (a library caller), `task.score`
+calls them in the calling process, unbounded.
 """
 
 from __future__ import annotations
 
 from .arith import arith_examples, arith_pairs
 from .base import TaskError
-from .core import Task, load, load_pairs
+from .core import Task, isolated, load, load_pairs
 from .lengths import check_lengths
 from .loading import read_jsonl
 from .rewards import exact_match, partial_credit
@@ -67,6 +74,6 @@ from .scoring import load_reward
 from .stream import PromptStream, prompt_stream
 
 __all__ = [
-    "PromptStream", "Task", "TaskError", "arith_examples", "arith_pairs", "check_lengths", "exact_match", "load",
-    "load_pairs", "load_reward", "partial_credit", "prompt_stream", "read_jsonl",
+    "PromptStream", "Task", "TaskError", "arith_examples", "arith_pairs", "check_lengths", "exact_match", "isolated",
+    "load", "load_pairs", "load_reward", "partial_credit", "prompt_stream", "read_jsonl",
 ]

@@ -6,6 +6,7 @@ come from the reader of `task.name` in the registry (arith.py, jsonl.py, dataset
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from dataclasses import dataclass, field
@@ -28,13 +29,33 @@ class Task:
     eval: list[dict]
     rewards: list[scoring.Reward] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # from loading; check_lengths returns them too
+    worker: object = None  # a RewardWorker while `isolated` (a run); None: rewards are called in this process
 
     def score(self, completions: list[str], rows: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
-        return scoring.score(self.rewards, completions, rows)
+        if self.worker is None:
+            return scoring.score(self.rewards, completions, rows)
+        if len(completions) != len(rows):
+            raise ValueError(f"score: {len(completions)} completions for {len(rows)} rows")
+        per = self.worker.score(completions, rows)
+        return scoring.weigh(self.rewards, per, completions, rows), per
 
     @property
     def reward_names(self) -> list[str]:
         return [r.name for r in self.rewards]
+
+
+@contextlib.contextmanager
+def isolated(task: Task, timeout_s: float, seed: int = 0):
+    """Within the block, `task.score` calls the rewards in a worker process, each call bounded by `timeout_s`
+    (rlrun/tasks/worker.py); the worker ends with the block."""
+    from .worker import RewardWorker
+
+    task.worker = RewardWorker(task.rewards, timeout_s, seed)
+    try:
+        yield task
+    finally:
+        task.worker.close()
+        task.worker = None
 
 
 def _held_out(rows: list[dict], eval_rows: list[dict] | None, eval_size, seed: int, what: str):

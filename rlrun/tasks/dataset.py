@@ -3,6 +3,7 @@ with the column keys of the task node."""
 
 from __future__ import annotations
 
+import decimal
 import numbers
 
 from .base import TaskError, short
@@ -17,11 +18,15 @@ def read(cfg, seed: int, fmt, pairs: bool) -> tuple[list[dict], list[dict] | Non
     return rows, (_rows(splits[1], cfg, fmt, pairs) if len(splits) > 1 else None)
 
 
-def _text(value, where: str, key: str) -> str:
-    """An answer / chosen / rejected cell as text: numbers become their str() (CSV and parquet type them)."""
+def _text(value, where: str, key: str, written: str | None = None) -> str:
+    """An answer / chosen / rejected cell as text: a JSON number as written in the file (`written`: '1.50', '7');
+    a parquet number as str() of its value ('7', '1.5', a float 7.0 as '7.0', a decimal with its scale: '1.50').
+    CSV cells are text already (loading._text_columns)."""
     if isinstance(value, str) and value.strip():
         return value
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value:
+    if written is not None:
+        return written
+    if isinstance(value, (numbers.Real, decimal.Decimal)) and not isinstance(value, bool) and value == value:
         return str(value)
     what = "missing (null)" if value is None else "empty" if isinstance(value, str) else \
         f"{short(value)} ({type(value).__name__})"
@@ -43,16 +48,17 @@ def _rows(split: Split, cfg, fmt, pairs: bool) -> list[dict]:
         raise TaskError(f"{split.path}: split {split.name!r} has no rows.")
     out = []
     for i, rec in enumerate(split.rows):
-        where = split.where(i)
+        where, written = split.where(i), (split.literals[i] if split.literals else {})
         prompt = fmt(rec[cfg.prompt_key], where, f"task.prompt_key={cfg.prompt_key!r}")
         if pairs:
             row = {"prompt": prompt}
             for side in ("chosen", "rejected"):
                 key = getattr(cfg, f"{side}_key")
-                row[side] = _text(rec[key], where, f"task.{side}_key={key!r}")
+                row[side] = _text(rec[key], where, f"task.{side}_key={key!r}", written.get(key))
         else:
             key = cfg.answer_key
-            row = {**rec, "prompt": prompt, "answer": _text(rec[key], where, f"task.answer_key={key!r}")}
+            row = {**rec, "prompt": prompt,
+                   "answer": _text(rec[key], where, f"task.answer_key={key!r}", written.get(key))}
         for name in ("prompt", "chosen", "rejected") if pairs else ("prompt", "answer"):  # any format (parquet,
             if len(row[name].encode()) > MAX_ROW_BYTES:  # csv: no lines); only the texts built here
                 raise TaskError(f"{where}: the {name} is longer than {MAX_ROW_BYTES:,} bytes; longer texts are "

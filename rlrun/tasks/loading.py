@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import bz2
 import contextlib
+import gzip
+import io
 import json
+import lzma
 import os
 import re
 import tempfile
@@ -76,6 +80,7 @@ class Split:
     rows: list[dict]
     columns: list[str]
     lines: list[int] | None = None  # JSONL: the file line of each row
+    literals: list[dict] | None = None  # JSON: per row, {column: the number as written in the file}
 
     def where(self, i: int) -> str:
         return f"{self.path}:{self.lines[i]}" if self.lines else f"{self.path} ({self.name} row {i})"
@@ -159,26 +164,122 @@ def _quiet_datasets():
             datasets.enable_progress_bars()
 
 
-def _text_columns(p: Path, datasets):
+def _open_text(path: Path):
+    """A (possibly compressed) data file as text, decompressed the way `datasets` reads it."""
+    kind = path.suffix.lower()
+    if kind == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise TaskError(f"{path}: reading .zst files needs the zstandard package: pip install zstandard.") from None
+        return io.TextIOWrapper(zstandard.open(path, "rb"), encoding="utf-8", newline="")
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(kind)
+    if opener is None:
+        return open(path, encoding="utf-8", newline="")
+    return opener(path, "rt", encoding="utf-8", newline="")
+
+
+def _text_columns(files: list[Path], datasets):
     """CSV has no types: every column is read as the text in the file ('007', '1.50', '+3' stay so; a number type
-    would reach a reward as '7', '1.5', '3.0', which no exact match scores)."""
+    would reach a reward as '7', '1.5', '3.0', which no exact match scores). The columns of all `files`."""
     import csv
 
-    with open(p, newline="", encoding="utf-8") as f:
-        header = next(csv.reader(f), [])
-    return datasets.Features({name: datasets.Value("string") for name in header})
+    names = {}
+    for f in files:
+        with _open_text(f) as text:
+            names.update(dict.fromkeys(next(csv.reader(text), [])))
+    return datasets.Features({name: datasets.Value("string") for name in names})
 
 
-def _open(p: Path, datasets, cache: str) -> dict:
-    """{split name: datasets.Dataset} of a file or folder."""
+def _json_records(path: Path) -> list | None:
+    """The records of a JSON / JSON-lines file with every number kept as the text written in the file; None for a
+    file that is not a list of objects (datasets read it some other way: nothing to recover)."""
+    hooks = {"parse_float": str, "parse_int": str}
+    with _open_text(path) as f:
+        if ".jsonl" in [x.lower() for x in path.suffixes]:
+            return [json.loads(line, **hooks) for line in f if line.strip()]
+        records = json.load(f, **hooks)
+    return records if isinstance(records, list) else None
+
+
+def _as_written(value, text):
+    """The file's number `text` where it is the number `value` (an int written as 7 stays 7 where pyarrow made the
+    column float); None where it is not the same number (the rows and records do not line up)."""
+    if not isinstance(text, str):
+        return None
+    try:
+        exact = int(text) if re.fullmatch(r"-?\d+", text) else float(text)
+    except ValueError:
+        return None
+    return exact if exact == value else None
+
+
+def _literals(rows: list[dict], files: list[Path]) -> list[dict] | None:
+    """Per row, {column: the number as written} for the number cells of JSON `rows` read from `files` in that order
+    (numbers made exact in `rows` too: 7 stays an int); None when the files do not give the rows back one for one."""
+    records = []
+    try:
+        for f in files:
+            found = _json_records(f)
+            if found is None:
+                return None
+            records += found
+    except (OSError, ValueError):
+        return None
+    if len(records) < len(rows):
+        return None
+    out = []
+    for row, rec in zip(rows, records):
+        texts = {}
+        for k, v in row.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:
+                if not isinstance(rec, dict) or _as_written(v, rec.get(k)) is None:
+                    return None
+                texts[k] = rec[k]
+        out.append(texts)
+    for row, texts in zip(rows, out):  # every row lined up: only now change them
+        row.update({k: _as_written(row[k], t) for k, t in texts.items()})
+    return out
+
+
+def _is_data(f: Path) -> bool:
+    suffixes = [x.lower() for x in f.suffixes if x.lower() not in COMPRESSED]
+    return bool(suffixes) and suffixes[-1] in FORMATS
+
+
+def _check_folder(p: Path) -> None:
+    """A folder `datasets` would read must hold data files: an empty one, or one of other files (or one named
+    like a file, `x.jsonl/`), is one message here, not datasets' "Couldn't resolve pattern **"."""
+    files = [f for f in p.rglob("*") if f.is_file() and not any(x.startswith(".") for x in f.relative_to(p).parts)]
+    if any(_is_data(f) for f in files):
+        return
+    named = f" (named like a {''.join(p.suffixes)} file)" if _is_data(p) else ""
+    held = "it is empty" if not files else "it holds " + ", ".join(str(f.relative_to(p)) for f in files[:4]) + (
+        f" and {len(files) - 4} more" if len(files) > 4 else "")
+    raise TaskError(f"task.path={str(p)!r} is a folder{named} with no data file in it ({held}). task=dataset reads a "
+                    f"file ({', '.join(FORMATS)}, optionally {'/'.join(COMPRESSED)}), a folder of such files (their "
+                    "names give the splits: train.jsonl, test.jsonl) or a folder written by save_to_disk: point "
+                    "task.path at one of those.")
+
+
+def _open(p: Path, datasets, cache: str) -> tuple[dict, str | None, dict]:
+    """({split name: datasets.Dataset}, the format, {split name: its files in the order read}) of a file or
+    folder; a save_to_disk folder has no files (None, {})."""
     if p.is_dir() and ((p / "dataset_dict.json").exists() or (p / "state.json").exists()):
         d = datasets.load_from_disk(str(p), keep_in_memory=True)
-    elif p.is_dir():
-        d = datasets.load_dataset(str(p), cache_dir=cache, keep_in_memory=True)
+        return (dict(d) if isinstance(d, datasets.DatasetDict) else {"train": d}), None, {}
+    if p.is_dir():
+        _check_folder(p)
+        builder = datasets.load_dataset_builder(str(p), cache_dir=cache)
+        fmt, files = builder.name, {str(k): [Path(f) for f in v] for k, v in builder.config.data_files.items()}
     else:
-        text = {"features": _text_columns(p, datasets)} if _format(p) == "csv" else {}
-        d = datasets.load_dataset(_format(p), data_files=str(p), cache_dir=cache, keep_in_memory=True, **text)
-    return dict(d) if isinstance(d, datasets.DatasetDict) else {"train": d}  # a single saved Dataset: 'train'
+        fmt, files = _format(p), {"train": [p]}
+    text = {"features": _text_columns([f for v in files.values() for f in v], datasets)} if fmt == "csv" else {}
+    if p.is_dir():
+        d = datasets.load_dataset(str(p), cache_dir=cache, keep_in_memory=True, **text)
+    else:
+        d = datasets.load_dataset(fmt, data_files=str(p), cache_dir=cache, keep_in_memory=True, **text)
+    return dict(d), fmt, files
 
 
 def load_splits(path, names: list[tuple[str, str]], max_rows: int | None) -> list[Split]:
@@ -190,7 +291,7 @@ def load_splits(path, names: list[tuple[str, str]], max_rows: int | None) -> lis
             line_numbers[file] = check_lines(file)
     with _quiet_datasets() as (datasets, cache):
         try:
-            splits = _open(p, datasets, cache)
+            splits, fmt, files = _open(p, datasets, cache)
         except TaskError:
             raise
         except Exception as e:
@@ -205,7 +306,9 @@ def load_splits(path, names: list[tuple[str, str]], max_rows: int | None) -> lis
             lines = lines if lines is not None and len(lines) == len(ds) else None  # one row per non-blank line
             if max_rows is not None:
                 ds = ds.select(range(min(max_rows, len(ds))))
-            out.append(Split(str(p), name, ds.to_list(), list(ds.column_names), lines))
+            rows = ds.to_list()
+            literals = _literals(rows, files.get(name, [])) if fmt == "json" else None
+            out.append(Split(str(p), name, rows, list(ds.column_names), lines, literals))
     return out
 
 

@@ -1,8 +1,10 @@
 """Rewards: import them (`module:function` or `path/to/file.py:function`), bind their arguments, call them, check
-what they return. The calling rule is documented in rlrun.tasks."""
+what they return. The calling rule is documented in rlrun.tasks. A run calls them in a worker process
+(rlrun/tasks/worker.py) through `call_one`, the same function `score` uses in this process."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -30,6 +32,8 @@ class Reward:
     name: str = ""
     kwargs: dict = field(default_factory=dict)
     call: object = None  # (completion, row) -> value, from `bind`
+    key: str = "task.reward"  # the config key it came from (for messages; the worker re-imports and re-binds)
+    fields: tuple = ()  # the row fields it was bound against
 
 
 def _where(e: BaseException) -> str:
@@ -99,7 +103,11 @@ def import_reward(spec: str, key: str = "task.reward"):
         raise TaskError(f"{key}={spec!r} must be 'module:function' or 'path/to/file.py:function'.")
     where, _, name = spec.rpartition(":")
     is_file = where.endswith(".py") or "/" in where or os.sep in where
-    module, origin = _import_file(key, spec, where) if is_file else _import_module(key, spec, where)
+    home = os.getcwd()
+    try:
+        module, origin = _import_file(key, spec, where) if is_file else _import_module(key, spec, where)
+    finally:
+        _go_home(home)  # a module that changes directory on import does not move where the run writes
     fn = getattr(module, name, None)
     if fn is None:
         found = sorted(n for n, v in vars(module).items()
@@ -169,7 +177,7 @@ def load_rewards(reward, rewards, fields: set[str]) -> list[Reward]:
         bad = sorted(set(s["kwargs"]) & {"completion", "prompt", "answer"})
         if bad:
             raise TaskError(f"{s['key']}.kwargs sets {bad}: those come from each row, not from kwargs.")
-        r = Reward(fn, s["fn"], s["weight"], name, dict(s["kwargs"]))
+        r = Reward(fn, s["fn"], s["weight"], name, dict(s["kwargs"]), key=s["key"], fields=tuple(sorted(fields)))
         r.call = bind(r, fields, s["key"], historic=s["key"] == "task.reward")
         out.append(r)
     return out
@@ -242,23 +250,67 @@ def _number(r: Reward, value, i: int, n: int, completion: str, row: dict) -> flo
                     f"reward must return a finite number (float, int or bool).{hint}")
 
 
-def score(rewards: list[Reward], completions: list[str], rows: list[dict]):
-    """(weighted totals, {name: values}); the first weighted term is the start of the sum, so a single reward
-    of weight 1.0 gives its values bit for bit."""
-    if len(completions) != len(rows):
-        raise ValueError(f"score: {len(completions)} completions for {len(rows)} rows")
-    n, per = len(rows), {}
-    for r in rewards:
-        values = []
-        for i, (c, row) in enumerate(zip(completions, rows)):
-            try:
-                v = r.call(c, row)
-            except Exception as e:
-                raise TaskError(f"{_context(r, i, n, c, row)} raised {type(e).__name__}: {e}{_where(e)}") from e
-            values.append(_number(r, v, i, n, c, row))
-        per[r.name] = values
+_IMMUTABLE = (str, bytes, int, float, bool, complex, type(None))
+
+
+def _own(row: dict) -> dict:
+    """The row as a reward receives it: a new dict whose mutable values (lists, dicts, arrays) are copies, so a
+    reward that changes them changes nothing that the next completion of the group, or the task, sees."""
+    return {k: v if isinstance(v, _IMMUTABLE) else copy.deepcopy(v) for k, v in row.items()}
+
+
+def _go_home(home: str) -> None:
+    """Back to the run's working directory if a reward (or its import) changed it: checkpoints, exports and
+    relative paths must not move."""
+    try:
+        here = os.getcwd()
+    except OSError:  # the directory it moved to was removed
+        here = None
+    if here != home:
+        os.chdir(home)
+
+
+def call_one(r: Reward, i: int, n: int, completion: str, row: dict, home: str, isolated: bool = False) -> float:
+    """Reward `r` of completion `i` of `n` as a float; any failure is a TaskError naming the reward and the row.
+    `isolated` (in the worker process, where a signal never raises): KeyboardInterrupt is the reward's own too."""
+    caught = BaseException if isolated else (Exception, SystemExit)
+    try:
+        value = r.call(completion, _own(row))
+    except caught as e:
+        exits = isinstance(e, (SystemExit, KeyboardInterrupt))
+        what = type(e).__name__ + ((f"({e.args[0]!r})" if e.args else "") if exits else f": {e}")
+        tail = "; a reward must return a number, not stop the process" if exits else ""
+        raise TaskError(f"{_context(r, i, n, completion, row)} raised {what}{_where(e)}{tail}") from None
+    finally:
+        _go_home(home)
+    return _number(r, value, i, n, completion, row)
+
+
+def weigh(rewards: list[Reward], per: dict[str, list[float]], completions: list[str], rows: list[dict]):
+    """The weighted totals; the first weighted term is the start of the sum, so a single reward of weight 1.0
+    gives its values bit for bit. A total that is not finite (finite values times weights that overflow) is a
+    TaskError naming the reward whose term is largest, and the row."""
     totals = None
     for r in rewards:
         terms = [r.weight * v for v in per[r.name]]
         totals = terms if totals is None else [t + x for t, x in zip(totals, terms)]
-    return totals, per
+    for i, total in enumerate(totals or []):
+        if not math.isfinite(total):
+            worst = max(rewards, key=lambda r: abs(r.weight * per[r.name][i]))
+            v = per[worst.name][i]
+            terms = ", ".join(f"{r.name}={per[r.name][i]!r} x {r.weight!r}" for r in rewards)
+            raise TaskError(f"{_context(worst, i, len(rows), completions[i], rows[i])} returned {v!r} with weight "
+                            f"{worst.weight!r}: the weighted total is {total!r} ({terms}); keep values times weights "
+                            "well inside the float range: scale the reward or lower its weight.")
+    return totals
+
+
+def score(rewards: list[Reward], completions: list[str], rows: list[dict]):
+    """(weighted totals, {name: values}), every reward called in this process (a run calls them in its reward
+    worker: rlrun/tasks/worker.py)."""
+    if len(completions) != len(rows):
+        raise ValueError(f"score: {len(completions)} completions for {len(rows)} rows")
+    n, home = len(rows), os.getcwd()
+    per = {r.name: [call_one(r, i, n, c, row, home) for i, (c, row) in enumerate(zip(completions, rows))]
+           for r in rewards}
+    return weigh(rewards, per, completions, rows), per

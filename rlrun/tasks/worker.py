@@ -1,0 +1,290 @@
+"""The reward worker: a run's rewards are called in one child process, started once per run, so that a reward
+cannot take the run down or hold it forever.
+
+- A call that does not return within `task.reward_timeout_s` stops the run (TaskError naming the reward and the
+  row); the worker is killed.
+- `sys.exit`, `os._exit`, `KeyboardInterrupt` or a crash inside a reward is a TaskError naming the reward and the
+  row, never a silent exit of the run: the worker dies, not the trainer.
+- Ctrl-C and SIGTERM are the trainer's: the worker ignores them. While the trainer waits on a reward, a signal
+  that `signals.deferred()` holds back (finish the step, then stop) gives the reward `GRACE_S` seconds; a reward
+  still running then is abandoned (worker killed) and the run stops at once (KeyboardInterrupt: KILLED, the
+  checkpoints written so far kept). The worker also dies with the trainer (Linux: PR_SET_PDEATHSIG).
+- Each call gets copies of the row's mutable values and runs in the run's working directory (scoring.call_one).
+
+Protocol, over two pipes: length-prefixed pickles. The trainer sends the rewards' specs once (the worker imports
+and binds them itself), then one `(number, completions, rows)` request per batch; the worker answers once per
+batch, ("ok", values per reward) or ("error", message). Which call is running, and since when, is in a small
+record both processes map (`PROGRESS`, written before each call): the trainer reads it only while it waits, to
+bound the call and to name it; so a batch costs two pipe messages, not one per call.
+
+Rewards that draw random numbers draw from the worker's `random` (and numpy's / torch's, when the reward module
+imported them), seeded with the run's seed when the worker starts; a resumed run starts them afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+
+from .base import TaskError, short
+
+log = logging.getLogger("rlrun")
+GRACE_S = 3.0  # after a deferred SIGTERM / Ctrl-C, how long a running reward may still take before it is abandoned
+IMPORT_S = 120.0  # the least time importing the rewards in the worker may take (a module may import a big library)
+POLL_S = 0.2  # how often a wait on the worker looks at the clock and at signals
+_HEADER = struct.Struct("<Q")  # a message's length, then its pickle
+PROGRESS = struct.Struct("<qqd")  # shared by both processes: request number, call index, time.monotonic() it began
+
+
+def _write(fd: int, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+class RewardWorker:
+    """The trainer's side: `score(completions, rows)` -> {reward name: values}; `close()` ends the worker."""
+
+    def __init__(self, rewards: list, timeout_s: float, seed: int = 0):
+        self.rewards, self.timeout_s, self.seed = rewards, float(timeout_s), seed
+        self.proc, self.requests = None, 0
+        self.start()
+
+    def start(self) -> None:
+        req_r, req_w = os.pipe()
+        res_r, res_w = os.pipe()
+        shared = tempfile.TemporaryFile()  # the progress record, mapped by both processes
+        shared.truncate(PROGRESS.size)
+        self.progress = mmap.mmap(shared.fileno(), PROGRESS.size)
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlrun.tasks.worker", str(req_r), str(res_w),
+                                      str(shared.fileno()), str(os.getpid())],
+                                     pass_fds=(req_r, res_w, shared.fileno()), stdin=subprocess.DEVNULL)
+        os.close(req_r)
+        os.close(res_w)
+        self.fd_out, self.fd_in, self.buffer = req_w, res_r, bytearray()
+        self._closer = weakref.finalize(self, _release, self.proc, req_w, res_r, self.progress, shared)
+        specs = [(r.spec, r.key, r.name, r.weight, r.kwargs, list(r.fields)) for r in self.rewards]
+        self._send({"rewards": specs, "path": list(sys.path), "cwd": os.getcwd(), "seed": self.seed})
+        sent = time.monotonic()
+        reply = self._receive(lambda: ("importing the rewards in the reward worker", sent),
+                              max(self.timeout_s, IMPORT_S))
+        if reply[0] != "ready":
+            self.close()
+            raise TaskError(reply[1])
+
+    def close(self) -> None:
+        """End the worker: it exits when its request pipe closes; killed if it does not within a second."""
+        if self.proc is None:
+            return
+        os.close(self.fd_out)
+        try:
+            self.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+        self._closer()  # kills it if it is still there, and closes the rest
+        self.proc = None
+
+    def _abandon(self) -> str:
+        """Kill the worker (a reward hangs or a signal stops the run); the next `score` starts a new one."""
+        _kill(self.proc)
+        code = self.proc.returncode
+        self._closer()
+        self.proc = None
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+    def _send(self, obj) -> None:
+        try:
+            _write(self.fd_out, obj)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise TaskError(f"the rows cannot be sent to the reward worker ({type(e).__name__}: {e}); a row's "
+                            "columns must be plain data (text, numbers, lists, dicts).") from None
+
+    def _frame(self):
+        if len(self.buffer) < _HEADER.size:
+            return None
+        (n,) = _HEADER.unpack_from(self.buffer)
+        if len(self.buffer) < _HEADER.size + n:
+            return None
+        msg = pickle.loads(self.buffer[_HEADER.size : _HEADER.size + n])
+        del self.buffer[: _HEADER.size + n]
+        return msg
+
+    def _receive(self, running, bound: float | None = None):
+        """The worker's next message. `running()` -> (what the worker is running now, since when); TaskError
+        when that outlasts `bound` (default: the reward timeout) or ends the worker; KeyboardInterrupt when a
+        held-back signal has waited GRACE_S for it."""
+        from .. import signals
+
+        bound = self.timeout_s if bound is None else bound
+        while True:
+            msg = self._frame()
+            if msg is not None:
+                return msg
+            (what, since), now, asked = running(), time.monotonic(), signals.stop_asked()
+            if asked is not None and now - asked > GRACE_S:
+                self._abandon()
+                log.warning("%s was still running %.0f s after the signal: stopping now, without finishing the "
+                            "step (the checkpoints written so far are kept)", what, GRACE_S)
+                raise KeyboardInterrupt("a reward was still running after the signal")
+            if now - since > bound:
+                self._abandon()
+                raise TaskError(f"{what} did not return within {bound:g} s (task.reward_timeout_s="
+                                f"{self.timeout_s:g}); the reward worker was stopped. Make the reward faster (or "
+                                "give it its own timeout), or raise task.reward_timeout_s.")
+            ready, _, _ = select.select([self.fd_in], [], [], max(0.0, min(POLL_S, since + bound - now)))
+            if ready:
+                chunk = os.read(self.fd_in, 1 << 20)
+                if not chunk:
+                    what, _ = running()  # read before the progress record goes with the worker
+                    how = self._abandon()
+                    raise TaskError(f"{what} ended the reward worker process ({how}): os._exit, a crash, or "
+                                    "the process being killed. A reward must return a number.")
+                self.buffer += chunk
+
+    def score(self, completions: list[str], rows: list[dict]) -> dict[str, list[float]]:
+        from .scoring import _context
+
+        if not rows:
+            return {r.name: [] for r in self.rewards}
+        if self.proc is None:
+            self.start()
+        self.requests += 1
+        number, n, sent = self.requests, len(rows), time.monotonic()
+
+        def running():  # the call the worker is in (its progress record), and since when
+            request, k, since = PROGRESS.unpack_from(self.progress)
+            k, since = (k, since) if request == number else (0, sent)  # not begun yet: the first call, from now
+            r, i = self.rewards[k // n], k % n
+            return _context(r, i, n, completions[i], rows[i]), since
+
+        self._send((number, completions, rows))
+        try:
+            msg = self._receive(running)
+        except KeyboardInterrupt:  # a signal that interrupted the wait itself: the worker is mid-call
+            if self.proc is not None:
+                self._abandon()
+            raise
+        if msg[0] == "error":
+            raise TaskError(msg[1])
+        return {r.name: values for r, values in zip(self.rewards, msg[1])}
+
+
+def _release(proc, fd_out, fd_in, progress, shared) -> None:
+    _kill(proc)
+    for fd in (fd_out, fd_in):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    progress.close()
+    shared.close()
+
+
+# --- the worker process ------------------------------------------------------------------------------------------
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this process when the trainer dies (kill -9 included)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere: the worker still exits when its request pipe closes (unless a reward hangs)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _read(f):
+    head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        return None
+    return pickle.loads(f.read(_HEADER.unpack(head)[0]))
+
+
+def _seed(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed)
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed)
+
+
+def _load(init: dict) -> list:
+    from . import scoring
+
+    sys.path[:] = init["path"]
+    os.chdir(init["cwd"])
+    out = []
+    for spec, key, name, weight, kwargs, fields in init["rewards"]:
+        fn = scoring.import_reward(spec, key)
+        r = scoring.Reward(fn, spec, weight, name, kwargs, key=key, fields=tuple(fields))
+        r.call = scoring.bind(r, set(fields), key, historic=key == "task.reward")
+        out.append(r)
+    _seed(init["seed"])
+    return out
+
+
+def _serve(requests, fd: int, progress, rewards: list, home: str) -> None:
+    """Answer each request with all its values, or the first error; before each call, the progress record says
+    which call is running and since when (the trainer reads it to bound and name a call: no message per call)."""
+    from .scoring import call_one
+
+    while (request := _read(requests)) is not None:
+        number, completions, rows = request
+        n = len(rows)
+        try:
+            values = []
+            for j, r in enumerate(rewards):
+                values.append([])
+                for i, (c, row) in enumerate(zip(completions, rows)):
+                    PROGRESS.pack_into(progress, 0, number, j * n + i, time.monotonic())
+                    values[-1].append(call_one(r, i, n, c, row, home, isolated=True))
+            _write(fd, ("ok", values))
+        except TaskError as e:
+            _write(fd, ("error", str(e)))
+
+
+def main(argv: list[str]) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle; it stops this process itself
+        signal.signal(sig, signal.SIG_IGN)
+    req_fd, res_fd, progress_fd, parent = (int(a) for a in argv[:4])
+    _die_with_parent(parent)
+    progress = mmap.mmap(progress_fd, PROGRESS.size)
+    with os.fdopen(req_fd, "rb") as requests:
+        init = _read(requests)
+        if init is None:
+            return
+        try:
+            rewards = _load(init)
+        except TaskError as e:
+            _write(res_fd, ("error", str(e)))
+            return
+        except BaseException as e:  # noqa: BLE001 - whatever a reward module does on import, said in one line
+            _write(res_fd, ("error", f"importing the rewards in the reward worker raised {type(e).__name__}: "
+                                     f"{short(str(e), 300)}"))
+            return
+        _write(res_fd, ("ready",))
+        _serve(requests, res_fd, progress, rewards, init["cwd"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,194 @@
+"""Rewards that misbehave: a bound on each call, a reward that exits or kills its process, SIGTERM while a reward
+hangs, a weighted total that overflows, a reward that changes its row or the working directory. The run calls its
+rewards in a worker process (rlrun/tasks/worker.py); a library caller of Task.score calls them in-process, and
+both give copies and restore the working directory."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import runs
+
+from rlrun import checkpoint, tasks
+from rlrun.tasks import scoring
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": f"{ROOT}/tests{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+ROWS = [{"prompt": "3+4=", "answer": "7", "tags": []}] * 4  # one group: the same row object 4 times
+
+
+def hangs(completion, answer):
+    time.sleep(600)
+    return 1.0
+
+
+def exits(completion, answer):
+    sys.exit(0)
+
+
+def hard_exit(completion, answer):
+    os._exit(0)
+
+
+def interrupts(completion, answer):
+    raise KeyboardInterrupt
+
+
+def huge(completion, answer):
+    return 1.7e308
+
+
+def appends(completion, answer, tags):
+    tags.append("seen")
+    return float(len(tags))
+
+
+def moves(completion, answer):
+    here = os.getcwd()
+    os.chdir("/")
+    return float(here == os.environ["HOME_DIR"])
+
+
+def task_of(fn, weight=1.0):
+    return tasks.Task("t", ROWS, [], scoring.load_rewards(None, [{"fn": f"test_reward_worker:{fn}", "weight": weight}],
+                                                        {"prompt", "answer", "tags"}))
+
+
+def score_isolated(task, timeout_s=30.0):
+    with tasks.isolated(task, timeout_s):
+        return task.score(["7"] * 4, ROWS)
+
+
+WHERE = "on completion 0 of 4 (prompt '3+4=', answer '7', completion '7')"
+
+
+def test_a_reward_call_is_bounded_and_the_error_names_the_reward_and_the_row():
+    start = time.monotonic()
+    with pytest.raises(tasks.TaskError) as e:
+        score_isolated(task_of("hangs"), timeout_s=1.0)
+    assert time.monotonic() - start < 10
+    assert str(e.value).startswith(f"reward 'hangs' (test_reward_worker:hangs) {WHERE} did not return within 1 s "
+                                   "(task.reward_timeout_s=1)"), str(e.value)
+
+
+@pytest.mark.parametrize("fn,needle", [
+    ("exits", "raised SystemExit(0) at"),
+    ("interrupts", "raised KeyboardInterrupt at"),
+    ("hard_exit", "ended the reward worker process (exit code 0)"),
+])
+def test_a_reward_that_exits_is_a_task_error_naming_it(fn, needle):
+    with pytest.raises(tasks.TaskError) as e:
+        score_isolated(task_of(fn))
+    msg = str(e.value)
+    assert msg.startswith(f"reward '{fn}' (test_reward_worker:{fn}) {WHERE}") and needle in msg, msg
+
+
+def test_sys_exit_in_process_is_a_task_error_too():
+    with pytest.raises(tasks.TaskError, match=r"reward 'exits' .* raised SystemExit\(0\)"):
+        task_of("exits").score(["7"] * 4, ROWS)
+
+
+@pytest.mark.parametrize("isolated", [False, True], ids=["in-process", "worker"])
+def test_a_total_that_overflows_names_the_reward_and_the_row(isolated):
+    task = task_of("huge", weight=10.0)
+    with pytest.raises(tasks.TaskError) as e:
+        score_isolated(task) if isolated else task.score(["7"] * 4, ROWS)
+    assert str(e.value).startswith(f"reward 'huge' (test_reward_worker:huge) {WHERE} returned 1.7e+308 with weight "
+                                   "10.0: the weighted total is inf"), str(e.value)
+
+
+@pytest.mark.parametrize("isolated", [False, True], ids=["in-process", "worker"])
+def test_a_reward_gets_copies_of_mutable_columns(isolated):
+    task = task_of("appends")
+    totals, _ = score_isolated(task) if isolated else task.score(["7"] * 4, ROWS)
+    assert totals == [1.0, 1.0, 1.0, 1.0]  # identical completions, identical rewards (were 1, 2, 3, 4)
+    assert ROWS[0]["tags"] == []  # the task's rows are untouched
+
+
+@pytest.mark.parametrize("isolated", [False, True], ids=["in-process", "worker"])
+def test_the_working_directory_is_restored_after_each_call(tmp_path, monkeypatch, isolated):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME_DIR", str(tmp_path))
+    task = task_of("moves")
+    totals, _ = score_isolated(task) if isolated else task.score(["7"] * 4, ROWS)
+    assert totals == [1.0] * 4  # every call started in the run's directory
+    assert os.getcwd() == str(tmp_path)
+
+
+def test_the_worker_scores_like_the_process_bit_for_bit():
+    t = tasks.Task("t", ROWS, [], scoring.load_rewards("rlrun.tasks:partial_credit", None, {"prompt", "answer"}))
+    completions = ["7", "8", "17", "x"]
+    with tasks.isolated(t, 30):
+        got = t.score(completions, ROWS)
+    assert got == t.score(completions, ROWS) and got[0][:2] == [1.0, 0.5]
+
+
+def test_reward_timeout_must_be_positive(cfg_factory):
+    from rlrun.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="task.reward_timeout_s"):
+        validate(cfg_factory("task.reward_timeout_s=0"))
+
+
+# --- through the entry point --------------------------------------------------------------------------------------
+
+REWARDS = """
+import os, pathlib, time
+def hang_after_a_checkpoint(completion, answer):
+    if list(pathlib.Path("ckpt").glob("step_*.pt")):
+        pathlib.Path("reached").touch()
+        time.sleep(600)
+    return 0.5
+def quits(completion, answer):
+    os._exit(0)
+"""
+
+
+def rlrun(tmp_path, *args):
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    with open(tmp_path / "console.txt", "w") as console:  # the log is on stdout, errors on stderr
+        return subprocess.Popen([sys.executable, "-m", "rlrun", "experiment=smoke", "progress=false", "eval.every=0",
+                                 f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", *args], cwd=tmp_path, env=ENV,
+                                stdout=console, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_reward_hangs_stops_the_run_within_seconds_killed(tmp_path):
+    p = rlrun(tmp_path, "task.reward=rewards.py:hang_after_a_checkpoint", "checkpoint.dir=ckpt", "checkpoint.every=1",
+              "train.steps=50")
+    try:
+        deadline = time.time() + 240
+        while not (tmp_path / "reached").exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "reached").exists(), (tmp_path / "console.txt").read_text()[-2000:]
+        p.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        p.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = (tmp_path / "console.txt").read_text()
+    assert p.returncode == 143, err[-2000:]
+    assert took < 20, took  # the reward's grace (3 s) and the run's end; the reward itself would sleep 600 s
+    assert "reward 'hang_after_a_checkpoint'" in err and "was still running 3 s after the signal" in err
+    _, [r] = runs(tmp_path / "mlflow.db")
+    assert r.info.status == "KILLED"
+    state, _ = checkpoint.load_latest(str(tmp_path / "ckpt"))  # the checkpoints written before are usable
+    assert state["step"] >= 1
+
+
+@pytest.mark.slow
+def test_os_exit_in_a_reward_fails_the_run_naming_the_reward(tmp_path):
+    p = rlrun(tmp_path, "task.reward=rewards.py:quits")
+    p.wait(timeout=300)
+    err = (tmp_path / "console.txt").read_text()
+    assert p.returncode == 2, err[-2000:]  # was 0, with the run left RUNNING
+    assert "error: reward 'quits' (rewards.py:quits) on completion 0 of" in err
+    assert "ended the reward worker process (exit code 0)" in err and "Traceback" not in err
+    _, [r] = runs(tmp_path / "mlflow.db")
+    assert r.info.status == "FAILED" and "'quits'" in r.data.tags["error"]
