@@ -4,6 +4,7 @@ against. What it measures on CUDA is in tests/test_gpu.py (marker gpu)."""
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -282,13 +283,24 @@ def test_the_reference_is_dense_dapo_in_float64():
     assert torch.allclose(grad_w, w.grad, rtol=1e-10, atol=1e-16)
 
 
+def test_inputs_keep_every_log_ratio_off_the_clip_bounds_and_both_sides_of_them():
+    current = torch.linspace(-1, 1, 2001, dtype=torch.float64)
+    old = gpu_heads.keep_off_the_clip(current, torch.zeros_like(current))
+    r = current - old
+    for bound in (math.log(0.8), math.log(1.28)):
+        assert (r - bound).abs().min() >= gpu_heads.MARGIN - 1e-12
+    far = ((current - math.log(0.8)).abs() >= 0.05) & ((current - math.log(1.28)).abs() >= 0.05)
+    assert torch.equal(old[far], torch.zeros(int(far.sum()), dtype=torch.float64))  # the rest untouched
+    assert (r < math.log(0.8)).any() and (r > math.log(1.28)).any() and (r.abs() < 0.1).any()
+
+
 def test_rlrun_heads_in_fp32_pass_and_a_wrong_gradient_fails(tmp_path):
     """The part's children in this process on CPU: rlrun's chunked head is within fp32's tolerance of the reference,
     and the same result with its dW scaled by 1.001 is not."""
     g = args("--tokens", "64", "--seqs", "4", "--hidden", "16", "--vocab", "512", "--tile-size", "16", "--repeat", "1")
     g.device = "cpu"
     a = gpu_heads.bench_args(g, "float32")
-    bench.child("chunked", a, tmp_path / "head.pt")
+    gpu_heads.child("chunked", a, tmp_path / "head.pt")
     gpu_heads.reference_child(a, tmp_path / "ref.pt")
     head, ref = torch.load(tmp_path / "head.pt"), torch.load(tmp_path / "ref.pt")
     row = gpu_heads.row_of("chunked", "float32", head, ref)

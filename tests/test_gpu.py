@@ -53,7 +53,7 @@ def test_heads_on_cuda_agree_with_the_fp64_reference(impl, dtype):
 
     a = argparse.Namespace(tokens=1024, seqs=8, hidden=256, vocab=32768, tile_size=256, dtype=dtype, device="cuda",
                            seed=0)
-    hidden, weight, targets, mask, adv, seq_adv, old = bench.make_inputs(a, CUDA)
+    hidden, weight, targets, mask, adv, seq_adv, old = gpu_heads.inputs(a, CUDA)
     ref = dict(zip(("loss", "grad_h", "grad_w"), gpu_heads.reference(hidden, weight, targets, mask, adv, old)))
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
