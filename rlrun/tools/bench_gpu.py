@@ -28,7 +28,8 @@ from pathlib import Path
 from .. import render
 
 PARTS = ("heads", "plan", "offload", "runs", "vllm")
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks-gpu.md"
+REPO_DOCS = Path(__file__).resolve().parents[2] / "docs"  # a checkout (editable install); else the working folder
+DOCS = REPO_DOCS / "benchmarks-gpu.md" if (REPO_DOCS / "gpu.md").is_file() else Path("benchmarks-gpu.md")
 HEAD = ["part", "case", "speed", "memory", "check", "verdict"]
 
 
@@ -222,7 +223,8 @@ def add_parser(sub, log_mlflow) -> None:
     r.add_argument("--warmup", type=int, default=2, help="first steps left out of steps/s")
     r.add_argument("--vllm-steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--docs", default=str(DOCS), help="the markdown page to write ('' for none)")
+    p.add_argument("--docs", default=str(DOCS), help="the markdown page to write, default the checkout's "
+                   "docs/benchmarks-gpu.md ('' for none)")
     p.add_argument("--log-dir", default="bench-gpu-logs", help="each run's output, named in a failed row")
     p.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
     p.set_defaults(func=lambda a: bench(a, log_mlflow), device="cuda")  # every part measures CUDA
