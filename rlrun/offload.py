@@ -11,12 +11,14 @@ import torch
 
 
 def move_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> int:
-    """Move all tensors of the optimizer state to `device`; return the bytes that changed device."""
+    """Move the tensors of the optimizer state to `device`; return the bytes that changed device. Scalars (AdamW's
+    `step`) stay where the optimizer keeps them: torch keeps `step` on the host unless capturable/fused, and one
+    brought onto a GPU would make every optimizer step wait for the device to read it back (a sync per tensor)."""
     device = torch.device(device)
     moved = 0
     for state in optimizer.state.values():
         for key, value in state.items():
-            if torch.is_tensor(value) and value.device != device:
+            if torch.is_tensor(value) and value.dim() > 0 and value.device != device:
                 moved += value.numel() * value.element_size()
                 state[key] = value.to(device, non_blocking=device.type == "cpu")
     if device.type == "cpu" and torch.cuda.is_available():

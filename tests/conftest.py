@@ -56,6 +56,19 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group("distributed"))
 
 
+NO_CUDA = "gpu: no CUDA device (torch.cuda.is_available() is False); run `pytest -m gpu` on a machine with one"
+
+
+def pytest_runtest_setup(item):
+    """`gpu` tests are skipped without a CUDA device, all from this one place for the one reason above, so that -ra
+    reports them in one line. torch is imported only when such a test runs."""
+    if item.get_closest_marker("gpu"):
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip(NO_CUDA)
+
+
 # The environment rlrun, its launchers and its tests read (others, e.g. KMP_* that libraries set once when first
 # imported, are left alone). Such a variable that a test changes is put back, and reported unless EXPECTED.
 WATCHED_ENV_PREFIXES = ("RLRUN_", "MLFLOW_", "HF_", "TRANSFORMERS_", "VLLM_", "DS_", "CUDA_", "TORCH_")

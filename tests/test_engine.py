@@ -18,3 +18,21 @@ def test_deepspeed_config_follows_the_run_config(monkeypatch):
     zero = ds["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
     assert ds["gradient_clipping"] == cfg.train.grad_clip and ds["bf16"] == {"enabled": False}
+
+
+def test_offload_moves_the_optimizer_states_tensors_and_leaves_its_scalars():
+    """move_state counts and moves AdamW's moments; its `step` scalars stay where the optimizer keeps them (on a
+    GPU, a step counter brought onto the device would make every optimizer step synchronise on it). The meta device
+    stands in for a GPU here."""
+    import torch
+
+    from rlrun import offload
+
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    assert offload.move_state(opt, "meta") == 2 * 4 * (8 * 4 + 4)  # exp_avg, exp_avg_sq of weight and bias
+    for state in opt.state.values():
+        assert state["exp_avg"].is_meta and state["exp_avg_sq"].is_meta and state["step"].device.type == "cpu"
+    assert offload.move_state(opt, "meta") == 0

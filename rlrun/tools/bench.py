@@ -6,6 +6,7 @@
     python -m rlrun.bench plan                    # the memory plan's accuracy (rlrun/tools/bench_plan.py)
     python -m rlrun.bench batching                # padded vs packed vs shared_prompt (rlrun/tools/bench_batching.py)
     python -m rlrun.bench pipeline                # rollout.pipeline=sync vs async (rlrun/tools/bench_pipeline.py)
+    python -m rlrun.bench gpu                     # rlrun on a CUDA device, every part (rlrun/tools/bench_gpu.py)
 
 `heads`: one DAPO forward+backward of the lm head + loss per implementation, each in its own process (so peaks do
 not mix), on identical seeded inputs: rlrun's dense / tiled / chunked heads and the peers a user would pick
@@ -43,7 +44,7 @@ from ..losses.dapo import token_loss as dapo_token_loss
 from ..meters import MIB, Meter, proc_bytes
 from ..render import in_child, num, table
 from ..tracking import MLflow, TrackingError, check_uri, log_metrics
-from . import bench_batching, bench_pipeline, bench_plan, bench_trl
+from . import bench_batching, bench_gpu, bench_pipeline, bench_plan, bench_trl
 
 PEERS = ("deepspeed", "liger")
 CLIP = dict(clip_low=0.2, clip_high=0.28)
@@ -368,6 +369,7 @@ def parser() -> argparse.ArgumentParser:
     m.set_defaults(func=plan_bench)
     bench_batching.add_parser(sub, batching_bench)
     bench_pipeline.add_parser(sub, pipeline_bench)
+    bench_gpu.add_parser(sub, log_mlflow)
     return p
 
 

@@ -1,0 +1,82 @@
+"""rlrun on a CUDA device (marker `gpu`: skipped, in one line, without one; conftest.skip_without_cuda).
+
+These have not run yet: no CUDA device was available where they were written (docs/not-run.md). They check what
+CPU runs cannot: CUDA's allocator as the meter reads it, optimizer state leaving the device and coming back, the
+heads' equivalence in CUDA kernels, a run on the device, and `python -m rlrun.bench gpu` end to end at a small size.
+"""
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+
+
+def test_meter_reads_the_allocators_growth_of_a_phase():
+    from rlrun.meters import Meter
+
+    meter = Meter(CUDA, phases=("train",))
+    keep = torch.empty(2**20, dtype=torch.uint8, device=CUDA)  # allocated before the phase: not its growth
+    with meter.phase("train"):
+        x = torch.empty(8 * 2**20, dtype=torch.uint8, device=CUDA)
+        del x
+    assert meter.growth["train"] == 8 * 2**20
+    assert meter.peak["train"] >= 9 * 2**20 and keep.numel() == 2**20
+
+
+def test_offload_moves_adams_state_off_the_device_and_back_bit_for_bit():
+    from rlrun import offload
+
+    model = torch.nn.Linear(256, 512).to(CUDA)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    model(torch.randn(4, 256, device=CUDA)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for s in opt.state.values() for k, v in s.items() if v.device.type == "cuda"}
+    params = sum(p.numel() for p in model.parameters())
+    allocated = torch.cuda.memory_allocated()
+    assert offload.to_host(opt, True, CUDA) == 2 * 4 * params  # exp_avg, exp_avg_sq (step stays on the host)
+    assert allocated - torch.cuda.memory_allocated() >= 2 * 4 * params
+    assert offload.to_device(opt, True, CUDA) == 2 * 4 * params
+    after = {k: v for s in opt.state.values() for k, v in s.items() if v.device.type == "cuda"}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("impl", ["dense", "tiled", "chunked"])
+def test_heads_on_cuda_agree_with_the_fp64_reference(impl, dtype):
+    from rlrun.tools import bench, gpu_heads
+
+    a = argparse.Namespace(tokens=1024, seqs=8, hidden=256, vocab=32768, tile_size=256, dtype=dtype, device="cuda",
+                           seed=0)
+    hidden, weight, targets, mask, adv, seq_adv, old = gpu_heads.inputs(a, CUDA)
+    ref = dict(zip(("loss", "grad_h", "grad_w"), gpu_heads.reference(hidden, weight, targets, mask, adv, old)))
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    loss = bench.run_impl(impl, a, hidden, weight, targets, mask, adv, seq_adv, old)
+    loss.backward()
+    got = {"loss": loss.detach(), "grad_h": hidden.grad, "grad_w": weight.grad}
+    errs = {k: bench.rel_err(got[k].double(), ref[k]) for k in ref}
+    assert max(errs.values()) <= gpu_heads.TOLERANCE[dtype], errs
+
+
+@pytest.mark.slow
+def test_a_run_trains_on_the_device(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "rlrun", "experiment=smoke", "engine.device=cuda", "tracking=none",
+                        f"hydra.run.dir={tmp_path}/out"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_bench_gpu_heads_end_to_end_at_a_small_size(tmp_path):
+    docs = tmp_path / "benchmarks-gpu.md"
+    r = subprocess.run([sys.executable, "-m", "rlrun.bench", "gpu", "--only", "heads", "--tokens", "1024",
+                        "--vocab", "16384", "--hidden", "256", "--tile-size", "256", "--impls", "dense,tiled,chunked",
+                        "--docs", str(docs), "--tracking-uri", "none"],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "6 of 6 checks ok" in r.stdout and "tiled fp32" in docs.read_text()
