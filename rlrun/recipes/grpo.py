@@ -23,7 +23,10 @@ import torch
 
 from .. import activations, evaluate, logprobs, losses, models, ranks, tasks
 from .. import batching as packing
-from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup
+from ..losses import agg
+from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, setup
+from . import sampling
+from .sampling import sample_seed  # noqa: F401 (rlrun.recipes.grpo.sample_seed, as before)
 
 
 @dataclass
@@ -39,6 +42,8 @@ class Micro:
     gen_logprobs: torch.Tensor  # [N]
     old_logprobs: torch.Tensor | None = None  # [N], None: old pass skipped
     ref_logprobs: torch.Tensor | None = None  # [N], None: reference pass skipped
+    weights: torch.Tensor | None = None  # [N] loss.agg's per-token weights, set per step (losses/agg.py)
+    seq: torch.Tensor | None = None  # [N] each token's sequence in the step, set per step for gspo (losses/agg.py)
 
 
 class RolloutBuffer:
@@ -84,11 +89,13 @@ class StepRollouts:
     gen_tokens: int = 0
     mismatch: np.ndarray = field(default_factory=lambda: np.zeros(3))  # see `mismatch`
     samples: list[dict] = field(default_factory=list)  # a few rows of the step's first rollout
+    sampling: dict = field(default_factory=dict)  # what dynamic sampling did (recipes/sampling.py)
 
     def reducible(self) -> dict:
         """The small numbers every rank sends (frame.reduce)."""
         return {"rewards": self.rewards, "by_reward": self.by_reward, "lengths": self.lengths,
-                "finished": self.finished, "gen_tokens": self.gen_tokens, "mismatch": self.mismatch}
+                "finished": self.finished, "gen_tokens": self.gen_tokens, "mismatch": self.mismatch,
+                "sampling": self.sampling}
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
@@ -140,7 +147,7 @@ def logprob_pass(model, micros: list[Micro], head, size, temperature: float, bat
     return out
 
 
-FIELDS = ("targets", "advantages", "old_logprobs", "ref_logprobs", "gen_logprobs")
+FIELDS = ("targets", "advantages", "old_logprobs", "ref_logprobs", "gen_logprobs", "weights", "seq")
 
 
 def forwards(backbone, micros: list[Micro], batching, counts: dict, agree=None):
@@ -164,12 +171,6 @@ def mismatch(micros: list[Micro]) -> np.ndarray:
     return np.array([diff.sum().item(), diff.exp().sum().item(), diff.numel()])
 
 
-def sample_seed(seed: int, rollout: int, row: int) -> int:
-    """The sampling seed of one sequence: fixed by (run seed, rollout number, row in the global rollout), so the
-    same sequence is drawn whichever rank generates it."""
-    return int(np.random.SeedSequence(seed, spawn_key=(rollout, row)).generate_state(1)[0])
-
-
 def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     """GRPO. `resume`: a checkpoint's state, to continue that run exactly where it stopped."""
     t = cfg.train
@@ -188,6 +189,9 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     prompts = tasks.prompt_stream(task.train, cfg.seed)  # the same stream on every rank; each takes its slice
     buffer, passes = RolloutBuffer(window), logprobs.PassCounter()
     stateful = {"prompts": prompts, "buffer": buffer, "passes": passes}
+    drawn = sampling.Totals() if t.dynamic_sampling else None  # groups generated and dropped over the run
+    if drawn is not None:
+        stateful["sampling"] = drawn
     start = frame.restore(resume, stateful)
     synced_at = start  # the rollout engine holds the weights after this many optimizer steps
 
@@ -200,14 +204,14 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
                     with frame.meter.phase("sync"), engine.generation():  # only when a step changed the weights
                         s.rollout.sync(engine.model)
                     synced_at = step
-                refill(cfg, s, prompts, buffer, got)
+                refill(cfg, s, prompts, buffer, got, drawn)
 
             # 2. Train: one optimizer step over grad_accum micro-batches, loss normalised by the step's token count.
             loss_total, num_tokens, parts, layout = train_step(cfg, s, buffer.take(grad_accum), step)
             grad_norm = engine.step()
 
             # 3. Metrics over all ranks. A metric that needs a skipped pass is absent, never a zero that looks real.
-            m = step_metrics(frame, passes, got, loss_total, num_tokens, parts, grad_norm, layout)
+            m = step_metrics(frame, passes, got, loss_total, num_tokens, parts, grad_norm, layout, drawn)
             frame.log(step, m, reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
             if cfg.log.samples_every and step % cfg.log.samples_every == 0 and got.samples:
@@ -237,20 +241,16 @@ def held_out(cfg, frame, s):
     return run
 
 
-def refill(cfg, s, prompts, buffer: RolloutBuffer, got: StepRollouts) -> None:
+def refill(cfg, s, prompts, buffer: RolloutBuffer, got: StepRollouts, drawn=None) -> None:
     """One rollout: this rank's prompt groups, generated, scored, given advantages and the logprob passes the
     policy needs, enqueued. Adds what it contributes to the step's metrics to `got`."""
     t, engine, meter = cfg.train, s.engine, s.meter
-    groups = rank_slice([next(prompts) for _ in range(t.rollout_batch // t.group_size)], engine)  # whole groups
-    rows = [ex for ex in groups for _ in range(t.group_size)]
-    first_row = engine.rank * len(rows)
-    seeds = [sample_seed(cfg.seed, buffer.rollouts, first_row + i) for i in range(len(rows))]
-    with meter.phase("generate"), engine.generation():
-        roll = s.rollout.generate(engine.model, [ex["prompt"] for ex in rows], seeds)
-    totals, by_reward = s.data.score(roll.completions, rows)
+    # generated and scored; with train.dynamic_sampling, more rounds until the rollout's groups carry a signal
+    d = sampling.draw(cfg, s, prompts, buffer.rollouts, got.sampling, drawn)
+    rows, roll, totals, by_reward = d.rows, d.roll, d.totals, d.by_reward
     reward = torch.tensor(totals, dtype=torch.float32)
-    advantages = group_advantages(reward, t.group_size, t.scale_advantages).to(engine.device)
-    micros = split_rollout(roll, advantages, t.micro_batch)
+    advantages = group_advantages(d.shaped, t.group_size, t.scale_advantages).to(engine.device)  # + overlong penalty
+    micros = split_rollout(sampling.trained(roll, t.overlong), advantages, t.micro_batch)  # overlong=filter: masked
     need = logprobs.plan(cfg.logprob_policy.name, start=buffer.enqueued, window=buffer.window,
                          grad_accum=s.grad_accum, ref_coef=cfg.loss.kl_coef)
     temperature = cfg.rollout.temperature
@@ -290,14 +290,17 @@ def train_step(cfg, s, micros: list[Micro], step: int):
     loss_kwargs = dict(clip_low=lcfg.clip_low, clip_high=lcfg.clip_high, kl_coef=lcfg.kl_coef,
                        kl_estimator=lcfg.kl_estimator, tis_cap=lcfg.tis.cap if lcfg.tis.enabled else None,
                        entropy_coef=lcfg.entropy_coef)
-    num_tokens = max(sum(engine.gather(sum(int(mb.mask.sum()) for mb in micros))), 1)  # over all ranks
+    # loss.agg's weights over the step's micro-batches and ranks (token_mean: the heads divide by the token count)
+    micros, divisor, num_tokens = agg.prepare(micros, lcfg.agg, lcfg.agg_max_tokens or cfg.rollout.max_new_tokens,
+                                              engine.gather, lcfg.name == "gspo")
     stats_parts, masks, loss_total = [], [], 0.0
     layout = {"real": sum(int(mb.attention_mask.sum()) for mb in micros)}  # tokens that are not padding
     with s.meter.phase("train"), activations.saving(cfg.activations, engine.device):
         for hidden, t, mask, boundary in forwards(backbone, micros, cfg.batching, layout, packing.agree(engine)):
             objective = losses.objective(lcfg.name, t["advantages"], t["old_logprobs"], t["ref_logprobs"],
-                                         t["gen_logprobs"], **loss_kwargs)
-            loss, stats = s.head.loss(hidden, weight, t["targets"], mask, objective, num_tokens,
+                                         t["gen_logprobs"], weights=t["weights"], seq=t["seq"], mask=mask,
+                                         **loss_kwargs)
+            loss, stats = s.head.loss(hidden, weight, t["targets"], mask, objective, divisor,
                                       cfg.rollout.temperature, s.head_size)
             check_finite(loss, step, "lower train.lr or train.grad_clip, or check the reward function.")
             engine.backward(loss, boundary)
@@ -309,7 +312,7 @@ def train_step(cfg, s, micros: list[Micro], step: int):
 
 
 def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_total: float, num_tokens: int, parts,
-                 grad_norm: float, layout: dict) -> dict[str, float]:
+                 grad_norm: float, layout: dict, drawn=None) -> dict[str, float]:
     """The step's metrics from every rank's sums, counts, min/max and per-sequence rewards."""
     by_rank = frame.reduce({"loss": loss_total, "stats": parts, "layout": layout, **got.reducible()})
     m = {"loss": sum(p["loss"] for p in by_rank), **losses.combine([p["stats"] for p in by_rank]),
@@ -336,4 +339,5 @@ def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_to
     m["throughput/train_tokens_per_s"] = num_tokens / m["time/train_s"]
     m["train_tokens"] = num_tokens
     m.update(packing.metrics([p["layout"] for p in by_rank]))
+    m.update(sampling.metrics([p["sampling"] for p in by_rank], drawn))  # dynamic sampling, when on
     return m
