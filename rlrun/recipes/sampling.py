@@ -139,7 +139,9 @@ def draw(cfg, s, prompts, rollout: int, stats: dict, totals: Totals | None = Non
                     "train.dynamic_sampling_max_rounds=%d rounds; the rollout is completed with %d of them (zero "
                     "advantage, no policy gradient). Raise train.dynamic_sampling_max_rounds, or check the reward "
                     "(are the prompts all solved, or all failed?).", dropped, len(order), len(rounds), filled)
-    return share(rounds, chosen, engine, t.group_size, s.tokenizer.pad_token_id)
+    out = share(rounds, chosen, engine, t.group_size, s.tokenizer.pad_token_id)
+    stats["sequences"] = stats.get("sequences", 0) + len(out.rows)  # this rank's: summed over ranks in `metrics`
+    return out
 
 
 def share(rounds: list[Drawn], chosen: list[tuple], engine, group_size: int, pad_id: int) -> Drawn:
@@ -198,11 +200,13 @@ def concat(parts: list[Drawn], pad_id: int) -> Drawn:
 
 def metrics(by_rank: list[dict], totals: Totals | None) -> dict[str, float]:
     """dynamic_sampling/*: the share of generated groups dropped (this step and over the run), rounds, groups
-    completing a rollout at the bound, and the extra generation time (the slowest rank's)."""
+    completing a rollout at the bound, the sequences of the step's rollouts (over ranks), and the extra generation
+    time (the slowest rank's)."""
     if totals is None or not by_rank[0]:
         return {}
     s = by_rank[0]  # the counts are global: every rank has the same
     return {"dynamic_sampling/dropped_frac": s["dropped"] / max(s["groups"], 1),
             "dynamic_sampling/dropped_frac_total": totals.dropped / max(totals.generated, 1),
             "dynamic_sampling/rounds": float(s["rounds"]), "dynamic_sampling/filled_groups": float(s["filled"]),
+            "dynamic_sampling/sequences": float(sum(p["sequences"] for p in by_rank)),
             "time/dynamic_sampling_extra_s": max(p["extra_s"] for p in by_rank)}
