@@ -86,7 +86,7 @@ def test_the_aggregations_weigh_tokens_as_their_formulas_say():
                 assert torch.allclose(row[:n], torch.full((n,), per_row(max(n, 1)), dtype=torch.float32)), mode
                 assert (row[n:] == 0).all()
     same, divisor, count = agg.prepare(micros, "token_mean", 12, lambda mine: [mine], False)
-    assert all(m is not None and m.weights is None and m.seq is None for m in same) and divisor == count
+    assert all(a is b and a.weights is None and a.seq is None for a, b in zip(same, micros)) and divisor == count
 
 
 def test_gspo_without_an_old_policy_pass_is_ratio_one():
@@ -98,6 +98,27 @@ def test_gspo_without_an_old_policy_pass_is_ratio_one():
         d = run_ranks(step, head, "dapo", "seq_mean_token_mean", kl=None, tis=None, size=4, skip_old=True)
         assert g[3]["ratio_min"] == g[3]["ratio_max"] == 1.0 and g[3]["clipfrac"] == 0.0
         assert rel_err(g[2], d[2]) < 1e-6 and rel_err(g[0], d[0]) < 1e-6
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("how", ["packed", "shared_prompt"])
+def test_gspo_and_a_per_sequence_aggregation_through_packs_equal_padded(head, how):
+    """Packs gather each token's weight and sequence id from its micro-batch (every sequence whole in one pack):
+    the training step's loss, every weight's gradient and the metrics are padded's (test_batching's check)."""
+    from helpers import tiny_model
+    from test_batching import micros_of, step
+
+    model, tok = tiny_model()
+    micros = micros_of(tok)
+    ref_total, ref_parts, ref_grads, *_ = step(model, micros, head, "padded", "gspo", agg="seq_mean_token_mean")
+    total, parts, grads, *_ = step(model, micros, head, how, "gspo", agg="seq_mean_token_mean")
+    assert ref_parts["ratio"][2] < 1 < ref_parts["ratio"][3]  # off-policy: sequence ratios on both sides of 1
+    assert abs(total - ref_total) <= 1e-5 * abs(ref_total) + 1e-7
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), name
+    for k, (s_, n, lo, hi) in parts.items():
+        rs, rn, rlo, rhi = ref_parts[k]
+        assert n == rn and abs(s_ - rs) <= 1e-5 * max(abs(rs), 1.0) and abs(lo - rlo) < 1e-5 and abs(hi - rhi) < 1e-5
 
 
 def head_flops(head, loss, n=48, size=8):
@@ -155,3 +176,20 @@ def test_library_gspo_defaults_are_the_config_defaults():
 
     conf = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "loss" / "gspo.yaml")
     assert (gspo.CLIP_LOW, gspo.CLIP_HIGH) == (conf.clip_low, conf.clip_high) == (3e-4, 4e-4)  # GSPO's (section 5.1)
+
+
+def test_the_heads_bench_runs_gspo_on_rlruns_heads_and_refuses_the_peers(tmp_path):
+    from rlrun.tools import bench
+
+    a = bench.parser().parse_args(["heads", "--loss", "gspo", "--tokens", "32", "--seqs", "4", "--hidden", "8",
+                                   "--vocab", "50", "--tile-size", "8", "--impls", "dense,tiled", "--device", "cpu",
+                                   "--tracking-uri", "none"])
+    results = {}
+    for name in ("dense", "tiled"):
+        bench.child(name, a, tmp_path / f"{name}.pt")
+        results[name] = torch.load(tmp_path / f"{name}.pt")
+    rows = bench.heads_rows(["dense", "tiled"], results)
+    assert rows[1]["err_loss"] < 1e-5 and rows[1]["err_grad_w"] < 1e-4 and rows[1]["err_grad_h"] < 1e-4
+    assert bench.format_table(rows, a).startswith("GSPO fwd+bwd")
+    with pytest.raises(SystemExit):
+        bench.main(["heads", "--loss", "gspo", "--impls", "dense,deepspeed", "--tracking-uri", "none"])

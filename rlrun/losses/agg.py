@@ -67,6 +67,8 @@ def prepare(micros, agg: str, max_tokens: int, gather, with_seq: bool):
     """(the step's micro-batches with `weights` and, `with_seq`, `seq` set (copies), the heads' divisor, T): one
     gather of this rank's counts over the ranks (`gather(obj) -> every rank's obj`)."""
     num_tokens, num_seqs = totals(gather(counts(micros)))
+    if agg == "token_mean" and not with_seq:
+        return list(micros), num_tokens, num_tokens
     seq = sequence_ids(micros) if with_seq else [None] * len(micros)
     if agg == "token_mean":
         return [dataclasses.replace(m, seq=s) for m, s in zip(micros, seq)], num_tokens, num_tokens

@@ -82,7 +82,7 @@ def run_impl(name, a, hidden, weight, targets, mask, adv, seq_adv, old):
     n = targets.shape[0]
     if name in registry.REGISTRY["head"]:  # --loss gspo: a.seqs sequences of equal length, GSPO's clip range
         seq = torch.arange(n, device=hidden.device) // (n // a.seqs)
-        f = objective(a.loss, adv, old, seq=seq, mask=mask, **(CLIP if a.loss == "dapo" else GSPO_CLIP))
+        f = objective(a.objective, adv, old, seq=seq, mask=mask, **(CLIP if a.objective == "dapo" else GSPO_CLIP))
         loss, _ = registry.get("head", name).loss(hidden, weight, targets, mask, f, n, 1.0, a.tile_size)
         return loss
     if name == "deepspeed":
@@ -178,7 +178,7 @@ def heads_bench(a):
 
 
 def format_table(rows, a):
-    head = (f"{a.loss.upper()} fwd+bwd, {a.dtype}, {a.tokens} tokens x hidden {a.hidden} x vocab {a.vocab}, "
+    head = (f"{a.objective.upper()} fwd+bwd, {a.dtype}, {a.tokens} tokens x hidden {a.hidden} x vocab {a.vocab}, "
             f"tile {a.tile_size} tokens, device {a.device}")
     body = [[r["impl"], f"failed: {r['error']}"] if "error" in r else
             [r["impl"], num(r["time_s"], ".2f"), num(r["peak_extra_mib"], ".0f"), num(r["loss"], ".6f"),
@@ -318,7 +318,8 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--tile-size", type=int, default=256, help="tokens per tile / chunk / shard")
     h.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     h.add_argument("--impls", default="dense,tiled,chunked,deepspeed,liger")
-    h.add_argument("--loss", default="dapo", choices=["dapo", "gspo"], help="gspo: rlrun's heads only")
+    h.add_argument("--loss", dest="objective", default="dapo", choices=["dapo", "gspo"],
+                   help="gspo: a sequence-level ratio, on rlrun's heads only")
     h.add_argument("--repeat", type=int, default=1, help="timed calls after one warm-up; min time, max peak")
     h.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     h.add_argument("--threads", type=int, default=0)
@@ -371,8 +372,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.func is heads_bench and a.tokens % a.seqs:
         p.error(f"--tokens {a.tokens} must be divisible by --seqs {a.seqs}")
-    if a.func is heads_bench and a.loss != "dapo" and set(a.impls.split(",")) & set(PEERS):
-        p.error(f"--loss {a.loss} runs on rlrun's heads only: --impls dense,tiled,chunked (the peers are DAPO's)")
+    if a.func is heads_bench and a.objective != "dapo" and set(a.impls.split(",")) & set(PEERS):
+        p.error(f"--loss {a.objective} runs on rlrun's heads only: --impls dense,tiled,chunked (the peers are DAPO's)")
     if a.func is plan_bench and set(a.tokens) - set(bench_plan.TOKENS):
         p.error(f"--tokens {a.tokens}: each must be one of {sorted(bench_plan.TOKENS)}")
     if a.tracking_uri != "none":  # a store that cannot be used fails now, not after the benchmark
