@@ -193,3 +193,19 @@ def test_the_heads_bench_runs_gspo_on_rlruns_heads_and_refuses_the_peers(tmp_pat
     assert bench.format_table(rows, a).startswith("GSPO fwd+bwd")
     with pytest.raises(SystemExit):
         bench.main(["heads", "--loss", "gspo", "--impls", "dense,deepspeed", "--tracking-uri", "none"])
+
+
+def test_the_plan_counts_what_the_objectives_add():
+    from conftest import make_cfg
+
+    from rlrun import plan
+    from rlrun.config import validate
+
+    cfg = validate(make_cfg("loss=gspo", "head=tiled", "loss.agg=seq_mean_token_sum"))
+    assert plan.objective_parts(cfg, 1000, 100) == {
+        "loss.agg=seq_mean_token_sum: per-token weights of the step (fp32)": 4000,
+        "loss=gspo: per-token sequence ids of the step (int64)": 8000,
+        "loss=gspo on tiled: logprobs of the first sweep (fp32)": 400}
+    assert plan.objective_parts(validate(make_cfg()), 1000, 100) == {}  # dapo, token_mean: nothing
+    text = plan.report(validate(make_cfg("train.dynamic_sampling=true", "loss=gspo")))
+    assert "dynamic sampling: rollouts of 3 earlier round(s)" in text and "loss=gspo: per-token sequence ids" in text
