@@ -1,4 +1,4 @@
-"""GRPO (loss=dapo | cispo): generate -> reward -> group advantages -> the logprob passes needed -> update.
+"""GRPO (loss=dapo | cispo | gspo): generate -> reward -> group advantages -> the logprob passes needed -> update.
 
 Schedule: `train.steps` optimizer steps. Each optimizer step consumes `grad_accum = batch_size / micro_batch`
 micro-batches from the rollout buffer; when the buffer runs short, a rollout of `rollout_batch` sequences is
