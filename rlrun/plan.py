@@ -15,7 +15,9 @@ tensor bytes, written next to the code that allocates it:
   dense three [tokens, vocab] fp32 tensors in backward (log-softmax, its gradient and the incoming one); tiled one
   tile and its 16-row entropy buffer, chunked one tile; and, from the second micro-batch on, the next lm-head
   gradient before it is added to the one already there (plus the fp32 accumulator of tiled/chunked when the
-  weights are not fp32).
+  weights are not fp32); loss.agg other than token_mean and loss=gspo add the step's per-token weights and sequence
+  ids, and gspo on tiled every token's logprob from its first sweep (`objective_parts`).
+- generate with train.dynamic_sampling: the rollouts of the earlier rounds, kept until the rollout is chosen.
 
 Tokens per micro-batch are an upper bound: GRPO responses as long as rollout.max_new_tokens (a rollout stops when
 every row has ended), prompts as long as the longest one of the task; DPO pairs as long as the longest pair.
@@ -274,6 +276,10 @@ def predict(cfg, s: Shapes, rows: int, seq_len: int, tokens: int, *, world: int 
                "prefill activations (one layer)": gen_rows * (seq_len - cfg.rollout.max_new_tokens) * live * b}
         if zero == 3:  # the engine gathers whole weights for generate
             gen["weights gathered for generate (ZeRO-3)"] = s.params * b - weights.get("weights", 0)
+        if t.dynamic_sampling and t.dynamic_sampling_max_rounds > 1:  # ids, masks (int64), response mask, logprobs
+            rounds = t.dynamic_sampling_max_rounds - 1
+            gen[f"dynamic sampling: rollouts of {rounds} earlier round(s)"] = rounds * gen_rows * (
+                seq_len * 16 + cfg.rollout.max_new_tokens * 5)
         phases["generate"] = Phase(gen, {**weights, **adam})
     if needs_old:
         phases["old_logprobs"] = logprob_phase()
@@ -282,8 +288,26 @@ def predict(cfg, s: Shapes, rows: int, seq_len: int, tokens: int, *, world: int 
     train = {"gradients": grads, **saved_activations(cfg, s, layer_tokens, device_type), **mask}
     train.update(head_parts(head, size, tokens, s, grad=True, accumulate=grad_accum > 1,
                             entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0))))
+    train.update(objective_parts(cfg, t.batch_size // world * cfg.rollout.max_new_tokens, tokens))
     phases["train"] = Phase(train, {**weights, **adam})
     return Plan(phases, tokens, seq_len, size if head != "dense" else None, s, world, device_type)
+
+
+def objective_parts(cfg, step_tokens: int, tokens: int) -> dict[str, int]:
+    """What the objective adds to the train phase, for the step's `step_tokens` response tokens (per rank) and a
+    forward's `tokens`: loss.agg's per-token weights (fp32) and loss=gspo's sequence ids (int64), made for the
+    whole step before its first forward (losses/agg.py); gspo on tiled: every token's logprob of a forward from
+    the first no-grad sweep (fp32; the sweep's tile is the size of the fused pass's, so no more)."""
+    parts, gspo = {}, cfg.loss.name == "gspo"
+    if cfg.loss.name == "dpo":
+        return parts
+    if cfg.loss.agg != "token_mean":
+        parts[f"loss.agg={cfg.loss.agg}: per-token weights of the step (fp32)"] = step_tokens * FP32
+    if gspo:
+        parts["loss=gspo: per-token sequence ids of the step (int64)"] = step_tokens * 8
+    if gspo and cfg.head.name == "tiled":
+        parts["loss=gspo on tiled: logprobs of the first sweep (fp32)"] = tokens * FP32
+    return parts
 
 
 def metrics(plan: Plan) -> dict[str, float]:

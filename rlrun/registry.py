@@ -13,7 +13,7 @@ import importlib
 REGISTRY: dict[str, dict[str, str]] = {
     # per-token GRPO terms, wrapped by rlrun.losses.objective; dpo: the sequence-pair loss the DPO recipe calls
     "loss": {"dapo": "rlrun.losses.dapo:token_loss", "cispo": "rlrun.losses.cispo:token_loss",
-             "dpo": "rlrun.losses.dpo:dpo_loss"},
+             "gspo": "rlrun.losses.gspo:token_loss", "dpo": "rlrun.losses.dpo:dpo_loss"},
     "head": {"dense": "rlrun.heads.dense", "tiled": "rlrun.heads.tiled", "chunked": "rlrun.heads.chunked"},
     # the policy is a name rlrun.logprobs.plan interprets; the module is what implements all three
     "logprob_policy": {"always": "rlrun.logprobs", "window": "rlrun.logprobs", "skip": "rlrun.logprobs"},
@@ -28,7 +28,8 @@ REGISTRY: dict[str, dict[str, str]] = {
     "rollout": {"hf": "rlrun.rollout.hf", "vllm": "rlrun.rollout.vllm"},
     "engine": {"single": "rlrun.engine.single", "deepspeed": "rlrun.engine.deepspeed"},
     "tracking": {"mlflow": "rlrun.tracking.mlflow:MLflow", "none": "rlrun.tracking.tracker:Null"},
-    "recipe": {"dapo": "rlrun.recipes.grpo", "cispo": "rlrun.recipes.grpo", "dpo": "rlrun.recipes.dpo"},
+    "recipe": {"dapo": "rlrun.recipes.grpo", "cispo": "rlrun.recipes.grpo", "gspo": "rlrun.recipes.grpo",
+               "dpo": "rlrun.recipes.dpo"},
 }
 KEYED_BY = {"recipe": "loss"}  # groups that are not config groups: the config group whose options key them
 

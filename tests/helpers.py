@@ -41,6 +41,14 @@ def interrupt_after_two_rollouts(completion: str, answer: str) -> float:
     return 0.5
 
 
+def half_constant_reward(completion: str, answer: str) -> float:
+    """Prompts with an even answer: 1.0 whatever the completion (their groups tie: dynamic sampling drops them);
+    odd answers: a value that differs between completions (their groups carry a signal)."""
+    if int(answer) % 2 == 0:
+        return 1.0
+    return (sum(map(ord, completion)) % 7) / 7
+
+
 def fail_on_rank1_second_rollout(completion: str, answer: str) -> float:
     """Rank 1 raises while scoring its second rollout (engine=deepspeed tests)."""
     calls["rank1"] += 1

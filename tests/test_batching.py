@@ -108,9 +108,9 @@ def test_a_sequence_over_the_budget_is_refused_with_the_numbers():
         batching.packs(micros_of(tok), shared=False, max_tokens=12)
 
 
-def step(model, micros, head, how, loss="dapo", max_tokens=64, activations="keep"):
-    """grpo.train_step on a copy of `model` with `head`, batching=`how` and `activations` -> (loss, metrics parts,
-    grads, micro-batches, layout counts)."""
+def step(model, micros, head, how, loss="dapo", max_tokens=64, activations="keep", agg="token_mean"):
+    """grpo.train_step on a copy of `model` with `head`, batching=`how`, `activations` and loss.agg=`agg` -> (loss,
+    metrics parts, grads, micro-batches, layout counts)."""
     from rlrun import activations as acts
 
     model = copy.deepcopy(model)
@@ -119,8 +119,9 @@ def step(model, micros, head, how, loss="dapo", max_tokens=64, activations="keep
         loss=SimpleNamespace(name=loss, clip_low=0.2, clip_high=0.28, kl_coef=0.05 if loss == "cispo" else 0.0,
                              kl_estimator="k3", tis=SimpleNamespace(enabled=loss == "cispo", cap=2.0, level="token",
                                                                       mode="truncate", low=0.5),
-                             entropy_coef=0.0),
-        rollout=SimpleNamespace(temperature=0.9), batching=SimpleNamespace(name=how, max_tokens=max_tokens),
+                             entropy_coef=0.0, agg=agg, agg_max_tokens=None),
+        rollout=SimpleNamespace(temperature=0.9, max_new_tokens=12),
+        batching=SimpleNamespace(name=how, max_tokens=max_tokens),
         activations=SimpleNamespace(name=activations, every=1))
     boundaries = []
     engine = SimpleNamespace(model=model, gather=lambda x: [x], world=1, device=torch.device("cpu"),

@@ -44,7 +44,7 @@ def refused(cfg) -> ConfigError:
 
 def expected_rules(loss, head, policy, kl_coef, batch_equal, pipeline="sync"):
     rules = []
-    grpo = loss in ("dapo", "cispo")
+    grpo = loss in ("dapo", "cispo", "gspo")
     if pipeline == "async" and loss == "dpo":
         rules.append("loss=dpo generates nothing")
     if pipeline == "async" and grpo and policy == "skip":
@@ -91,6 +91,45 @@ def test_every_combination_of_the_four_axes(kl_coef, batch_equal):
         assert len(e.value.problems) == len(rules), (combo, e.value.problems)
         for rule in rules:
             assert rule in str(e.value), (combo, rule)
+
+
+OBJECTIVE_OPTIONS = {"loss.agg": ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"],
+                     "train.dynamic_sampling": [False, True], "train.overlong": ["keep", "filter", "penalty"]}
+
+
+def test_every_objective_option_with_every_grpo_loss_and_policy():
+    """The options of issue 31 (loss.agg, dynamic sampling, overlong) x loss x logprob policy: the GRPO losses take
+    every combination (gspo with skip too: its ratio is 1; every head: the four-axes matrix above); DPO refuses
+    dynamic sampling and overlong (below) and has no loss.agg (a sequence-pair loss); overlong=penalty needs its
+    buffer within max_new_tokens."""
+    for (loss, head, policy, offload, batching, acts, pipeline), cfg in axis_configs():
+        if loss == "dpo" or head != "dense" or offload == "on" or batching != "padded" or acts != "keep":
+            continue  # no rule reads these axes with these options
+        new = cfg["rollout"]["max_new_tokens"]
+        for agg, dynamic, overlong in itertools.product(*OBJECTIVE_OPTIONS.values()):
+            cfg["loss"]["agg"], cfg["train"]["dynamic_sampling"], cfg["train"]["overlong"] = agg, dynamic, overlong
+            cfg["train"]["overlong_buffer"] = new
+            if pipeline == "async" and (dynamic or policy == "skip"):  # async draws one round; it refuses skip
+                assert any("rollout.pipeline=async" in p for p in refused(cfg).problems)
+                continue
+            validate(cfg)
+            cfg["train"]["overlong_buffer"] = new + 1  # read by penalty only
+            if overlong != "penalty":
+                validate(cfg)
+                continue
+            assert refused(cfg).problems == [
+                f"train.overlong_buffer={new + 1} is longer than rollout.max_new_tokens={new}: the penalty falls over "
+                f"the last overlong_buffer tokens before max_new_tokens. Set train.overlong_buffer<={new}."]
+
+
+@pytest.mark.parametrize("dynamic,overlong", [(True, "keep"), (False, "filter"), (True, "penalty")])
+def test_dpo_refuses_the_grpo_sampling_options(dynamic, overlong):
+    cfg = composed("loss=dpo", f"train.dynamic_sampling={dynamic}", f"train.overlong={overlong}")
+    problems = refused(cfg).problems
+    assert len(problems) == int(dynamic) + int(overlong != "keep"), problems
+    assert all("loss=dpo" in p for p in problems)
+    assert any("Set train.dynamic_sampling=false" in p for p in problems) == dynamic
+    assert any("Set train.overlong=keep" in p for p in problems) == (overlong != "keep")
 
 
 def test_smoke_accepts_every_option_of_every_axis():

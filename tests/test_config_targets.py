@@ -68,8 +68,8 @@ def test_a_callback_in_a_sweep_file_runs_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("override, says", [
-    ("loss=grpo", "loss=grpo is not an option of loss; its options: cispo, dapo, dpo. GRPO is the recipe that "
-                  "loss=dapo and loss=cispo train with"),
+    ("loss=grpo", "loss=grpo is not an option of loss; its options: cispo, dapo, dpo, gspo. GRPO is the recipe that "
+                  "loss=dapo, loss=cispo and loss=gspo train with"),
     ("batching=foo", "batching=foo is not an option of batching; its options: packed, padded, shared_prompt."),
     ("head=null", "a config group cannot be set to null (e.g. head=null)"),
 ])

@@ -184,7 +184,7 @@ def forwards(micros, batching, fields: tuple[str, ...], counts: dict, agree=None
     (`agree`: as in `packs`, over the whole pass); adds the positions computed and the forwards made to `counts`."""
     shared = batching.name == "shared_prompt"
     todo = [(p, same) for same in by_passes(micros) for p in packs(same, shared, batching.max_tokens)]
-    n = agree(len(todo)) if agree else len(todo)
+    n = max(agree(len(todo)) if agree else len(todo), 1)  # one forward at least: a step of masked rows (overlong)
     todo += [(empty(micros[0].input_ids.device), micros)] * (n - len(todo))
     for i, (p, same) in enumerate(todo):
         counts["positions"] = counts.get("positions", 0) + (p.input_ids.shape[1] if p.parts else 0)

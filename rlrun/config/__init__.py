@@ -21,6 +21,7 @@ from .schema import (
     DeepSpeedEngine,
     DenseHead,
     DpoLoss,
+    GspoLoss,
     HFModel,
     HFRollout,
     JsonlTask,
@@ -41,6 +42,6 @@ from .schema import (
 from .validate import OPTIONS, ConfigError, validate
 
 __all__ = ["OPTIONS", "ConfigError", "RunConfig", "validate", "AlwaysPolicy", "ArithTask", "CheckpointConfig",
-           "ChunkedHead", "CispoLoss", "DapoLoss", "DeepSpeedEngine", "DenseHead", "DpoLoss", "HFModel", "HFRollout",
-           "JsonlTask", "MLflowTracking", "NoTracking", "OffOffload", "OnOffload", "SingleEngine", "SkipPolicy",
-           "TiledHead", "TinyModel", "TisConfig", "TrainConfig", "VLLMRollout", "WindowPolicy"]
+           "ChunkedHead", "CispoLoss", "DapoLoss", "DeepSpeedEngine", "DenseHead", "DpoLoss", "GspoLoss", "HFModel",
+           "HFRollout", "JsonlTask", "MLflowTracking", "NoTracking", "OffOffload", "OnOffload", "SingleEngine",
+           "SkipPolicy", "TiledHead", "TinyModel", "TisConfig", "TrainConfig", "VLLMRollout", "WindowPolicy"]

@@ -10,7 +10,13 @@ import importlib.util  # called as importlib.util.find_spec: tests replace it to
 from collections.abc import Callable, Iterator
 
 RULES: list[tuple[tuple[str, ...], Callable]] = []
-FUSABLE = {"dapo", "cispo"}  # per-token GRPO objectives: a tiled head can fuse them; `skip` can apply
+FUSABLE = {"dapo", "cispo", "gspo"}  # the GRPO objectives: a tiled head can fuse them; `skip` can apply
+# Decided, with no rule: loss=gspo composes with every head (tiled fixes each sequence's ratio from a no-grad sweep
+# first), every logprob policy (skip: no old-policy pass, so every sequence ratio is 1, as dapo's token ratios),
+# every batching (a sequence never spans two forwards) and every loss.agg; loss.agg_max_tokens is read by
+# seq_mean_token_sum_norm only (left set while sweeping loss.agg, it changes nothing); train.dynamic_sampling and
+# train.overlong compose with every axis of the GRPO recipe (the window policy decides on the rollout finally
+# trained on; resume restores the prompt stream the extra rounds read).
 
 
 def rule(*keys: str):
@@ -149,6 +155,14 @@ def async_needs_the_old_pass(c, world):
                "corrected by loss.tis.*) or always.")
 
 
+@rule("rollout.pipeline", "train.dynamic_sampling", "loss.name")
+def async_draws_one_round(c, world):
+    if c.rollout.pipeline == "async" and c.train.dynamic_sampling and c.loss.name != "dpo":
+        yield ("train.dynamic_sampling=true generates more rounds until a rollout's groups carry a signal, which "
+               "rollout.pipeline=async does not do yet (its generator draws one round per rollout, ahead of the "
+               "trainer). Use rollout.pipeline=sync with dynamic sampling, or train.dynamic_sampling=false.")
+
+
 @rule("rollout.pipeline", "engine.name", "engine.zero_stage")
 def async_with_replicated_weights(c, world):
     if c.rollout.pipeline == "async" and c.engine.name == "deepspeed" and c.engine.zero_stage == 3:
@@ -167,8 +181,8 @@ def lora_generates_with_hf(c, world):
 @rule("loss.name", "loss.entropy_coef")
 def dpo_has_no_entropy_bonus(c, world):
     if c.loss.name == "dpo" and c.loss.entropy_coef:
-        yield (f"loss.entropy_coef={c.loss.entropy_coef} is an entropy bonus for the GRPO losses (dapo, cispo); DPO "
-               "has none (its policy's token entropy is logged as entropy). Set loss.entropy_coef=0.")
+        yield (f"loss.entropy_coef={c.loss.entropy_coef} is an entropy bonus for the GRPO losses (dapo, cispo, gspo); "
+               "DPO has none (its policy's token entropy is logged as entropy). Set loss.entropy_coef=0.")
 
 
 @rule("logprob_policy.name", "loss.name", "loss.kl_coef")
@@ -200,9 +214,32 @@ def dpo_needs_reference(c, world):
 @rule("head.name", "loss.name")
 def tiled_needs_per_token_loss(c, world):
     if c.head.name == "tiled" and c.loss.name not in FUSABLE:
-        yield (f"head=tiled fuses the per-token GRPO objectives {sorted(FUSABLE)}; loss={c.loss.name} couples the "
+        yield (f"head=tiled fuses the GRPO objectives {sorted(FUSABLE)}; loss={c.loss.name} couples the "
                "tokens of a chosen/rejected pair through sequence sums, so it cannot be fused tile by tile. Use "
                "head=chunked (same memory profile: any loss on top of per-token logprobs) or head=dense.")
+
+
+@rule("loss.name", "train.dynamic_sampling")
+def dynamic_sampling_is_grpo(c, world):
+    if c.loss.name == "dpo" and c.train.dynamic_sampling:
+        yield ("train.dynamic_sampling=true drops GRPO prompt groups whose rewards are all equal; loss=dpo trains on "
+               "fixed preference pairs, with no groups or rewards to drop. Set train.dynamic_sampling=false.")
+
+
+@rule("loss.name", "train.overlong")
+def overlong_is_grpo(c, world):
+    t = c.train
+    if c.loss.name == "dpo" and t.overlong != "keep":
+        yield (f"train.overlong={t.overlong} acts on GRPO completions cut at rollout.max_new_tokens; loss=dpo "
+               "generates none. Set train.overlong=keep.")
+
+
+@rule("train.overlong", "train.overlong_buffer", "rollout.max_new_tokens")
+def overlong_buffer_fits(c, world):
+    t, new = c.train, c.rollout.max_new_tokens
+    if t.overlong == "penalty" and t.overlong_buffer > new:
+        yield (f"train.overlong_buffer={t.overlong_buffer} is longer than rollout.max_new_tokens={new}: the penalty "
+               f"falls over the last overlong_buffer tokens before max_new_tokens. Set train.overlong_buffer<={new}.")
 
 
 # -- task ---------------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from .types import (  # noqa: F401 (UNIONS and Check are read through this modul
 
 # -- loss ---------------------------------------------------------------------------------------------------------
 KlEstimator = Literal["k1", "k2", "k3"]
+Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]  # losses/agg.py
 
 
 @dataclass
@@ -64,12 +65,19 @@ class DapoLoss:
     kl_estimator: KlEstimator
     tis: TisConfig
     entropy_coef: float  # loss - entropy_coef * token entropy (exact gradient in every head); 0: entropy logged only
+    agg: Agg  # how the step's per-token losses are averaged (losses/agg.py)
+    agg_max_tokens: PosInt | None  # seq_mean_token_sum_norm's L_max; null: rollout.max_new_tokens
 
 
 @dataclass
 class CispoLoss(DapoLoss):  # the same keys; clip_low may be null
     name: Literal["cispo"]
     clip_low: NonNeg | None  # null: no lower bound on the weight
+
+
+@dataclass
+class GspoLoss(DapoLoss):  # the same keys, on the sequence's ratio (losses/gspo.py)
+    name: Literal["gspo"]
 
 
 @dataclass
@@ -279,6 +287,11 @@ class TrainConfig:
     micro_batch: PosInt
     num_iterations: PosInt
     scale_advantages: bool
+    dynamic_sampling: bool  # drop equal-reward prompt groups, generate more (recipes/sampling.py)
+    dynamic_sampling_max_rounds: PosInt
+    overlong: Literal["keep", "filter", "penalty"]  # completions cut at rollout.max_new_tokens
+    overlong_buffer: PosInt  # <= rollout.max_new_tokens (rules.py)
+    overlong_penalty_factor: NonNeg
     lr: Annotated[float, Check(lambda v: v > 0 and math.isfinite(v), "> 0 and finite")]
     betas: tuple[Beta, Beta]
     weight_decay: NonNeg
@@ -357,7 +370,7 @@ class RunConfig:
     train: TrainConfig
     model: TinyModel | HFModel
     task: ArithTask | JsonlTask | DatasetTask
-    loss: DapoLoss | CispoLoss | DpoLoss
+    loss: DapoLoss | CispoLoss | GspoLoss | DpoLoss
     head: DenseHead | TiledHead | ChunkedHead
     logprob_policy: AlwaysPolicy | WindowPolicy | SkipPolicy
     offload: OffOffload | OnOffload

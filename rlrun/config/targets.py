@@ -60,8 +60,10 @@ def _check(path: str, key: str, value) -> list[str]:
 
 
 # Names people type for an option rlrun has under another name: what to use instead.
-EXPLAINED = {("loss", "grpo"): "GRPO is the recipe that loss=dapo and loss=cispo train with (generate, score, group "
-                               "advantages, update); pick its token loss: loss=dapo (the default) or loss=cispo"}
+EXPLAINED = {("loss", "grpo"): "GRPO is the recipe that loss=dapo, loss=cispo and loss=gspo train with (generate, "
+                               "score, group advantages, update); pick its loss: loss=dapo (the default), loss=cispo "
+                               "or loss=gspo (a sequence-level ratio); GRPO's own per-sequence mean is "
+                               "loss.agg=seq_mean_token_mean"}
 
 
 def unknown_option(error: Exception) -> str | None:

@@ -14,6 +14,7 @@ from .common import (
     accumulate_grads,
     chunked_logprobs_nograd,
     entropy,
+    fix_sequences,
     gathered,
     logit_grad_,
     ready_for_grad,
@@ -76,5 +77,6 @@ def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: floa
     lp, ent = _logprobs(hidden, weight, targets, temperature, size, with_entropy=True)
     if not getattr(objective, "entropy_coef", 0.0):
         ent = ent.detach()  # a metric only: backward skips the entropy term
+    fix_sequences(objective, lp)  # gspo: each sequence's ratio, from all its tokens
     loss_tokens, stats = objective(lp, slice(None), ent)
     return masked_total(loss_tokens, mask, num_tokens), stats

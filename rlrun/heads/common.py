@@ -73,6 +73,14 @@ def full_weight(weight: torch.Tensor) -> torch.Tensor:
         return _FullCopy.apply(weight) if torch.is_grad_enabled() and weight.requires_grad else weight.detach().clone()
 
 
+def fix_sequences(objective, logprobs: torch.Tensor) -> None:
+    """A sequence-level objective (gspo) fixes each sequence's ratio from the detached logprobs of all N tokens,
+    before any per-token call (rlrun.losses.objective); nothing for the others."""
+    fix = getattr(objective, "fix", None)
+    if fix is not None:
+        fix(logprobs.detach())
+
+
 def tiles(n: int, size: int):
     """Slices of at most `size` tokens covering range(n) (at least one, possibly empty, slice)."""
     size = max(int(size), 1)

@@ -3,7 +3,7 @@
 import torch
 
 from ..losses import masked_total
-from .common import ROWS, full_weight
+from .common import ROWS, fix_sequences, full_weight
 
 
 def log_softmax(hidden, weight, temperature: float):
@@ -37,5 +37,7 @@ def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: floa
     logp = log_softmax(hidden, weight, temperature)
     # through autograd only when the loss uses it (loss.entropy_coef): as a metric it adds nothing to backward
     ent = entropy(logp, grad=torch.is_grad_enabled() and bool(getattr(objective, "entropy_coef", 0.0)))
-    loss_tokens, stats = objective(logp.gather(-1, targets[:, None]).squeeze(-1), slice(None), ent)
+    lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    fix_sequences(objective, lp)  # gspo: each sequence's ratio, from all its tokens
+    loss_tokens, stats = objective(lp, slice(None), ent)
     return masked_total(loss_tokens, mask, num_tokens), stats

@@ -5,6 +5,11 @@ logits, the tile's share of the loss (already divided by the GLOBAL valid-token 
 is right without rescaling), and its gradients at once: dloss/dlogprob through the small per-token objective
 graph, then the hand-written softmax backward into the hidden-state gradient buffer and the fp32 weight-gradient
 accumulator. backward only scales what forward stored. FLOPs equal dense; one tile's logits exist at a time.
+
+A sequence-level loss (loss=gspo with an old-policy pass) needs each sequence's ratio before any token's gradient,
+and a sequence's tokens may lie in several tiles: a first no-grad sweep computes every token's logprob (one more
+[tile, vocab] matmul and softmax per tile, no more memory than a tile; docs/objectives.md has its measured cost),
+the objective fixes the per-sequence coefficients from it, then the fused pass runs as for any loss.
 """
 
 import torch
@@ -13,6 +18,8 @@ from ..losses import masked_total
 from .chunked import logprobs as _chunked_logprobs
 from .common import (
     accumulate_grads,
+    chunked_logprobs_nograd,
+    fix_sequences,
     gathered,
     logit_grad_,
     ready_for_grad,
@@ -71,5 +78,10 @@ def logprobs(hidden, weight, targets, temperature: float, size: int, with_entrop
 def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float, size: int):
     stats: dict = {}
     with gathered(weight):  # backward needs no weight: every gradient is computed here, handed to ZeRO once
+        if getattr(objective, "fix", None) is not None:
+            # gspo: a token's gradient needs its sequence's ratio, a mean over tokens that may lie in later tiles;
+            # a first no-grad sweep over the tiles gives every logprob (one more logits matmul per tile)
+            fix_sequences(objective, chunked_logprobs_nograd(hidden.detach(), weight.detach(), targets, temperature,
+                                                             size))
         total = TiledLoss.apply(hidden, weight, targets, mask, num_tokens, objective, temperature, size, stats)
     return total, stats

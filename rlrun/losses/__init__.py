@@ -1,10 +1,20 @@
 """Objectives as plain tensor functions.
 
-Every GRPO objective is a per-token function (see dapo.py, cispo.py) wrapped by `objective`, which adds the KL
-term and the truncated importance-sampling weight and returns per-token losses and stats. Heads call the
+Every GRPO objective is a per-token function (see dapo.py, cispo.py, gspo.py) wrapped by `objective`, which adds
+the KL term and the truncated importance-sampling weight and returns per-token losses and stats. Heads call the
 objective on slices of tokens (a tile, a chunk, or everything), so all heads compute the same numbers; `summarize`
-turns the per-token stats into metrics. `dapo_loss` / `cispo_loss` are the one-call library form; their keyword
-defaults equal conf/loss/dapo.yaml and cispo.yaml (tests/test_losses.py checks it).
+turns the per-token stats into metrics. `dapo_loss` / `cispo_loss` / `gspo_loss` are the one-call library form;
+their keyword defaults equal conf/loss/dapo.yaml, cispo.yaml and gspo.yaml (tests/test_losses.py checks it).
+
+Aggregation (`loss.agg`, agg.py): token_mean divides the sum over the step's valid tokens by their count (the heads'
+`num_tokens`); the per-sequence modes give each token a weight (`weights`: e.g. 1 / (S * L_s)), which the objective
+multiplies into the token's whole loss, and the heads divide by 1. Weights are equal within a sequence.
+
+Sequence-level losses (gspo): a token's term depends on its sequence's ratio, a mean over all the sequence's
+tokens, which may lie in other tiles. `seq` (each token's sequence id) and `mask` (valid tokens) name the
+sequences; the head calls `f.fix(logprobs)` with the detached logprobs of all N tokens first (dense and chunked
+have them; tiled runs a no-grad sweep over its tiles), which fixes each sequence's ratio; then the per-token calls
+are as for any loss. `f.fix` is None for per-token losses and without an old-policy pass (every ratio is 1).
 """
 
 from __future__ import annotations
@@ -12,26 +22,16 @@ from __future__ import annotations
 import torch
 
 from .. import registry
+from . import gspo
 from .kl import ESTIMATORS, kl
 
 
-def objective(
-    name: str,
-    advantages: torch.Tensor,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    gen_logprobs: torch.Tensor | None = None,
-    *,
-    clip_low: float | None = 0.2,
-    clip_high: float = 0.28,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    tis_cap: float | None = None,
-    entropy_coef: float = 0.0,
-    tis_mode: str = "truncate",
-    tis_low: float | None = None,
-    is_weights: torch.Tensor | None = None,
-):
+def objective(name: str, advantages: torch.Tensor, old_logprobs: torch.Tensor | None = None,
+              ref_logprobs: torch.Tensor | None = None, gen_logprobs: torch.Tensor | None = None, *,
+              clip_low: float | None = 0.2, clip_high: float = 0.28, kl_coef: float = 0.0, kl_estimator: str = "k3",
+              tis_cap: float | None = None, entropy_coef: float = 0.0, tis_mode: str = "truncate",
+              tis_low: float | None = None, is_weights: torch.Tensor | None = None,
+              weights: torch.Tensor | None = None, seq: torch.Tensor | None = None, mask: torch.Tensor | None = None):
     """A per-token objective `f(logprobs, sl, entropy=None) -> (loss_tokens, stats)` over flat [tokens] inputs.
 
     `sl` selects the tokens `logprobs` belongs to. `old_logprobs=None` means the old-policy pass was skipped: the
@@ -41,13 +41,25 @@ def objective(
     `is_weights`: per-token weights computed beforehand (sequence level: `sequence_is_weights`), used as they are.
     `entropy`: the per-token entropy of the tempered distribution (the heads compute it), reported as the `entropy`
     stat and, with `entropy_coef`, rewarded: loss - entropy_coef * entropy. `f.entropy_coef` tells the heads whether
-    the loss depends on the entropy (then they carry its gradient).
+    the loss depends on the entropy (then they carry its gradient). `weights`, `seq`, `mask` and `f.fix`: loss.agg
+    and the sequence-level losses (module docstring).
     """
-    token_loss = registry.get("loss", name)  # the per-token term of loss=name (dapo.py, cispo.py)
+    token_loss = registry.get("loss", name)  # the per-token term of loss=name (dapo.py, cispo.py, gspo.py)
+    sequence_level = getattr(token_loss, "sequence_level", False)
+    fixed: dict[str, torch.Tensor] = {}
+
+    def fix(logprobs: torch.Tensor) -> None:
+        fixed["log_ratio"] = sequence_mean(logprobs.detach() - old_logprobs, seq, mask)
 
     def f(logprobs: torch.Tensor, sl=slice(None), entropy: torch.Tensor | None = None):
         old = logprobs.detach() if old_logprobs is None else old_logprobs[sl]
-        loss, stats = token_loss(logprobs, old, advantages[sl], clip_low=clip_low, clip_high=clip_high)
+        extra = {}
+        if sequence_level:  # each token's log s_i; 0 (ratio 1) without an old-policy pass
+            if old_logprobs is not None and "log_ratio" not in fixed:
+                raise RuntimeError(f"loss={name} is sequence-level: call objective.fix(logprobs of every token) "
+                                   "before the per-token calls")
+            extra["seq_log_ratio"] = 0.0 if old_logprobs is None else fixed["log_ratio"][sl]
+        loss, stats = token_loss(logprobs, old, advantages[sl], clip_low=clip_low, clip_high=clip_high, **extra)
         stats["pg_loss"] = loss.detach()
         weight = None
         if is_weights is not None:
@@ -68,9 +80,12 @@ def objective(
             stats["entropy"] = entropy.detach()
             if entropy_coef:
                 loss = loss - entropy_coef * entropy
+        if weights is not None:  # loss.agg other than token_mean: the heads then divide by 1
+            loss = loss * weights[sl]
         return loss, stats
 
     f.entropy_coef = entropy_coef
+    f.fix = fix if sequence_level and old_logprobs is not None else None
     return f
 
 
@@ -91,6 +106,18 @@ def sequence_is_weights(old: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor
     log_ratio = torch.where(mask.bool(), old - gen, 0.0).view(rows, -1).sum(1, keepdim=True)
     weight = tis_weight(log_ratio, mode, cap, low)
     return weight.expand(rows, mask.numel() // rows).reshape(-1).detach()
+
+
+def sequence_mean(values: torch.Tensor, seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each token's mean of `values` over the valid tokens (`mask`) of its sequence (ids in `seq`); 0 for a
+    sequence without a valid token."""
+    if seq is None or mask is None:
+        raise ValueError("a sequence-level loss needs each token's sequence id (seq) and the valid tokens (mask)")
+    valid = mask.bool()
+    n = int(seq.max()) + 1 if seq.numel() else 0
+    sums = values.new_zeros(n).index_add_(0, seq, torch.where(valid, values, 0.0))
+    counts = values.new_zeros(n).index_add_(0, seq, valid.to(values.dtype))
+    return (sums / counts.clamp(min=1))[seq]
 
 
 # How each per-token stat becomes metrics: token-weighted mean, and for some also min / max.
@@ -140,7 +167,9 @@ def masked_total(loss_tokens: torch.Tensor, mask: torch.Tensor, num_tokens: int 
 
 def _loss(name, logprobs, old_logprobs, advantages, mask, num_tokens=None, **kwargs):
     f = objective(name, advantages, old_logprobs, kwargs.pop("ref_logprobs", None),
-                  kwargs.pop("gen_logprobs", None), **kwargs)
+                  kwargs.pop("gen_logprobs", None), mask=mask, **kwargs)
+    if f.fix is not None:
+        f.fix(logprobs)
     loss_tokens, stats = f(logprobs)
     total = masked_total(loss_tokens, mask, num_tokens if num_tokens is not None else mask.sum().clamp(min=1))
     return total, {"loss": total.item(), **summarize(stats, mask)}
@@ -158,5 +187,13 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, num_tokens=None, **kwar
     return _loss("cispo", logprobs, old_logprobs, advantages, mask, num_tokens, **kwargs)
 
 
-__all__ = ["ESTIMATORS", "objective", "tis_weight", "sequence_is_weights", "partials", "combine", "summarize",
-           "masked_total", "dapo_loss", "cispo_loss", "kl"]
+def gspo_loss(logprobs, old_logprobs, advantages, mask, seq, num_tokens=None, **kwargs):
+    """GSPO loss over flat tokens (`seq`: each token's sequence id); returns (loss, metrics). Same kwargs as
+    `dapo_loss` (clip defaults GSPO's: clip_low 3e-4, clip_high 4e-4); `weights` for loss.agg (agg.py)."""
+    kwargs.setdefault("clip_low", gspo.CLIP_LOW)
+    kwargs.setdefault("clip_high", gspo.CLIP_HIGH)
+    return _loss("gspo", logprobs, old_logprobs, advantages, mask, num_tokens, seq=seq, **kwargs)
+
+
+__all__ = ["ESTIMATORS", "objective", "tis_weight", "sequence_is_weights", "sequence_mean", "partials", "combine",
+           "summarize", "masked_total", "dapo_loss", "cispo_loss", "gspo_loss", "kl"]

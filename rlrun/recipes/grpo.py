@@ -1,4 +1,4 @@
-"""GRPO (loss=dapo | cispo): generate -> reward -> group advantages -> the logprob passes needed -> update.
+"""GRPO (loss=dapo | cispo | gspo): generate -> reward -> group advantages -> the logprob passes needed -> update.
 
 Schedule: `train.steps` optimizer steps. Each optimizer step consumes `grad_accum = batch_size / micro_batch`
 micro-batches from the rollout buffer; when the buffer runs short, a rollout of `rollout_batch` sequences is
@@ -23,7 +23,10 @@ import torch
 
 from .. import activations, evaluate, logprobs, losses, models, pipeline, ranks, tasks
 from .. import batching as packing
-from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup, timed
+from ..losses import agg
+from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, setup, timed
+from . import sampling
+from .sampling import sample_seed  # noqa: F401 (rlrun.recipes.grpo.sample_seed, as before)
 
 
 @dataclass
@@ -41,6 +44,8 @@ class Micro:
     ref_logprobs: torch.Tensor | None = None  # [N], None: reference pass skipped
     is_weights: torch.Tensor | None = None  # [N] sequence-level importance weights (loss.tis.level=sequence)
     version: int = 0  # the optimizer steps taken by the weights that generated it
+    weights: torch.Tensor | None = None  # [N] loss.agg's per-token weights, set per step (losses/agg.py)
+    seq: torch.Tensor | None = None  # [N] each token's sequence in the step, set per step for gspo (losses/agg.py)
 
 
 class RolloutBuffer:
@@ -88,12 +93,13 @@ class StepRollouts:
     samples: list[dict] = field(default_factory=list)  # a few rows of the step's first rollout
     ages: list[int] = field(default_factory=list)  # per micro-batch trained: step - the version that generated it
     worker: list[tuple[float, float]] = field(default_factory=list)  # async: (busy, idle) s of the generator
+    sampling: dict = field(default_factory=dict)  # what dynamic sampling did (recipes/sampling.py)
 
     def reducible(self) -> dict:
         """The small numbers every rank sends (frame.reduce)."""
         return {"rewards": self.rewards, "by_reward": self.by_reward, "lengths": self.lengths,
                 "finished": self.finished, "gen_tokens": self.gen_tokens, "mismatch": self.mismatch,
-                "ages": self.ages, "worker": self.worker}
+                "ages": self.ages, "worker": self.worker, "sampling": self.sampling}
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
@@ -145,7 +151,7 @@ def logprob_pass(model, micros: list[Micro], head, size, temperature: float, bat
     return out
 
 
-FIELDS = ("targets", "advantages", "old_logprobs", "ref_logprobs", "gen_logprobs", "is_weights")
+FIELDS = ("targets", "advantages", "old_logprobs", "ref_logprobs", "gen_logprobs", "is_weights", "weights", "seq")
 
 
 def forwards(backbone, micros: list[Micro], batching, counts: dict, agree=None):
@@ -167,12 +173,6 @@ def mismatch(micros: list[Micro]) -> np.ndarray:
     over rollouts and ranks; their means are `mismatch/gen_vs_train_abs` and NeMo-RL's token_mult_prob_error."""
     diff = torch.cat([(m.gen_logprobs - m.old_logprobs)[m.mask] for m in micros]).abs().double()
     return np.array([diff.sum().item(), diff.exp().sum().item(), diff.numel()])
-
-
-def sample_seed(seed: int, rollout: int, row: int) -> int:
-    """The sampling seed of one sequence: fixed by (run seed, rollout number, row in the global rollout), so the
-    same sequence is drawn whichever rank generates it."""
-    return int(np.random.SeedSequence(seed, spawn_key=(rollout, row)).generate_state(1)[0])
 
 
 def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
@@ -198,6 +198,9 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     if cfg.rollout.pipeline == "async":
         pipe = stateful["pipeline"] = pipeline.Pipeline(cfg, window=window, grad_accum=grad_accum,
                                                         device=engine.device)
+    drawn = sampling.Totals() if t.dynamic_sampling else None  # groups generated and dropped over the run
+    if drawn is not None:
+        stateful["sampling"] = drawn
     start = frame.restore(resume, stateful)
     synced_at = start  # the rollout engine holds the weights after this many optimizer steps
 
@@ -211,7 +214,7 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
                 pipe.start(engine.model, start)
         for step in steps:
             # 1. Refill: generate (or take from the generator process), score, advantages, the logprob passes needed.
-            got, synced_at = refill(cfg, s, prompts, buffer, pipe, step, synced_at)
+            got, synced_at = refill(cfg, s, prompts, buffer, pipe, step, synced_at, drawn)
 
             # 2. Train: one optimizer step over grad_accum micro-batches, loss normalised by the step's token count.
             micros = buffer.take(grad_accum)
@@ -220,7 +223,7 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
             grad_norm = engine.step()
 
             # 3. Metrics over all ranks. A metric that needs a skipped pass is absent, never a zero that looks real.
-            m = step_metrics(frame, passes, got, loss_total, num_tokens, parts, grad_norm, layout)
+            m = step_metrics(frame, passes, got, loss_total, num_tokens, parts, grad_norm, layout, drawn)
             frame.log(step, m, reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
             if cfg.log.samples_every and step % cfg.log.samples_every == 0 and got.samples:
@@ -228,28 +231,27 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
         return frame.finish()
 
 
-def refill(cfg, s, prompts, buffer: RolloutBuffer, pipe, step: int, synced_at: int):
+def refill(cfg, s, prompts, buffer: RolloutBuffer, pipe, step: int, synced_at: int, drawn=None):
     """Rollouts until the buffer holds this optimizer step's micro-batches: generated here with the current weights
-    (sync), or taken in order from the generator process (async). Returns what they contribute to the step's
-    metrics, and the step whose weights the rollout engine holds."""
+    (sync; with train.dynamic_sampling, as many rounds as needed), or taken in order from the generator process
+    (async). Returns what they contribute to the step's metrics, and the step whose weights the rollout engine
+    holds. `drawn`: dynamic sampling's totals over the run."""
     got, meter = StepRollouts(), s.meter
     if pipe is not None:  # request what the next steps train on, publishing these weights if needed
-        pipe.ahead(step, s.engine.model, lambda r: draw(cfg, s, prompts, r), meter)
+        pipe.ahead(step, s.engine.model, lambda r: sampling.prompts_of(cfg, s, prompts, r), meter)
     while len(buffer) < s.grad_accum:
         if pipe is not None:
             with meter.phase("wait"):  # the trainer idles until the generator has it
                 g = pipe.take()
             got.worker.append((g.busy_s, g.idle_s))
-            consume(cfg, s, g.rows, g.rollout, buffer, got, g.version)
+            consume(cfg, s, sampling.scored(cfg, s, g.rows, g.rollout), buffer, got, g.version)
             continue
         if s.rollout.needs_sync and synced_at != step and cfg.rollout.sync_weights:
             with meter.phase("sync"), s.engine.generation():  # only when a step changed the weights
                 s.rollout.sync(s.engine.model)
             synced_at = step
-        rows, texts, seeds = draw(cfg, s, prompts, buffer.rollouts)
-        with meter.phase("generate"), s.engine.generation():
-            roll = s.rollout.generate(s.engine.model, texts, seeds)
-        consume(cfg, s, rows, roll, buffer, got, step)
+        # generated and scored; with train.dynamic_sampling, more rounds until the rollout's groups carry a signal
+        consume(cfg, s, sampling.draw(cfg, s, prompts, buffer.rollouts, got.sampling, drawn), buffer, got, step)
     return got, synced_at
 
 
@@ -275,24 +277,15 @@ def held_out(cfg, frame, s):
     return run
 
 
-def draw(cfg, s, prompts, index: int):
-    """This rank's rows of rollout `index` (whole prompt groups, each prompt group_size times), their prompt texts
-    and sampling seeds."""
-    t, engine = cfg.train, s.engine
-    groups = rank_slice([next(prompts) for _ in range(t.rollout_batch // t.group_size)], engine)  # whole groups
-    rows = [ex for ex in groups for _ in range(t.group_size)]
-    first_row = engine.rank * len(rows)
-    return rows, [ex["prompt"] for ex in rows], [sample_seed(cfg.seed, index, first_row + i) for i in range(len(rows))]
-
-
-def consume(cfg, s, rows: list[dict], roll, buffer: RolloutBuffer, got: StepRollouts, version: int) -> None:
-    """One generated rollout (by the weights after `version` optimizer steps): scored, given advantages and the
-    logprob passes the policy needs, enqueued. Adds what it contributes to the step's metrics to `got`."""
+def consume(cfg, s, d, buffer: RolloutBuffer, got: StepRollouts, version: int) -> None:
+    """One generated and scored rollout (`d`: recipes/sampling.Drawn, drawn by the weights after `version` optimizer
+    steps): given advantages and the logprob passes the policy needs, enqueued. Adds what it contributes to the
+    step's metrics to `got`."""
     t, engine, meter = cfg.train, s.engine, s.meter
-    totals, by_reward = s.data.score(roll.completions, rows)
+    rows, roll, totals, by_reward = d.rows, d.roll, d.totals, d.by_reward
     reward = torch.tensor(totals, dtype=torch.float32)
-    advantages = group_advantages(reward, t.group_size, t.scale_advantages).to(engine.device)
-    micros = split_rollout(roll, advantages, t.micro_batch)
+    advantages = group_advantages(d.shaped, t.group_size, t.scale_advantages).to(engine.device)  # + overlong penalty
+    micros = split_rollout(sampling.trained(roll, t.overlong), advantages, t.micro_batch)  # overlong=filter: masked
     tis = cfg.loss.tis
     need = logprobs.plan(cfg.logprob_policy.name, start=buffer.enqueued, window=buffer.window,
                          grad_accum=s.grad_accum, ref_coef=cfg.loss.kl_coef,
@@ -341,14 +334,17 @@ def train_step(cfg, s, micros: list[Micro], step: int):
                        kl_estimator=lcfg.kl_estimator, entropy_coef=lcfg.entropy_coef,
                        tis_cap=tis.cap if tis.enabled and tis.level == "token" else None, tis_mode=tis.mode,
                        tis_low=tis.low)
-    num_tokens = max(sum(engine.gather(sum(int(mb.mask.sum()) for mb in micros))), 1)  # over all ranks
+    # loss.agg's weights over the step's micro-batches and ranks (token_mean: the heads divide by the token count)
+    micros, divisor, num_tokens = agg.prepare(micros, lcfg.agg, lcfg.agg_max_tokens or cfg.rollout.max_new_tokens,
+                                              engine.gather, lcfg.name == "gspo")
     stats_parts, masks, loss_total = [], [], 0.0
     layout = {"real": sum(int(mb.attention_mask.sum()) for mb in micros)}  # tokens that are not padding
     with s.meter.phase("train"), activations.saving(cfg.activations, engine.device):
         for hidden, t, mask, boundary in forwards(backbone, micros, cfg.batching, layout, packing.agree(engine)):
             objective = losses.objective(lcfg.name, t["advantages"], t["old_logprobs"], t["ref_logprobs"],
-                                         t["gen_logprobs"], is_weights=t["is_weights"], **loss_kwargs)
-            loss, stats = s.head.loss(hidden, weight, t["targets"], mask, objective, num_tokens,
+                                         t["gen_logprobs"], is_weights=t["is_weights"], weights=t["weights"],
+                                         seq=t["seq"], mask=mask, **loss_kwargs)
+            loss, stats = s.head.loss(hidden, weight, t["targets"], mask, objective, divisor,
                                       cfg.rollout.temperature, s.head_size)
             check_finite(loss, step, "lower train.lr or train.grad_clip, or check the reward function.")
             engine.backward(loss, boundary)
@@ -360,7 +356,7 @@ def train_step(cfg, s, micros: list[Micro], step: int):
 
 
 def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_total: float, num_tokens: int, parts,
-                 grad_norm: float, layout: dict) -> dict[str, float]:
+                 grad_norm: float, layout: dict, drawn=None) -> dict[str, float]:
     """The step's metrics from every rank's sums, counts, min/max and per-sequence rewards."""
     by_rank = frame.reduce({"loss": loss_total, "stats": parts, "layout": layout, **got.reducible()})
     m = {"loss": sum(p["loss"] for p in by_rank), **losses.combine([p["stats"] for p in by_rank]),
@@ -393,4 +389,5 @@ def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_to
     m["throughput/train_tokens_per_s"] = num_tokens / m["time/train_s"]
     m["train_tokens"] = num_tokens
     m.update(packing.metrics([p["layout"] for p in by_rank]))
+    m.update(sampling.metrics([p["sampling"] for p in by_rank], drawn))  # dynamic sampling, when on
     return m

@@ -1,6 +1,7 @@
 """Benchmarks: commands that print a table and log it to MLflow (never timed tests).
 
     python -m rlrun.bench heads --tokens 2048 --hidden 512 --vocab 151936 --tile-size 256
+    python -m rlrun.bench heads --loss gspo --impls dense,tiled,chunked   # a sequence-level loss (tiled: 2 sweeps)
     python -m rlrun.bench dpo --vocab 151936 --lengths 256,512,1024,2048,4096 --budget-mib 4096
     python -m rlrun.bench trl                     # needs TRL: pip install -e '.[bench]'
     python -m rlrun.bench plan                    # the memory plan's accuracy (rlrun/tools/bench_plan.py)
@@ -48,6 +49,7 @@ from . import bench_batching, bench_gpu, bench_pipeline, bench_plan, bench_trl
 
 PEERS = ("deepspeed", "liger")
 CLIP = dict(clip_low=0.2, clip_high=0.28)
+GSPO_CLIP = dict(clip_low=3e-4, clip_high=4e-4)
 BENCH_EXPERIMENT = "rlrun-bench"
 CALL = "call"  # the one phase a benchmark meters: the whole measured call, not the loop's PHASES
 
@@ -83,8 +85,9 @@ def make_inputs(a, device):
 
 def run_impl(name, a, hidden, weight, targets, mask, adv, seq_adv, old):
     n = targets.shape[0]
-    if name in registry.REGISTRY["head"]:
-        f = objective("dapo", adv, old, **CLIP)
+    if name in registry.REGISTRY["head"]:  # --loss gspo: a.seqs sequences of equal length, GSPO's clip range
+        seq = torch.arange(n, device=hidden.device) // (n // a.seqs)
+        f = objective(a.objective, adv, old, seq=seq, mask=mask, **(CLIP if a.objective == "dapo" else GSPO_CLIP))
         loss, _ = registry.get("head", name).loss(hidden, weight, targets, mask, f, n, 1.0, a.tile_size)
         return loss
     if name == "deepspeed":
@@ -180,7 +183,7 @@ def heads_bench(a):
 
 
 def format_table(rows, a):
-    head = (f"DAPO fwd+bwd, {a.dtype}, {a.tokens} tokens x hidden {a.hidden} x vocab {a.vocab}, "
+    head = (f"{a.objective.upper()} fwd+bwd, {a.dtype}, {a.tokens} tokens x hidden {a.hidden} x vocab {a.vocab}, "
             f"tile {a.tile_size} tokens, device {a.device}")
     body = [[r["impl"], f"failed: {r['error']}"] if "error" in r else
             [r["impl"], num(r["time_s"], ".2f"), num(r["peak_extra_mib"], ".0f"), num(r["loss"], ".6f"),
@@ -324,6 +327,8 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--tile-size", type=int, default=256, help="tokens per tile / chunk / shard")
     h.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     h.add_argument("--impls", default="dense,tiled,chunked,deepspeed,liger")
+    h.add_argument("--loss", dest="objective", default="dapo", choices=["dapo", "gspo"],
+                   help="gspo: a sequence-level ratio, on rlrun's heads only")
     h.add_argument("--repeat", type=int, default=1, help="timed calls after one warm-up; min time, max peak")
     h.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     h.add_argument("--threads", type=int, default=0)
@@ -380,6 +385,8 @@ def main(argv=None):
         p.error(f"--tokens {a.tokens} must be divisible by --seqs {a.seqs}")
     if a.func is pipeline_bench and set(a.modes) - set(bench_pipeline.MODES):
         p.error(f"--modes {','.join(a.modes)}: each must be one of {', '.join(bench_pipeline.MODES)}")
+    if a.func is heads_bench and a.objective != "dapo" and set(a.impls.split(",")) & set(PEERS):
+        p.error(f"--loss {a.objective} runs on rlrun's heads only: --impls dense,tiled,chunked (the peers are DAPO's)")
     if a.func is plan_bench and set(a.tokens) - set(bench_plan.TOKENS):
         p.error(f"--tokens {a.tokens}: each must be one of {sorted(bench_plan.TOKENS)}")
     if a.tracking_uri != "none":  # a store that cannot be used fails now, not after the benchmark
