@@ -61,11 +61,8 @@ def objective(name: str, advantages: torch.Tensor, old_logprobs: torch.Tensor | 
             extra["seq_log_ratio"] = 0.0 if old_logprobs is None else fixed["log_ratio"][sl]
         loss, stats = token_loss(logprobs, old, advantages[sl], clip_low=clip_low, clip_high=clip_high, **extra)
         stats["pg_loss"] = loss.detach()
-        weight = None
-        if is_weights is not None:
-            weight = is_weights[sl]
-        elif tis_cap is not None:
-            weight = tis_weight(old - gen_logprobs[sl], tis_mode, tis_cap, tis_low).detach()
+        weight = is_weights[sl] if is_weights is not None else None if tis_cap is None else \
+            tis_weight(old - gen_logprobs[sl], tis_mode, tis_cap, tis_low).detach()
         if weight is not None:
             loss = loss * weight
             stats["is_weight"] = weight

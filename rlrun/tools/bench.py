@@ -307,10 +307,6 @@ def batching_bench(a):
     return bench_batching.bench(a, log_mlflow)
 
 
-def pipeline_bench(a):
-    return bench_pipeline.bench(a, log_mlflow)
-
-
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -327,8 +323,7 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--tile-size", type=int, default=256, help="tokens per tile / chunk / shard")
     h.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     h.add_argument("--impls", default="dense,tiled,chunked,deepspeed,liger")
-    h.add_argument("--loss", dest="objective", default="dapo", choices=["dapo", "gspo"],
-                   help="gspo: a sequence-level ratio, on rlrun's heads only")
+    h.add_argument("--loss", dest="objective", default="dapo", choices=["dapo", "gspo"], help="gspo: rlrun's only")
     h.add_argument("--repeat", type=int, default=1, help="timed calls after one warm-up; min time, max peak")
     h.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     h.add_argument("--threads", type=int, default=0)
@@ -373,7 +368,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
     m.set_defaults(func=plan_bench)
     bench_batching.add_parser(sub, batching_bench)
-    bench_pipeline.add_parser(sub, pipeline_bench)
+    bench_pipeline.add_parser(sub, log_mlflow)
     bench_gpu.add_parser(sub, log_mlflow)
     return p
 
@@ -383,8 +378,6 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.func is heads_bench and a.tokens % a.seqs:
         p.error(f"--tokens {a.tokens} must be divisible by --seqs {a.seqs}")
-    if a.func is pipeline_bench and set(a.modes) - set(bench_pipeline.MODES):
-        p.error(f"--modes {','.join(a.modes)}: each must be one of {', '.join(bench_pipeline.MODES)}")
     if a.func is heads_bench and a.objective != "dapo" and set(a.impls.split(",")) & set(PEERS):
         p.error(f"--loss {a.objective} runs on rlrun's heads only: --impls dense,tiled,chunked (the peers are DAPO's)")
     if a.func is plan_bench and set(a.tokens) - set(bench_plan.TOKENS):

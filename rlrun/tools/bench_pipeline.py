@@ -108,15 +108,24 @@ def bench(a, log_mlflow) -> list[dict]:
     return rows
 
 
-def add_parser(sub, func) -> None:
+def modes(text: str) -> list[str]:
+    import argparse
+
+    out = text.split(",")
+    if set(out) - set(MODES):
+        raise argparse.ArgumentTypeError(f"{text}: each must be one of {', '.join(MODES)}")
+    return out
+
+
+def add_parser(sub, log_mlflow) -> None:
     import argparse
 
     p = sub.add_parser("pipeline", help="rollout.pipeline=sync vs async on the default run: steps/s, held-out accuracy",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", type=lambda t: t.split(","), default=["sync", "async_k1"],
+    p.add_argument("--modes", type=modes, default=["sync", "async_k1"],
                    help=f"of {', '.join(MODES)}")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; round r uses seed r")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per run (the default run's)")
     p.add_argument("--rlrun-args", nargs="*", default=[], help="extra rlrun overrides for every run")
     p.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
-    p.set_defaults(func=func)
+    p.set_defaults(func=lambda a: bench(a, log_mlflow))
