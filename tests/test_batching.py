@@ -117,7 +117,8 @@ def step(model, micros, head, how, loss="dapo", max_tokens=64, activations="keep
     acts.apply(model, SimpleNamespace(name=activations, every=1))
     cfg = SimpleNamespace(
         loss=SimpleNamespace(name=loss, clip_low=0.2, clip_high=0.28, kl_coef=0.05 if loss == "cispo" else 0.0,
-                             kl_estimator="k3", tis=SimpleNamespace(enabled=loss == "cispo", cap=2.0),
+                             kl_estimator="k3", tis=SimpleNamespace(enabled=loss == "cispo", cap=2.0, level="token",
+                                                                mode="truncate", low=0.5),
                              entropy_coef=0.0),
         rollout=SimpleNamespace(temperature=0.9), batching=SimpleNamespace(name=how, max_tokens=max_tokens),
         activations=SimpleNamespace(name=activations, every=1))

@@ -187,22 +187,44 @@ def forwards(micros, batching, fields: tuple[str, ...], counts: dict, agree=None
     n = agree(len(todo)) if agree else len(todo)
     todo += [(empty(micros[0].input_ids.device), micros)] * (n - len(todo))
     for i, (p, same) in enumerate(todo):
-        counts["positions"] = counts.get("positions", 0) + (p.input_ids.shape[1] if p.parts else 0)
-        counts["forwards"] = counts.get("forwards", 0) + 1
+        count_pack(counts, p)
         yield p, {f: None if getattr(same[0], f) is None else gather(p, [getattr(m, f) for m in same])
                   for f in fields}, i == n - 1
 
 
-def metrics(by_rank: list[dict]) -> dict[str, float]:
-    """A training pass's layout over ranks: positions computed, forwards, the share of positions that are padding
-    (0 when packed: every position is a token; shared_prompt computes fewer positions than tokens), and the
-    ranks' load balance (largest / smallest positions computed)."""
+def count(counts: dict | None, positions: int, sequences: int) -> None:
+    """Add one forward of `positions` computed positions holding `sequences` sequences to a pass's `counts`."""
+    if counts is not None:
+        for key, n in (("positions", positions), ("forwards", 1), ("sequences", sequences)):
+            counts[key] = counts.get(key, 0) + n
+
+
+def count_pack(counts: dict | None, p: Pack) -> None:
+    count(counts, p.input_ids.shape[1] if p.parts else 0, len(p.parts))  # an empty pack computes nothing real
+
+
+def pass_metrics(name: str, by_rank: list[dict]) -> dict[str, float]:
+    """One pass's layout over ranks: positions computed, forwards made, and sequences per forward (the rows of a
+    micro-step: train.micro_batch when padded; as many as fit batching.max_tokens when packed)."""
+    forwards = sum(r.get("forwards", 0) for r in by_rank)
+    return {f"batching/{name}_positions": float(sum(r.get("positions", 0) for r in by_rank)),
+            f"batching/{name}_forwards": float(forwards),
+            f"batching/{name}_seqs_per_forward": sum(r.get("sequences", 0) for r in by_rank) / max(forwards, 1)}
+
+
+def metrics(by_rank: list[dict], logprob: list[dict] | None = None) -> dict[str, float]:
+    """A step's layout over ranks. `by_rank`: each rank's train-pass counts (and `real`, its tokens that are not
+    padding); `logprob`: each rank's {pass name ("old", "ref"): counts} of the logprob passes the step ran.
+    The train pass also gives the share of positions that are padding (0 when packed: every position is a token;
+    shared_prompt computes fewer positions than tokens) and the ranks' balance (largest / smallest positions)."""
     positions = [r["positions"] for r in by_rank]
     real = sum(r["real"] for r in by_rank)
-    out = {"batching/train_positions": float(sum(positions)), "batching/train_forwards": float(
-        sum(r["forwards"] for r in by_rank)), "batching/padding_frac": max(0.0, 1.0 - real / max(sum(positions), 1))}
+    out = {**pass_metrics("train", by_rank),
+           "batching/padding_frac": max(0.0, 1.0 - real / max(sum(positions), 1))}
     if len(by_rank) > 1:
         out["batching/rank_positions_ratio"] = max(positions) / max(min(positions), 1)
+    for name in dict.fromkeys(k for r in logprob or [] for k in r):  # a pass this step skipped logs nothing
+        out.update(pass_metrics(name, [r.get(name, {}) for r in logprob]))
     return out
 
 
@@ -219,11 +241,13 @@ def pair_rows(input_ids, attention_mask, predicts):
         yield 0, input_ids[i, :start], input_ids[i, start : start + n], flat[i, start - 1 : start - 1 + n]
 
 
-def pair_hidden(backbone, batch, name: str, max_tokens: int, agree=None) -> torch.Tensor:
+def pair_hidden(backbone, batch, name: str, max_tokens: int, agree=None, counts: dict | None = None) -> torch.Tensor:
     """[N, H] hidden states that predict a DPO batch's targets, in their order, computed packed or with each pair's
-    prompt once (`name`)."""
+    prompt once (`name`); `counts`: as `count` takes it."""
     sequences = pair_rows(batch.input_ids, batch.attention_mask, batch.predicts)
     found = packs([], name == "shared_prompt", max_tokens, agree, sequences)
+    for p in found:
+        count_pack(counts, p)
     h = [hidden(backbone, p) for p in found]
     order = torch.cat([flat for p in found for _, flat in p.parts])
     out = h[0].new_zeros(len(batch.targets), h[0].shape[-1])
