@@ -47,42 +47,61 @@ def micros_of(tok, micro_batch=3):
     return grpo.split_rollout(roll, adv, micro_batch)
 
 
-def test_packed_mask_never_crosses_a_sequence_and_positions_restart():
+def allowed(p):
+    """What a forward's mask must be, from its positions and targets alone: a unit starts where the positions
+    restart at 0 (a padding position is a unit of its own); each completion's own positions are those that predict
+    its targets but the first (which is its prompt's last); a query may see an earlier key of its row and unit, in
+    the prompt (part 0) or in its own completion."""
+    rows, width = p.input_ids.shape
+    unit = (p.position_ids.flatten() == 0).cumsum(0)
+    part = torch.zeros(rows * width, dtype=torch.long)
+    start = 0
+    for c, (_, flat) in enumerate(p.parts, 1):
+        part[p.select[start + 1 : start + len(flat)]] = c
+        start += len(flat)
+    q, k = torch.meshgrid(torch.arange(rows * width), torch.arange(rows * width), indexing="ij")
+    return (q // width == k // width) & (k <= q) & (unit[q] == unit[k]) & ((part[k] == 0) | (part[k] == part[q]))
+
+
+def flat_mask(p):
+    """The forward's [rows, 1, W, W] mask as one [rows * W, rows * W] matrix (rows never see each other)."""
+    return torch.block_diag(*p.mask[:, 0])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("max_tokens", [21, 60, 10_000])
+def test_the_mask_never_crosses_a_sequence_or_a_completion(shared, max_tokens):
+    """packed: a token sees its own sequence only, positions restart per sequence; shared_prompt: a completion
+    sees its prompt and itself, its positions continue from the prompt's; every forward holds rows of at most the
+    longest unit and at most max_tokens positions, every response token is computed once."""
     _, tok = tiny_model()
     micros = micros_of(tok)
-    [p] = batching.packs(micros, shared=False, max_tokens=10_000)
-    units = batching.units(batching.micro_rows(micros), shared=False, max_tokens=10_000)
-    seq = torch.cat([torch.full((len(u),), i) for i, u in enumerate(units)])
-    mask = p.mask[0, 0]
-    assert torch.equal(mask, torch.ones_like(mask).tril() & (seq[:, None] == seq[None, :]))
-    starts = torch.cat([torch.tensor([0]), torch.tensor([len(u) for u in units]).cumsum(0)[:-1]])
-    assert (p.position_ids[0, starts] == 0).all() and int(p.position_ids.max()) == max(len(u) for u in units) - 1
+    found = batching.units(batching.micro_rows(micros), shared=shared, max_tokens=max_tokens)
+    # each group's prompt once (a group over max_tokens split, its prompt repeated), or each sequence
+    assert len(found) == (12 if not shared else 3 if max_tokens >= 60 else 5)
+    longest = max(len(u) for u in found)
+    forwards = batching.packs(micros, shared=shared, max_tokens=max_tokens)
+    for p in forwards:
+        rows, width = p.input_ids.shape
+        assert width <= longest and rows * width <= max(max_tokens, longest)
+        assert torch.equal(flat_mask(p), allowed(p))
+        start = 0
+        for _, flat in p.parts:  # the prompt's last position, then the completion's, continuing from it
+            sel = p.select[start : start + len(flat)]
+            first = int(p.position_ids.flatten()[sel[0]])
+            assert p.position_ids.flatten()[sel].tolist() == list(range(first, first + len(sel)))
+            assert p.position_ids.flatten()[sel[0] - first] == 0  # the prompt starts at 0
+            start += len(flat)
+    assert max(len(p.input_ids) for p in forwards) > 1 or max_tokens < 2 * longest  # several rows per forward
+    flat = sorted((m, f) for p in forwards for m, part in p.parts for f in part.tolist())
+    assert flat == sorted((m, f) for m, mb in enumerate(micros) for f in mb.mask.nonzero().flatten().tolist())
 
 
-def test_shared_prompt_lets_a_completion_see_its_prompt_and_itself_only():
-    _, tok = tiny_model()
-    micros = micros_of(tok, micro_batch=12)
-    units = batching.units(batching.micro_rows(micros), shared=True, max_tokens=10_000)
-    assert len(units) == 3 and [len(u.tokens) - 1 for u in units] == [4, 4, 4]  # each group's prompt once
-    [p] = batching.packs(micros, shared=True, max_tokens=10_000)
-    unit, part = [], []
-    for u, x in enumerate(units):
-        for c, t in enumerate(x.tokens):
-            unit += [u] * len(t)
-            part += [c] * len(t)
-    unit, part = torch.tensor(unit), torch.tensor(part)
-    q, k = torch.meshgrid(torch.arange(len(unit)), torch.arange(len(unit)), indexing="ij")
-    expected = (k <= q) & (unit[q] == unit[k]) & ((part[k] == 0) | (part[k] == part[q]))
-    assert torch.equal(p.mask[0, 0], expected)
-    # a completion's positions continue from its prompt's: prompt 0..n-1, each completion n, n+1, ...
-    start = 0
-    for x in units:
-        n = len(x.tokens[0])
-        assert p.position_ids[0, start:start + n].tolist() == list(range(n))
-        start += n
-        for t in x.tokens[1:]:
-            assert p.position_ids[0, start:start + len(t)].tolist() == list(range(n, n + len(t)))
-            start += len(t)
+def test_rows_are_first_fit_longest_first_and_nearly_full():
+    sizes = [9, 1, 5, 5, 3, 2, 2, 8, 1, 4]
+    found = [batching.Unit([torch.zeros(n)], []) for n in sizes]
+    rows = batching.rows_of(found)
+    assert [[len(u) for u in r] for r in rows] == [[9], [8, 1], [5, 4], [5, 3, 1], [2, 2]]
 
 
 def test_every_target_is_predicted_from_the_token_before_it():
@@ -90,7 +109,7 @@ def test_every_target_is_predicted_from_the_token_before_it():
     micros = micros_of(tok)
     for shared in (False, True):
         for p in batching.packs(micros, shared=shared, max_tokens=20):
-            ids = p.input_ids[0]
+            ids = p.input_ids.flatten()
             targets = batching.gather(p, [m.targets for m in micros])
             flat_prev = []
             for m, flat in p.parts:  # the token before each target in the padded row
@@ -98,7 +117,7 @@ def test_every_target_is_predicted_from_the_token_before_it():
                 for f in flat.tolist():
                     flat_prev.append(int(micro.input_ids[f // r, micro.prompt_len + f % r - 1]))
             assert ids[p.select].tolist() == flat_prev
-            assert len(targets) == len(p.select) and p.input_ids.shape[1] <= 20
+            assert len(targets) == len(p.select) and p.input_ids.numel() <= 20
 
 
 def test_a_sequence_over_the_budget_is_refused_with_the_numbers():
@@ -179,10 +198,13 @@ def test_a_rank_with_fewer_packs_runs_empty_ones_and_the_result_is_unchanged(hea
 def test_shared_prompt_computes_each_prompt_once():
     model, tok = tiny_model()
     micros = micros_of(tok)
+    size = {shared: sum(len(u) for u in batching.units(batching.micro_rows(micros), shared, 64))
+            for shared in (False, True)}
+    # 3 groups of 4: 3 of each group's prompts (9 + 1 + 3 tokens) are not recomputed
+    assert size[False] - size[True] == 3 * (9 + 1 + 3)
     *_, packed = step(model, micros, "dense", "packed")
     *_, shared = step(model, micros, "dense", "shared_prompt")
-    # 3 groups of 4: 3 of each group's prompts (9 + 1 + 3 tokens) are not recomputed
-    assert packed["positions"] - shared["positions"] == 3 * (9 + 1 + 3)
+    assert shared["positions"] < packed["positions"] and shared["sequences"] == packed["sequences"] == 12
 
 
 def test_a_budget_below_a_response_is_refused():
@@ -241,7 +263,9 @@ def test_seeded_runs_give_paddeds_curves(tmp_path):
         assert got["reward_mean"] == ref["reward_mean"]
         for key in ("loss", "grad_norm", "clipfrac"):
             assert torch.allclose(torch.tensor(got[key]), torch.tensor(ref[key]), rtol=1e-4, atol=1e-6), (how, key)
-        assert history_of(tmp_path / how, "batching/padding_frac") == [0.0] * 5
+        for key in ("batching/padding_frac", "batching/train_positions"):  # the tails of rows only
+            got_, ref_ = history_of(tmp_path / how, key), history_of(tmp_path / "padded", key)
+            assert len(got_) == 5 and all(g <= r for g, r in zip(got_, ref_)), (how, key, got_, ref_)
 
 
 def history_of(folder, key):

@@ -1,19 +1,22 @@
 """batching=padded|packed|shared_prompt: how the training passes lay out the sequences they compute.
 
 `padded` (the baseline) runs each micro-batch as it is: `micro_batch` rows padded to the longest prompt (left)
-and response (right). `packed` and `shared_prompt` compute the same tokens without the padding: the rows of a
-pass (a rollout's micro-batches for a logprob pass, an optimizer step's for training) are laid end to end into
-forwards of at most `batching.max_tokens` positions, each sequence with its own positions (0, 1, ...) and an
-attention mask that never crosses a sequence; `shared_prompt` also lays out each run of rows with the same prompt
-(a GRPO group) as the prompt once followed by each completion, every completion attending to the prompt and to
-itself only, its positions continuing from the prompt's. Every response token is predicted from the same context
-as in `padded`, so logprobs, losses and gradients are `padded`'s up to summation order.
+and response (right). `packed` and `shared_prompt` compute the same tokens without most of the padding: the
+sequences of a pass (a rollout's micro-batches for a logprob pass, an optimizer step's for training) are laid end
+to end in rows as long as the pass's longest sequence (first fit, longest first, so rows are nearly full), as many
+rows per forward as fit `batching.max_tokens` positions (dynamic batch size); each sequence has its own positions
+(0, 1, ...) and an attention mask that never crosses it. `shared_prompt` also lays out each run of sequences with
+the same prompt (a GRPO group, a DPO pair) as the prompt once followed by each completion, every completion
+attending to the prompt and to itself only, its positions continuing from the prompt's. Every response token is
+predicted from the same context as in `padded`, so logprobs, losses and gradients are `padded`'s up to summation
+order.
 
 A `Pack` is one such forward. The heads see what they see under `padded`: the hidden states that predict the
 response tokens, flattened, and per-token tensors gathered from the micro-batches (`gather`); results go back to
 each micro-batch's own layout (`scatter`), so the rollout buffer, the logprob policies and checkpoints are the
-same for every option. The mask is a dense [T, T] boolean (sdpa and eager attention take it; it costs T^2 bytes,
-16 MiB at 4096 positions).
+same for every option. The mask is a dense [rows, 1, W, W] boolean (sdpa and eager attention take it): rows about
+one sequence long keep its cost, and attention's, near what the sequences need (one row of max_tokens positions
+would cost max_tokens^2).
 """
 
 from __future__ import annotations
@@ -40,12 +43,13 @@ class Unit:
 
 @dataclass
 class Pack:
-    """One forward: [1, T] ids, positions and mask; `select` the positions whose hidden states predict the
-    targets; `parts` where each run of targets comes from (micro-batch index, flat indices)."""
+    """One forward: [rows, W] ids and positions, and the mask; `select` the positions (of the flattened
+    [rows * W]) whose hidden states predict the targets; `parts` where each run of targets comes from (micro-batch
+    index, flat indices), one per sequence, in the order of `select`."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    mask: torch.Tensor  # [1, 1, T, T] bool: True where a query may attend to a key
+    mask: torch.Tensor  # [rows, 1, W, W] bool: True where a query may attend to a key
     select: torch.Tensor  # [n]
     parts: list[tuple[int, torch.Tensor]]
 
@@ -105,19 +109,28 @@ def layout(unit: Unit, offset: int):
     return torch.cat(ids), torch.cat(positions), torch.cat(part), torch.cat(select)
 
 
-def pack(group: list[Unit], device) -> Pack:
-    ids, positions, parts_of, unit_of, select, parts, offset = [], [], [], [], [], [], 0
-    for u, unit in enumerate(group):
-        i, p, part, sel = layout(unit, offset)
-        ids.append(i), positions.append(p), parts_of.append(part), select.append(sel)
-        unit_of.append(torch.full((len(i),), u, device=device))
-        parts += unit.parts
-        offset += len(i)
-    part, unit = torch.cat(parts_of), torch.cat(unit_of)
-    causal = torch.ones(offset, offset, dtype=torch.bool, device=device).tril()
-    same = (unit[:, None] == unit[None, :]) & ((part[None, :] == 0) | (part[:, None] == part[None, :]))
-    return Pack(input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
-                mask=(causal & same)[None, None], select=torch.cat(select), parts=parts)
+def pack(rows: list[list[Unit]], device) -> Pack:
+    """One forward of `rows`, each row its units laid end to end, right-padded to the longest row; a padding
+    position attends to itself only and predicts nothing."""
+    width = max(sum(map(len, row)) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    positions, part, unit = torch.zeros_like(ids), torch.zeros_like(ids), torch.full_like(ids, -1)  # -1: padding
+    select, parts, u = [], [], 0
+    for b, row in enumerate(rows):
+        offset = 0
+        for x in row:
+            i, p, c, sel = layout(x, offset)
+            end = offset + len(i)
+            ids[b, offset:end], positions[b, offset:end], part[b, offset:end], unit[b, offset:end] = i, p, c, u
+            select.append(sel + b * width)  # into the forward's [rows * width] flattened positions
+            parts += x.parts
+            offset, u = end, u + 1
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    key, query = (unit[:, None, :], part[:, None, :]), (unit[:, :, None], part[:, :, None])
+    # the same unit (not padding), and the key in its prompt (part 0) or in the query's own completion
+    same = (query[0] == key[0]) & (key[0] >= 0) & ((key[1] == 0) | (query[1] == key[1]))
+    mask = (causal & same) | torch.eye(width, dtype=torch.bool, device=device)
+    return Pack(input_ids=ids, position_ids=positions, mask=mask[:, None], select=torch.cat(select), parts=parts)
 
 
 def agree(engine):
@@ -134,27 +147,37 @@ def empty(device) -> Pack:
                 select=torch.zeros(0, dtype=torch.long, device=device), parts=[])
 
 
+def rows_of(found: list[Unit]) -> list[list[Unit]]:
+    """Units in rows as long as the longest one: first fit, longest first, so that rows are nearly full (the
+    attention of a row costs its length squared, so rows stay about one sequence long)."""
+    width = max(map(len, found), default=0)
+    rows: list[list[Unit]] = []
+    free: list[int] = []
+    for x in sorted(found, key=len, reverse=True):
+        b = next((i for i, f in enumerate(free) if f >= len(x)), len(rows))
+        if b == len(rows):
+            rows.append([]), free.append(width)
+        rows[b].append(x)
+        free[b] -= len(x)
+    return rows
+
+
 def packs(micros, shared: bool, max_tokens: int, agree=None, sequences=None) -> list[Pack]:
     """The forwards that compute every response token of `micros` (or of `sequences`, as `units` takes them):
-    units filled greedily, in order, up to `max_tokens` positions each; `agree(n)`: the number every rank makes
-    (the largest), padded with `empty`."""
-    groups: list[list[Unit]] = []
-    size = 0
-    for unit in units(micro_rows(micros) if sequences is None else sequences, shared, max_tokens):
-        if not groups or size + len(unit) > max_tokens:
-            groups.append([])
-            size = 0
-        groups[-1].append(unit)
-        size += len(unit)
-    device = groups[0][0].tokens[0].device if groups else "cpu"
-    out = [pack(g, device) for g in groups]
+    units in rows as long as the longest unit (`rows_of`), as many rows per forward as fit `max_tokens`
+    positions; `agree(n)`: the number every rank makes (the largest), padded with `empty`."""
+    found = units(micro_rows(micros) if sequences is None else sequences, shared, max_tokens)
+    rows = rows_of(found)
+    per = max(1, max_tokens // max(map(len, found), default=1))  # rows per forward
+    device = found[0].tokens[0].device if found else "cpu"
+    out = [pack(rows[i : i + per], device) for i in range(0, len(rows), per)]
     return out + [empty(device) for _ in range((agree(len(out)) if agree else len(out)) - len(out))]
 
 
 def hidden(backbone, p: Pack) -> torch.Tensor:
     """[n, H]: the hidden states that predict the pack's targets."""
     out = backbone(input_ids=p.input_ids, attention_mask=p.mask, position_ids=p.position_ids, use_cache=False)
-    return out.last_hidden_state[0, p.select]
+    return out.last_hidden_state.flatten(0, 1)[p.select]
 
 
 def gather(p: Pack, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -200,7 +223,7 @@ def count(counts: dict | None, positions: int, sequences: int) -> None:
 
 
 def count_pack(counts: dict | None, p: Pack) -> None:
-    count(counts, p.input_ids.shape[1] if p.parts else 0, len(p.parts))  # an empty pack computes nothing real
+    count(counts, p.input_ids.numel() if p.parts else 0, len(p.parts))  # an empty pack computes nothing real
 
 
 def pass_metrics(name: str, by_rank: list[dict]) -> dict[str, float]:
