@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError
+from .exchange import balance  # noqa: F401  (data parallel: even token loads; the recipes call it as batching.balance)
 
 OPTIONS = ("padded", "packed", "shared_prompt")
 
@@ -237,17 +238,22 @@ def pass_metrics(name: str, by_rank: list[dict]) -> dict[str, float]:
 
 def metrics(by_rank: list[dict], logprob: list[dict] | None = None) -> dict[str, float]:
     """A step's layout over ranks. `by_rank`: each rank's train-pass counts (and `real`, its tokens that are not
-    padding); `logprob`: each rank's {pass name ("old", "ref"): counts} of the logprob passes the step ran.
-    The train pass also gives the share of positions that are padding (0 when packed: every position is a token;
-    shared_prompt computes fewer positions than tokens) and the ranks' balance (largest / smallest positions)."""
+    padding); `logprob`: each rank's {pass name ("old", "ref"): counts} of the logprob passes the step ran, and
+    "exchange": the groups `balance` moved between ranks. The train pass also gives the share of positions that
+    are padding (packed: only the ends of rows; shared_prompt computes fewer positions than tokens) and, with
+    data parallel, each rank's positions and their balance (largest / smallest)."""
     positions = [r["positions"] for r in by_rank]
     real = sum(r["real"] for r in by_rank)
     out = {**pass_metrics("train", by_rank),
            "batching/padding_frac": max(0.0, 1.0 - real / max(sum(positions), 1))}
     if len(by_rank) > 1:
         out["batching/rank_positions_ratio"] = max(positions) / max(min(positions), 1)
+        out.update({f"batching/rank{r}/train_positions": float(n) for r, n in enumerate(positions)})
     for name in dict.fromkeys(k for r in logprob or [] for k in r):  # a pass this step skipped logs nothing
-        out.update(pass_metrics(name, [r.get(name, {}) for r in logprob]))
+        if name == "exchange":  # data parallel: the same plan on every rank (exchange.balance)
+            out["batching/groups_moved"] = float(logprob[0][name]["groups_moved"])
+        else:
+            out.update(pass_metrics(name, [r.get(name, {}) for r in logprob]))
     return out
 
 

@@ -290,6 +290,7 @@ def consume(cfg, s, rows: list[dict], roll, buffer: RolloutBuffer, got: StepRoll
     """One generated rollout (by the weights after `version` optimizer steps): scored, given advantages and the
     logprob passes the policy needs, enqueued. Adds what it contributes to the step's metrics to `got`."""
     t, engine, meter = cfg.train, s.engine, s.meter
+    rows, roll = packing.balance(cfg, engine, rows, roll, s.tokenizer.pad_token_id, got.layout)  # ranks' loads even
     totals, by_reward = s.data.score(roll.completions, rows)
     reward = torch.tensor(totals, dtype=torch.float32)
     advantages = group_advantages(reward, t.group_size, t.scale_advantages).to(engine.device)
