@@ -19,8 +19,8 @@ tensor bytes, written next to the code that allocates it:
 
 Tokens per micro-batch are an upper bound: GRPO responses as long as rollout.max_new_tokens (a rollout stops when
 every row has ended), prompts as long as the longest one of the task; DPO pairs as long as the longest pair.
-batching=packed|shared_prompt: a forward holds at most batching.max_tokens positions (and its [T, T] mask) however
-many rows the micro-batches have.
+batching=packed|shared_prompt: a forward holds at most batching.max_tokens positions (and its mask, rows x width^2
+booleans) however many rows the micro-batches have; shared_prompt lays out each group's prompt once.
 On CPU the measured growth is the process RSS (meters.py), so allocator slack and first-call buffers add a few MiB.
 docs/plan.md and docs/benchmarks.md have the measured accuracy.
 """
@@ -253,9 +253,9 @@ def predict(cfg, s: Shapes, rows: int, seq_len: int, tokens: int, *, world: int 
     grads = s.trainable * b // (world if zero >= 2 else 1)
     layer_tokens, mask = rows * seq_len, {}
     if cfg.batching.name != "padded":  # a forward holds at most max_tokens positions, whatever the rows
-        layer_tokens = min(cfg.batching.max_tokens, layer_tokens * grad_accum)
+        layer_tokens, width = packed_forward(cfg, rows * grad_accum, seq_len, tokens // rows)
         tokens = min(cfg.batching.max_tokens, tokens * grad_accum)
-        mask = {f"attention mask ({layer_tokens} x {layer_tokens} positions, bool)": layer_tokens**2}
+        mask = {f"attention mask ({layer_tokens} positions in rows of {width}, bool)": layer_tokens * width}
     live = LIVE_H * s.hidden + LIVE_I * s.intermediate  # per token, one layer, no grad
 
     def logprob_phase() -> Phase:
@@ -284,6 +284,21 @@ def predict(cfg, s: Shapes, rows: int, seq_len: int, tokens: int, *, world: int 
                             entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0))))
     phases["train"] = Phase(train, {**weights, **adam})
     return Plan(phases, tokens, seq_len, size if head != "dense" else None, s, world, device_type)
+
+
+def packed_forward(cfg, rows: int, seq_len: int, response: int) -> tuple[int, int]:
+    """batching=packed|shared_prompt: (positions of a forward, positions of its rows) for a pass over `rows`
+    sequences of at most `seq_len` positions, `response` of them the response. A forward holds at most
+    batching.max_tokens positions in rows as long as the longest unit: a sequence (packed) or a group with its
+    prompt once (shared_prompt: train.group_size completions, a DPO pair's 2), so a pass lays out at most
+    groups x prompt + rows x response positions."""
+    b, positions, width = cfg.batching, rows * seq_len, seq_len
+    if b.name == "shared_prompt":
+        group = 2 if cfg.loss.name == "dpo" else cfg.train.group_size
+        prompt = seq_len - response
+        positions = -(-rows // group) * prompt + rows * response
+        width = prompt + min(group, rows) * response
+    return min(b.max_tokens, positions), min(b.max_tokens, width)
 
 
 def metrics(plan: Plan) -> dict[str, float]:
