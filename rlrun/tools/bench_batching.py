@@ -146,12 +146,35 @@ def describe(a) -> str:
             f"{a.max_tokens}, {a.threads or torch.get_num_threads()} threads")
 
 
+def rank_loads(a) -> str:
+    """Data parallel on this workload: the ranks' token loads (largest / smallest) as each rank's slice of the
+    rollout has them, and after rlrun.batching.exchange evens them out (the plan only: nothing is timed)."""
+    from ..batching import exchange
+
+    roll, _ = workload(a, a.vocab)
+    unit, per_block = exchange.unit_rows(a.group, a.micro_batch)
+    out = []
+    for world in (2, 4, 8):
+        rows = len(roll.completions) // world
+        if rows % a.group or rows % a.micro_batch:
+            continue
+        for how in ("packed", "shared_prompt"):
+            by_rank = [exchange.loads(SimpleNamespace(attention_mask=roll.attention_mask[r * rows : (r + 1) * rows],
+                                                      response_mask=roll.response_mask[r * rows : (r + 1) * rows],
+                                                      prompt_len=roll.prompt_len), unit, a.group, how != "packed")
+                       for r in range(world)]
+            before = [sum(x) for x in by_rank]
+            after = [sum(by_rank[r][u] for r, u in mine) for mine in exchange.assign(by_rank, per_block)]
+            out.append(f"{world} ranks {how} {max(before) / min(before):.2f} -> {max(after) / min(after):.2f}")
+    return "ranks' token loads, largest / smallest, sliced -> balanced: " + ("; ".join(out) or "one rank only")
+
+
 def bench(a, log_mlflow) -> list[dict]:
     from tqdm import tqdm
 
     results = {o: render.in_child(child, o, a) for o in tqdm(a.options, desc="batching", unit="option")}
     rows = rows_of(results)
-    text = table(rows, a, describe(a))
+    text = table(rows, a, describe(a)) + "\n" + rank_loads(a)
     print(text)
     log_mlflow(a, rows, text, "batching")
     return rows
