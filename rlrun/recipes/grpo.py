@@ -88,7 +88,7 @@ class StepRollouts:
     samples: list[dict] = field(default_factory=list)  # a few rows of the step's first rollout
     ages: list[int] = field(default_factory=list)  # per micro-batch trained: step - the version that generated it
     worker: list[tuple[float, float]] = field(default_factory=list)  # async: (busy, idle) s of the generator
-    layout: dict = field(default_factory=dict)  # "old" / "ref": the logprob passes' layout (packing.count)
+    layout: dict = field(default_factory=dict)  # "old" / "ref": the logprob passes' layout; "exchange": moves
 
     def reducible(self) -> dict:
         """The small numbers every rank sends (frame.reduce)."""
