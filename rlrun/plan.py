@@ -21,8 +21,8 @@ tensor bytes, written next to the code that allocates it:
 
 Tokens per micro-batch are an upper bound: GRPO responses as long as rollout.max_new_tokens (a rollout stops when
 every row has ended), prompts as long as the longest one of the task; DPO pairs as long as the longest pair.
-batching=packed|shared_prompt: a forward holds at most batching.max_tokens positions (and its [T, T] mask) however
-many rows the micro-batches have.
+batching=packed|shared_prompt: a forward holds at most batching.max_tokens positions (and its mask, rows x width^2
+booleans) however many rows the micro-batches have; shared_prompt lays out each group's prompt once.
 On CPU the measured growth is the process RSS (meters.py), so allocator slack and first-call buffers add a few MiB.
 docs/plan.md and docs/benchmarks.md have the measured accuracy.
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import batching as packing
 from . import logprobs, models, ranks
 from .config import ConfigError
 from .heads.common import ROWS  # rows of the tiled head's entropy buffer
@@ -255,9 +256,9 @@ def predict(cfg, s: Shapes, rows: int, seq_len: int, tokens: int, *, world: int 
     grads = s.trainable * b // (world if zero >= 2 else 1)
     layer_tokens, mask = rows * seq_len, {}
     if cfg.batching.name != "padded":  # a forward holds at most max_tokens positions, whatever the rows
-        layer_tokens = min(cfg.batching.max_tokens, layer_tokens * grad_accum)
+        layer_tokens, width = packing.planned_forward(cfg, rows * grad_accum, seq_len, tokens // rows)
         tokens = min(cfg.batching.max_tokens, tokens * grad_accum)
-        mask = {f"attention mask ({layer_tokens} x {layer_tokens} positions, bool)": layer_tokens**2}
+        mask = {f"attention mask ({layer_tokens} positions in rows of {width}, bool)": layer_tokens * width}
     live = LIVE_H * s.hidden + LIVE_I * s.intermediate  # per token, one layer, no grad
 
     def logprob_phase() -> Phase:

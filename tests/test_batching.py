@@ -47,42 +47,61 @@ def micros_of(tok, micro_batch=3):
     return grpo.split_rollout(roll, adv, micro_batch)
 
 
-def test_packed_mask_never_crosses_a_sequence_and_positions_restart():
+def allowed(p):
+    """What a forward's mask must be, from its positions and targets alone: a unit starts where the positions
+    restart at 0 (a padding position is a unit of its own); each completion's own positions are those that predict
+    its targets but the first (which is its prompt's last); a query may see an earlier key of its row and unit, in
+    the prompt (part 0) or in its own completion."""
+    rows, width = p.input_ids.shape
+    unit = (p.position_ids.flatten() == 0).cumsum(0)
+    part = torch.zeros(rows * width, dtype=torch.long)
+    start = 0
+    for c, (_, flat) in enumerate(p.parts, 1):
+        part[p.select[start + 1 : start + len(flat)]] = c
+        start += len(flat)
+    q, k = torch.meshgrid(torch.arange(rows * width), torch.arange(rows * width), indexing="ij")
+    return (q // width == k // width) & (k <= q) & (unit[q] == unit[k]) & ((part[k] == 0) | (part[k] == part[q]))
+
+
+def flat_mask(p):
+    """The forward's [rows, 1, W, W] mask as one [rows * W, rows * W] matrix (rows never see each other)."""
+    return torch.block_diag(*p.mask[:, 0])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("max_tokens", [21, 60, 10_000])
+def test_the_mask_never_crosses_a_sequence_or_a_completion(shared, max_tokens):
+    """packed: a token sees its own sequence only, positions restart per sequence; shared_prompt: a completion
+    sees its prompt and itself, its positions continue from the prompt's; every forward holds rows of at most the
+    longest unit and at most max_tokens positions, every response token is computed once."""
     _, tok = tiny_model()
     micros = micros_of(tok)
-    [p] = batching.packs(micros, shared=False, max_tokens=10_000)
-    units = batching.units(batching.micro_rows(micros), shared=False, max_tokens=10_000)
-    seq = torch.cat([torch.full((len(u),), i) for i, u in enumerate(units)])
-    mask = p.mask[0, 0]
-    assert torch.equal(mask, torch.ones_like(mask).tril() & (seq[:, None] == seq[None, :]))
-    starts = torch.cat([torch.tensor([0]), torch.tensor([len(u) for u in units]).cumsum(0)[:-1]])
-    assert (p.position_ids[0, starts] == 0).all() and int(p.position_ids.max()) == max(len(u) for u in units) - 1
+    found = batching.units(batching.micro_rows(micros), shared=shared, max_tokens=max_tokens)
+    # each group's prompt once (a group over max_tokens split, its prompt repeated), or each sequence
+    assert len(found) == (12 if not shared else 3 if max_tokens >= 60 else 5)
+    longest = max(len(u) for u in found)
+    forwards = batching.packs(micros, shared=shared, max_tokens=max_tokens)
+    for p in forwards:
+        rows, width = p.input_ids.shape
+        assert width <= longest and rows * width <= max(max_tokens, longest)
+        assert torch.equal(flat_mask(p), allowed(p))
+        start = 0
+        for _, flat in p.parts:  # the prompt's last position, then the completion's, continuing from it
+            sel = p.select[start : start + len(flat)]
+            first = int(p.position_ids.flatten()[sel[0]])
+            assert p.position_ids.flatten()[sel].tolist() == list(range(first, first + len(sel)))
+            assert p.position_ids.flatten()[sel[0] - first] == 0  # the prompt starts at 0
+            start += len(flat)
+    assert max(len(p.input_ids) for p in forwards) > 1 or max_tokens < 2 * longest  # several rows per forward
+    flat = sorted((m, f) for p in forwards for m, part in p.parts for f in part.tolist())
+    assert flat == sorted((m, f) for m, mb in enumerate(micros) for f in mb.mask.nonzero().flatten().tolist())
 
 
-def test_shared_prompt_lets_a_completion_see_its_prompt_and_itself_only():
-    _, tok = tiny_model()
-    micros = micros_of(tok, micro_batch=12)
-    units = batching.units(batching.micro_rows(micros), shared=True, max_tokens=10_000)
-    assert len(units) == 3 and [len(u.tokens) - 1 for u in units] == [4, 4, 4]  # each group's prompt once
-    [p] = batching.packs(micros, shared=True, max_tokens=10_000)
-    unit, part = [], []
-    for u, x in enumerate(units):
-        for c, t in enumerate(x.tokens):
-            unit += [u] * len(t)
-            part += [c] * len(t)
-    unit, part = torch.tensor(unit), torch.tensor(part)
-    q, k = torch.meshgrid(torch.arange(len(unit)), torch.arange(len(unit)), indexing="ij")
-    expected = (k <= q) & (unit[q] == unit[k]) & ((part[k] == 0) | (part[k] == part[q]))
-    assert torch.equal(p.mask[0, 0], expected)
-    # a completion's positions continue from its prompt's: prompt 0..n-1, each completion n, n+1, ...
-    start = 0
-    for x in units:
-        n = len(x.tokens[0])
-        assert p.position_ids[0, start:start + n].tolist() == list(range(n))
-        start += n
-        for t in x.tokens[1:]:
-            assert p.position_ids[0, start:start + len(t)].tolist() == list(range(n, n + len(t)))
-            start += len(t)
+def test_rows_are_first_fit_longest_first_and_nearly_full():
+    sizes = [9, 1, 5, 5, 3, 2, 2, 8, 1, 4]
+    found = [batching.Unit([torch.zeros(n)], []) for n in sizes]
+    rows = batching.rows_of(found)
+    assert [[len(u) for u in r] for r in rows] == [[9], [8, 1], [5, 4], [5, 3, 1], [2, 2]]
 
 
 def test_every_target_is_predicted_from_the_token_before_it():
@@ -90,7 +109,7 @@ def test_every_target_is_predicted_from_the_token_before_it():
     micros = micros_of(tok)
     for shared in (False, True):
         for p in batching.packs(micros, shared=shared, max_tokens=20):
-            ids = p.input_ids[0]
+            ids = p.input_ids.flatten()
             targets = batching.gather(p, [m.targets for m in micros])
             flat_prev = []
             for m, flat in p.parts:  # the token before each target in the padded row
@@ -98,7 +117,7 @@ def test_every_target_is_predicted_from_the_token_before_it():
                 for f in flat.tolist():
                     flat_prev.append(int(micro.input_ids[f // r, micro.prompt_len + f % r - 1]))
             assert ids[p.select].tolist() == flat_prev
-            assert len(targets) == len(p.select) and p.input_ids.shape[1] <= 20
+            assert len(targets) == len(p.select) and p.input_ids.numel() <= 20
 
 
 def test_a_sequence_over_the_budget_is_refused_with_the_numbers():
@@ -162,6 +181,27 @@ def test_loss_gradients_and_metrics_equal_padded(head, how, loss):
     assert layout["positions"] < padded["positions"] and 1 < layout["forwards"] < padded["forwards"]
 
 
+@pytest.mark.parametrize("how", ["packed", "shared_prompt"])
+@pytest.mark.parametrize("head", ["dense", "tiled", "chunked"])
+def test_a_sequence_that_fills_the_budget_exactly(head, how):
+    """max_tokens = the longest sequence (9 prompt + 12 response tokens lay out 20 positions): a forward of one
+    full row holds it; the 1-token responses beside it (predicted from their prompt's last position, laying out
+    no position of their own) are computed too; loss, gradients and metrics are padded's."""
+    model, tok = tiny_model()
+    micros = micros_of(tok)
+    assert min(int(m.mask.view(m.input_ids.shape[0], -1).sum(1).min()) for m in micros) == 1
+    found = batching.packs(micros, how == "shared_prompt", 20)
+    assert any(p.input_ids.shape == (1, 20) and not (p.position_ids[0, 1:] == 0).any() for p in found)
+    ref_total, ref_parts, ref_grads, *_ = step(model, micros, head, "padded", "cispo")
+    total, parts, grads, *_ = step(model, micros, head, how, "cispo", max_tokens=20)
+    assert abs(total - ref_total) <= 1e-5 * abs(ref_total) + 1e-7
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), name
+    for k, (s_, n, lo, hi) in parts.items():
+        rs, rn, rlo, rhi = ref_parts[k]
+        assert n == rn and abs(s_ - rs) <= 1e-5 * max(abs(rs), 1.0) and abs(lo - rlo) < 1e-5 and abs(hi - rhi) < 1e-5
+
+
 @pytest.mark.parametrize("head", ["dense", "tiled", "chunked"])
 def test_a_rank_with_fewer_packs_runs_empty_ones_and_the_result_is_unchanged(head, monkeypatch):
     """Under ZeRO every rank makes as many forwards and backwards: one with fewer packs runs empty ones (one
@@ -180,10 +220,39 @@ def test_a_rank_with_fewer_packs_runs_empty_ones_and_the_result_is_unchanged(hea
 def test_shared_prompt_computes_each_prompt_once():
     model, tok = tiny_model()
     micros = micros_of(tok)
+    size = {shared: sum(len(u) for u in batching.units(batching.micro_rows(micros), shared, 64))
+            for shared in (False, True)}
+    # 3 groups of 4: 3 of each group's prompts (9 + 1 + 3 tokens) are not recomputed
+    assert size[False] - size[True] == 3 * (9 + 1 + 3)
     *_, packed = step(model, micros, "dense", "packed")
     *_, shared = step(model, micros, "dense", "shared_prompt")
-    # 3 groups of 4: 3 of each group's prompts (9 + 1 + 3 tokens) are not recomputed
-    assert packed["positions"] - shared["positions"] == 3 * (9 + 1 + 3)
+    assert shared["positions"] < packed["positions"] and shared["sequences"] == packed["sequences"] == 12
+
+
+def test_every_pass_counts_positions_forwards_and_sequences():
+    """The layout metrics of a logprob pass (and of training: the same counts): padded computes every micro-batch
+    whole (4 micro-batches of 3 rows x 21 positions); packed its forwards' positions, far fewer."""
+    model, tok = tiny_model()
+    micros = micros_of(tok)
+    head, counts = registry.get("head", "dense"), {}
+    for how in ("padded", "packed", "shared_prompt"):
+        counts[how] = {}
+        grpo.logprob_pass(model, micros, head, 16, 1.0, SimpleNamespace(name=how, max_tokens=64), counts=counts[how])
+    assert counts["padded"] == {"positions": 4 * 3 * 21, "forwards": 4, "sequences": 12}
+    for how in ("packed", "shared_prompt"):
+        found = batching.packs(micros, how == "shared_prompt", 64)
+        assert counts[how] == {"positions": sum(p.input_ids.numel() for p in found), "forwards": len(found),
+                               "sequences": 12}
+    assert counts["shared_prompt"]["positions"] < counts["packed"]["positions"] < counts["padded"]["positions"]
+    m = batching.metrics([{**counts["padded"], "real": 100}, {**counts["packed"], "real": 100}],
+                         [{"old": counts["packed"]}, {"old": counts["shared_prompt"], "ref": counts["padded"]}])
+    assert m["batching/train_positions"] == 252 + counts["packed"]["positions"]
+    assert m["batching/train_seqs_per_forward"] == 24 / (4 + counts["packed"]["forwards"])
+    assert m["batching/padding_frac"] == 1 - 200 / m["batching/train_positions"]
+    assert m["batching/old_positions"] == counts["packed"]["positions"] + counts["shared_prompt"]["positions"]
+    assert m["batching/ref_positions"] == 252 and m["batching/ref_seqs_per_forward"] == 3.0
+    assert m["batching/rank_positions_ratio"] == 252 / counts["packed"]["positions"]
+    assert m["batching/rank1/train_positions"] == counts["packed"]["positions"]
 
 
 def test_a_budget_below_a_response_is_refused():
@@ -217,16 +286,21 @@ def test_dpo_pairs_equal_padded(head, how):
         m = copy.deepcopy(model)
         layout = SimpleNamespace(name=name, max_tokens=40)
         chosen, rejected = pair_logprobs(m, batch, registry.get("head", head), 7, False, batching=layout)
-        loss, _ = dpo_loss(chosen, rejected, chosen.detach() - 0.1, rejected.detach() + 0.2, beta=0.1,
-                           label_smoothing=0.0, chosen_nll=None, sft_coef=0.0, num_pairs=len(PAIRS))
+        ref_chosen, ref_rejected = chosen.detach() - torch.tensor([0.3, -0.3, 0.1]), rejected.detach()
+        loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.1, label_smoothing=0.0,
+                                 chosen_nll=None, sft_coef=0.0, num_pairs=len(PAIRS))
         loss.backward()
-        return chosen, rejected, loss, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        return chosen, rejected, loss, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}, metrics
 
     ref, got = run("padded"), run(how)
     assert torch.allclose(got[0], ref[0], atol=1e-5) and torch.allclose(got[1], ref[1], atol=1e-5)
     assert abs(got[2].item() - ref[2].item()) < 1e-6
     for name, g in ref[3].items():
         assert torch.allclose(got[3][name], g, rtol=1e-4, atol=1e-6), name
+    assert {"rewards/accuracy", "rewards/margin", "rewards/chosen", "rewards/rejected"} <= set(ref[4])
+    assert 0 < ref[4]["rewards/accuracy"] < 1  # the pairs disagree, so accuracy is not trivially 0 or 1
+    for key, value in ref[4].items():  # every DPO metric: rewards, accuracy, margin, logps
+        assert got[4].keys() == ref[4].keys() and abs(got[4][key] - value) <= 1e-5 * max(abs(value), 1.0), key
     rows = list(batching.pair_rows(batch.input_ids, batch.attention_mask, batch.predicts))
     units = batching.units(rows, how == "shared_prompt", 40)
     assert len(units) == (3 if how == "shared_prompt" else 6)  # each pair's prompt once, or each sequence
@@ -242,7 +316,38 @@ def test_seeded_runs_give_paddeds_curves(tmp_path):
         assert got["reward_mean"] == ref["reward_mean"]
         for key in ("loss", "grad_norm", "clipfrac"):
             assert torch.allclose(torch.tensor(got[key]), torch.tensor(ref[key]), rtol=1e-4, atol=1e-6), (how, key)
-        assert history_of(tmp_path / how, "batching/padding_frac") == [0.0] * 5
+        for key in ("batching/padding_frac", "batching/train_positions"):  # the tails of rows only
+            got_, ref_ = history_of(tmp_path / how, key), history_of(tmp_path / "padded", key)
+            assert len(got_) == 5 and all(g <= r for g, r in zip(got_, ref_)), (how, key, got_, ref_)
+
+
+@pytest.mark.slow  # 8 seeded runs (~60 s)
+@pytest.mark.parametrize("how", ["packed", "shared_prompt"])
+def test_offload_and_every_logprob_policy_compose_with_batching(tmp_path, how):
+    """offload=on and logprob_policy=always|window|skip (with old-policy and reference passes that run, or are
+    skipped) give the curves of the same run with batching=padded."""
+    from test_runs import assert_same_curves, loss_curve
+
+    for extra in (["offload=on", "logprob_policy=always", "loss.kl_coef=0.05"], ["logprob_policy=window",
+                  "train.batch_size=4", "train.num_iterations=2"], ["logprob_policy=skip"]):
+        name = "-".join(x.split("=")[1] for x in extra[:1])
+        _, ref, _ = loss_curve(tmp_path / f"padded-{name}", *extra)
+        _, got, r = loss_curve(tmp_path / f"{how}-{name}", *extra, f"batching={how}", "batching.max_tokens=64")
+        assert_same_curves(got, ref)
+        assert passes(r.data.metrics) == passes(runs_metrics(tmp_path / f"padded-{name}")), extra
+        assert len(passes(r.data.metrics)) >= 4
+
+
+def passes(metrics):
+    """The logprob passes run and skipped (counts, not their estimated seconds)."""
+    return {k: v for k, v in metrics.items() if k.startswith("system/passes/") and not k.endswith("_s_est")}
+
+
+def runs_metrics(folder):
+    from helpers import runs
+
+    _, [r] = runs(folder / "mlflow.db")
+    return r.data.metrics
 
 
 def history_of(folder, key):
@@ -256,10 +361,17 @@ def history_of(folder, key):
 def test_a_seeded_dpo_run_gives_paddeds_curves(tmp_path):
     from test_runs import run_in
 
-    curves = {}
+    curves, layout = {}, {}
     for how in ("padded", "shared_prompt"):
         _, client, r = run_in(tmp_path / how, "experiment=smoke", "loss=dpo", "train.steps=4", f"batching={how}")
-        curves[how] = {k: history(client, r.info.run_id, k) for k in ("loss", "grad_norm", "rewards/margin")}
+        curves[how] = {k: history(client, r.info.run_id, k) for k in ("loss", "grad_norm", "rewards/margin",
+                                                                      "rewards/accuracy")}
+        layout[how] = {k: history(client, r.info.run_id, f"batching/{k}") for k in (
+            "train_positions", "ref_positions", "padding_frac", "train_seqs_per_forward")}
     for key, ref in curves["padded"].items():
         assert len(ref) == 4 and torch.allclose(torch.tensor(curves["shared_prompt"][key]), torch.tensor(ref),
                                                 rtol=1e-4, atol=1e-6), key
+    padded, shared = layout["padded"], layout["shared_prompt"]  # each pair's prompt once: fewer positions
+    assert all(s < p for s, p in zip(shared["train_positions"], padded["train_positions"]))
+    assert len(shared["ref_positions"]) >= 1 and min(padded["padding_frac"]) > 0 == max(shared["padding_frac"])
+    assert padded["train_seqs_per_forward"] == [8.0] * 4  # train.micro_batch=4 pairs: 8 sequences

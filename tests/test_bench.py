@@ -164,3 +164,28 @@ def test_pipeline_bench_rotates_the_order_and_compares_with_sync(tmp_path):
     assert asyn["seeds_accuracy_end"] == pytest.approx([0.5, 0.6, 0.7]) and asyn["accuracy_vs_sync"] == 0.0
     text = bench_pipeline.table(rows, a)
     assert "async_k1" in text and "1.67x" in text
+
+
+def test_batching_bench_agrees_with_padded_and_prints_the_ranks_loads(tmp_path):
+    """`python -m rlrun.bench batching` at the smallest size, its children run here: packed and shared_prompt
+    compute fewer positions than padded, and the same loss and gradients; the table and the ranks' load line."""
+    from rlrun.tools import bench_batching
+
+    a = bench.parser().parse_args(["batching", "--prompts", "4", "--group", "4", "--prompt-median", "8",
+                                   "--response-median", "6", "--prompt-cap", "24", "--response-cap", "24",
+                                   "--micro-batch", "4", "--hidden", "32", "--layers", "1", "--vocab", "64",
+                                   "--repeat", "1", "--max-tokens", "128", "--tracking-uri", "none"])
+    results = {}
+    for option in bench_batching.OPTIONS:
+        bench_batching.child(option, a, str(tmp_path / f"{option}.pt"))
+        results[option] = torch.load(tmp_path / f"{option}.pt")
+    rows = {r["impl"]: r for r in bench_batching.rows_of(results)}
+    assert rows["padded"]["padding_frac"] > 0.3 and rows["padded"]["train_speedup"] == 1.0
+    for option in ("packed", "shared_prompt"):
+        assert rows[option]["positions"] < rows["padded"]["positions"]
+        assert rows[option]["loss_rel_diff"] < 1e-5 and rows[option]["grad_max_rel_diff"] < 1e-4
+    assert rows["shared_prompt"]["positions"] < rows["packed"]["positions"]
+    text = bench_batching.table(list(rows.values()), a, bench_batching.describe(a))
+    assert [line.split()[0] for line in text.splitlines()[-3:]] == ["padded", "packed", "shared_prompt"]
+    assert bench_batching.rank_loads(a).startswith("ranks' token loads") and "2 ranks packed" in \
+        bench_batching.rank_loads(a)

@@ -46,16 +46,24 @@ def assert_close(a: dict, b: dict):
 
 @pytest.mark.parametrize("stage, batching", [(3, "packed"), (2, "shared_prompt")])
 def test_packed_two_ranks_match_one_padded(tmp_path, stage, batching):
-    """Packing under ZeRO: each rank packs its share (as many forwards on both, the last one the boundary), and
-    the run equals the padded run of one process."""
-    one = single_process(tmp_path / "one")
-    out = rlrun(2, tmp_path, *EQUIV, "engine=deepspeed", f"engine.zero_stage={stage}", f"batching={batching}",
-                "batching.max_tokens=64")  # one pack per rank where padded makes 2 micro-steps
+    """Packing under ZeRO: whole groups exchanged so that the ranks' loads are even (rlrun/batching/exchange.py),
+    each rank packs its share (as many forwards on both, the last one the boundary), and the run equals the padded
+    run of one process. Two groups per rank, so that a group can change rank."""
+    size = ["train.rollout_batch=16", "train.batch_size=16"]
+    one = single_process(tmp_path / "one", *size)
+    out = rlrun(2, tmp_path, *EQUIV, *size, "engine=deepspeed", f"engine.zero_stage={stage}", f"batching={batching}",
+                "batching.max_tokens=64")  # several rows per forward, fewer forwards than padded's micro-steps
     assert out.returncode == 0, out.stderr[-3000:]
     run, two = curves(tmp_path / "mlflow.db")
     assert_close(two, one)
-    assert run.data.metrics["system/batching/padding_frac"] == 0.0
-    assert "system/batching/rank_positions_ratio" in run.data.metrics
+    client, [padded] = runs(tmp_path / "one" / "mlflow.db")
+    m, key = run.data.metrics, "system/batching/"
+    assert m[key + "padding_frac"] < padded.data.metrics[key + "padding_frac"]
+    per_rank = [m[key + f"rank{r}/train_positions"] for r in (0, 1)]  # the last step's
+    assert sum(per_rank) == m[key + "train_positions"]
+    assert m[key + "rank_positions_ratio"] == max(per_rank) / min(per_rank)
+    moved = history(runs(tmp_path / "mlflow.db")[0], run.info.run_id, key + "groups_moved")
+    assert len(moved) == 2 and sum(moved) > 0  # each rollout (every other step) exchanged, and groups moved
 
 
 @pytest.mark.parametrize("stage", [2, 3])

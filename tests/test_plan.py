@@ -88,15 +88,33 @@ def test_plan_of_a_config_names_what_dominates():
 
 def test_packed_forwards_are_planned_by_their_token_budget():
     """batching=packed: a forward's activations and head tokens are bounded by batching.max_tokens (not rows x
-    positions), plus its [T, T] mask."""
+    positions), plus its mask (rows x width^2 booleans: max_tokens x the row width at most)."""
     _, padded = planned("logprob_policy=always")
     _, small = planned("logprob_policy=always", "batching=packed", "batching.max_tokens=64")
     _, large = planned("logprob_policy=always", "batching=packed", "batching.max_tokens=100000")
     saved = "activations saved for backward"
     assert small.phases["train"].parts[saved] < padded.phases["train"].parts[saved]
     assert large.phases["train"].parts[saved] >= padded.phases["train"].parts[saved]  # a whole step in one forward
-    assert small.phases["train"].parts["attention mask (64 x 64 positions, bool)"] == 64 * 64
+    assert small.phases["train"].parts["attention mask (64 positions in rows of 8, bool)"] == 64 * 8  # 4 + 4 new
     assert "attention mask" not in " ".join(padded.phases["train"].parts)
+
+
+def test_shared_prompt_is_planned_with_each_groups_prompt_once():
+    """A step's 128 sequences (8 groups of 16) of at most 4 prompt + 4 response positions: packed lays out
+    128 x 8 positions, shared_prompt 8 x 4 + 128 x 4, in rows of one group (4 + 16 x 4); under a small budget
+    both are bounded by it."""
+    per_token = plan.SAVED_H * 32 + plan.SAVED_I * 128  # the tiny model's saved activations per position and layer
+    saved = "activations saved for backward"
+    for budget, packed_n, shared_n in ((100_000, 128 * 8, 8 * 4 + 128 * 4), (64, 64, 64)):
+        _, packed = planned("batching=packed", f"batching.max_tokens={budget}")
+        cfg, shared = planned("batching=shared_prompt", f"batching.max_tokens={budget}")
+        assert cfg.train.group_size == 16 and shared.seq_len == 8
+        assert packed.phases["train"].parts[saved] == 3 * packed_n * per_token * 4
+        assert shared.phases["train"].parts[saved] == 3 * shared_n * per_token * 4
+    width = 4 + 16 * 4
+    assert shared.phases["train"].parts["attention mask (64 positions in rows of 64, bool)"] == 64 * 64
+    _, large = planned("batching=shared_prompt", "batching.max_tokens=100000")
+    assert large.phases["train"].parts[f"attention mask (544 positions in rows of {width}, bool)"] == 544 * width
 
 
 def test_device_plan_counts_offload_zero_and_the_fits_line(monkeypatch):

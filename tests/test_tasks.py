@@ -25,6 +25,31 @@ def test_arith_examples_are_correct_and_seeded():
         assert int(e["answer"]) == eval(f"{a}{op}{b}") >= 0
 
 
+def test_arith_with_more_terms_and_worked_answers(cfg_factory):
+    """task.max_terms / task.worked (experiment=varied_lengths): 2 to max_terms operands of one operator, evaluated
+    left to right, results never negative; the worked answer is every running value, its last the plain answer;
+    lengths long-tailed (most short, some at the cap); pairs reject a wrong last value, the steps kept."""
+    import collections
+
+    ex = tasks.arith_examples(2000, 9, ["+", "-", "*"], 1, max_terms=12, worked=True)
+    plain = tasks.arith_examples(2000, 9, ["+", "-", "*"], 1, max_terms=12)
+    assert [e["prompt"] for e in ex] == [e["prompt"] for e in plain]
+    for e, q in zip(ex, plain):
+        op = next(c for c in e["prompt"] if c in "+-*")
+        operands = [int(x) for x in e["prompt"][:-1].split(op)]
+        running = [operands[0]]
+        for x in operands[1:]:
+            running.append(eval(f"{running[-1]}{op}{x}"))
+        assert e["answer"] == ",".join(map(str, running[1:])) and q["answer"] == str(running[-1]) and min(running) >= 0
+    terms = collections.Counter(len(e["answer"].split(",")) + 1 for e in ex)
+    assert set(terms) == set(range(2, 13)) and terms[2] > terms[3] > terms[5] > terms[8] > 0
+    for pair in tasks.arith_pairs(ex[:50], 0):
+        *steps, last = pair["rejected"].split(",")
+        assert steps == pair["chosen"].split(",")[:-1] and last != pair["chosen"].split(",")[-1]
+    cfg = cfg_factory("experiment=varied_lengths", "task.eval_size=0")
+    assert tasks.load(cfg.task, 0, None).train == tasks.arith_examples(1000, 9, ["+"], 0, 12, True)
+
+
 def test_jsonl_task_and_custom_reward(tmp_path, cfg_factory):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"prompt": "hi", "answer": "yo"}) + "\n\n" + json.dumps({"prompt": "a", "answer": "b"}))

@@ -1,19 +1,22 @@
 """batching=padded|packed|shared_prompt: how the training passes lay out the sequences they compute.
 
 `padded` (the baseline) runs each micro-batch as it is: `micro_batch` rows padded to the longest prompt (left)
-and response (right). `packed` and `shared_prompt` compute the same tokens without the padding: the rows of a
-pass (a rollout's micro-batches for a logprob pass, an optimizer step's for training) are laid end to end into
-forwards of at most `batching.max_tokens` positions, each sequence with its own positions (0, 1, ...) and an
-attention mask that never crosses a sequence; `shared_prompt` also lays out each run of rows with the same prompt
-(a GRPO group) as the prompt once followed by each completion, every completion attending to the prompt and to
-itself only, its positions continuing from the prompt's. Every response token is predicted from the same context
-as in `padded`, so logprobs, losses and gradients are `padded`'s up to summation order.
+and response (right). `packed` and `shared_prompt` compute the same tokens without most of the padding: the
+sequences of a pass (a rollout's micro-batches for a logprob pass, an optimizer step's for training) are laid end
+to end in rows as long as the pass's longest sequence (first fit, longest first, so rows are nearly full), as many
+rows per forward as fit `batching.max_tokens` positions (dynamic batch size); each sequence has its own positions
+(0, 1, ...) and an attention mask that never crosses it. `shared_prompt` also lays out each run of sequences with
+the same prompt (a GRPO group, a DPO pair) as the prompt once followed by each completion, every completion
+attending to the prompt and to itself only, its positions continuing from the prompt's. Every response token is
+predicted from the same context as in `padded`, so logprobs, losses and gradients are `padded`'s up to summation
+order.
 
 A `Pack` is one such forward. The heads see what they see under `padded`: the hidden states that predict the
 response tokens, flattened, and per-token tensors gathered from the micro-batches (`gather`); results go back to
 each micro-batch's own layout (`scatter`), so the rollout buffer, the logprob policies and checkpoints are the
-same for every option. The mask is a dense [T, T] boolean (sdpa and eager attention take it; it costs T^2 bytes,
-16 MiB at 4096 positions).
+same for every option. The mask is a dense [rows, 1, W, W] boolean (sdpa and eager attention take it): rows about
+one sequence long keep its cost, and attention's, near what the sequences need (one row of max_tokens positions
+would cost max_tokens^2).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError
+from .exchange import balance  # noqa: F401  (data parallel: even token loads; the recipes call it as batching.balance)
 
 OPTIONS = ("padded", "packed", "shared_prompt")
 
@@ -40,12 +44,13 @@ class Unit:
 
 @dataclass
 class Pack:
-    """One forward: [1, T] ids, positions and mask; `select` the positions whose hidden states predict the
-    targets; `parts` where each run of targets comes from (micro-batch index, flat indices)."""
+    """One forward: [rows, W] ids and positions, and the mask; `select` the positions (of the flattened
+    [rows * W]) whose hidden states predict the targets; `parts` where each run of targets comes from (micro-batch
+    index, flat indices), one per sequence, in the order of `select`."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    mask: torch.Tensor  # [1, 1, T, T] bool: True where a query may attend to a key
+    mask: torch.Tensor  # [rows, 1, W, W] bool: True where a query may attend to a key
     select: torch.Tensor  # [n]
     parts: list[tuple[int, torch.Tensor]]
 
@@ -105,19 +110,28 @@ def layout(unit: Unit, offset: int):
     return torch.cat(ids), torch.cat(positions), torch.cat(part), torch.cat(select)
 
 
-def pack(group: list[Unit], device) -> Pack:
-    ids, positions, parts_of, unit_of, select, parts, offset = [], [], [], [], [], [], 0
-    for u, unit in enumerate(group):
-        i, p, part, sel = layout(unit, offset)
-        ids.append(i), positions.append(p), parts_of.append(part), select.append(sel)
-        unit_of.append(torch.full((len(i),), u, device=device))
-        parts += unit.parts
-        offset += len(i)
-    part, unit = torch.cat(parts_of), torch.cat(unit_of)
-    causal = torch.ones(offset, offset, dtype=torch.bool, device=device).tril()
-    same = (unit[:, None] == unit[None, :]) & ((part[None, :] == 0) | (part[:, None] == part[None, :]))
-    return Pack(input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
-                mask=(causal & same)[None, None], select=torch.cat(select), parts=parts)
+def pack(rows: list[list[Unit]], device) -> Pack:
+    """One forward of `rows`, each row its units laid end to end, right-padded to the longest row; a padding
+    position attends to itself only and predicts nothing."""
+    width = max(sum(map(len, row)) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    positions, part, unit = torch.zeros_like(ids), torch.zeros_like(ids), torch.full_like(ids, -1)  # -1: padding
+    select, parts, u = [], [], 0
+    for b, row in enumerate(rows):
+        offset = 0
+        for x in row:
+            i, p, c, sel = layout(x, offset)
+            end = offset + len(i)
+            ids[b, offset:end], positions[b, offset:end], part[b, offset:end], unit[b, offset:end] = i, p, c, u
+            select.append(sel + b * width)  # into the forward's [rows * width] flattened positions
+            parts += x.parts
+            offset, u = end, u + 1
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    key, query = (unit[:, None, :], part[:, None, :]), (unit[:, :, None], part[:, :, None])
+    # the same unit (not padding), and the key in its prompt (part 0) or in the query's own completion
+    same = (query[0] == key[0]) & (key[0] >= 0) & ((key[1] == 0) | (query[1] == key[1]))
+    mask = (causal & same) | torch.eye(width, dtype=torch.bool, device=device)
+    return Pack(input_ids=ids, position_ids=positions, mask=mask[:, None], select=torch.cat(select), parts=parts)
 
 
 def agree(engine):
@@ -134,27 +148,37 @@ def empty(device) -> Pack:
                 select=torch.zeros(0, dtype=torch.long, device=device), parts=[])
 
 
+def rows_of(found: list[Unit]) -> list[list[Unit]]:
+    """Units in rows as long as the longest one: first fit, longest first, so that rows are nearly full (the
+    attention of a row costs its length squared, so rows stay about one sequence long)."""
+    width = max(map(len, found), default=0)
+    rows: list[list[Unit]] = []
+    free: list[int] = []
+    for x in sorted(found, key=len, reverse=True):
+        b = next((i for i, f in enumerate(free) if f >= len(x)), len(rows))
+        if b == len(rows):
+            rows.append([]), free.append(width)
+        rows[b].append(x)
+        free[b] -= len(x)
+    return rows
+
+
 def packs(micros, shared: bool, max_tokens: int, agree=None, sequences=None) -> list[Pack]:
     """The forwards that compute every response token of `micros` (or of `sequences`, as `units` takes them):
-    units filled greedily, in order, up to `max_tokens` positions each; `agree(n)`: the number every rank makes
-    (the largest), padded with `empty`."""
-    groups: list[list[Unit]] = []
-    size = 0
-    for unit in units(micro_rows(micros) if sequences is None else sequences, shared, max_tokens):
-        if not groups or size + len(unit) > max_tokens:
-            groups.append([])
-            size = 0
-        groups[-1].append(unit)
-        size += len(unit)
-    device = groups[0][0].tokens[0].device if groups else "cpu"
-    out = [pack(g, device) for g in groups]
+    units in rows as long as the longest unit (`rows_of`), as many rows per forward as fit `max_tokens`
+    positions; `agree(n)`: the number every rank makes (the largest), padded with `empty`."""
+    found = units(micro_rows(micros) if sequences is None else sequences, shared, max_tokens)
+    rows = rows_of(found)
+    per = max(1, max_tokens // max(map(len, found), default=1))  # rows per forward
+    device = found[0].tokens[0].device if found else "cpu"
+    out = [pack(rows[i : i + per], device) for i in range(0, len(rows), per)]
     return out + [empty(device) for _ in range((agree(len(out)) if agree else len(out)) - len(out))]
 
 
 def hidden(backbone, p: Pack) -> torch.Tensor:
     """[n, H]: the hidden states that predict the pack's targets."""
     out = backbone(input_ids=p.input_ids, attention_mask=p.mask, position_ids=p.position_ids, use_cache=False)
-    return out.last_hidden_state[0, p.select]
+    return out.last_hidden_state.flatten(0, 1)[p.select]
 
 
 def gather(p: Pack, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -187,22 +211,49 @@ def forwards(micros, batching, fields: tuple[str, ...], counts: dict, agree=None
     n = max(agree(len(todo)) if agree else len(todo), 1)  # one forward at least: a step of masked rows (overlong)
     todo += [(empty(micros[0].input_ids.device), micros)] * (n - len(todo))
     for i, (p, same) in enumerate(todo):
-        counts["positions"] = counts.get("positions", 0) + (p.input_ids.shape[1] if p.parts else 0)
-        counts["forwards"] = counts.get("forwards", 0) + 1
+        count_pack(counts, p)
         yield p, {f: None if getattr(same[0], f) is None else gather(p, [getattr(m, f) for m in same])
                   for f in fields}, i == n - 1
 
 
-def metrics(by_rank: list[dict]) -> dict[str, float]:
-    """A training pass's layout over ranks: positions computed, forwards, the share of positions that are padding
-    (0 when packed: every position is a token; shared_prompt computes fewer positions than tokens), and the
-    ranks' load balance (largest / smallest positions computed)."""
+def count(counts: dict | None, positions: int, sequences: int) -> None:
+    """Add one forward of `positions` computed positions holding `sequences` sequences to a pass's `counts`."""
+    if counts is not None:
+        for key, n in (("positions", positions), ("forwards", 1), ("sequences", sequences)):
+            counts[key] = counts.get(key, 0) + n
+
+
+def count_pack(counts: dict | None, p: Pack) -> None:
+    count(counts, p.input_ids.numel() if p.parts else 0, len(p.parts))  # an empty pack computes nothing real
+
+
+def pass_metrics(name: str, by_rank: list[dict]) -> dict[str, float]:
+    """One pass's layout over ranks: positions computed, forwards made, and sequences per forward (the rows of a
+    micro-step: train.micro_batch when padded; as many as fit batching.max_tokens when packed)."""
+    forwards = sum(r.get("forwards", 0) for r in by_rank)
+    return {f"batching/{name}_positions": float(sum(r.get("positions", 0) for r in by_rank)),
+            f"batching/{name}_forwards": float(forwards),
+            f"batching/{name}_seqs_per_forward": sum(r.get("sequences", 0) for r in by_rank) / max(forwards, 1)}
+
+
+def metrics(by_rank: list[dict], logprob: list[dict] | None = None) -> dict[str, float]:
+    """A step's layout over ranks. `by_rank`: each rank's train-pass counts (and `real`, its tokens that are not
+    padding); `logprob`: each rank's {pass name ("old", "ref"): counts} of the logprob passes the step ran, and
+    "exchange": the groups `balance` moved between ranks. The train pass also gives the share of positions that
+    are padding (packed: only the ends of rows; shared_prompt computes fewer positions than tokens) and, with
+    data parallel, each rank's positions and their balance (largest / smallest)."""
     positions = [r["positions"] for r in by_rank]
     real = sum(r["real"] for r in by_rank)
-    out = {"batching/train_positions": float(sum(positions)), "batching/train_forwards": float(
-        sum(r["forwards"] for r in by_rank)), "batching/padding_frac": max(0.0, 1.0 - real / max(sum(positions), 1))}
+    out = {**pass_metrics("train", by_rank),
+           "batching/padding_frac": max(0.0, 1.0 - real / max(sum(positions), 1))}
     if len(by_rank) > 1:
         out["batching/rank_positions_ratio"] = max(positions) / max(min(positions), 1)
+        out.update({f"batching/rank{r}/train_positions": float(n) for r, n in enumerate(positions)})
+    for name in dict.fromkeys(k for r in logprob or [] for k in r):  # a pass this step skipped logs nothing
+        if name == "exchange":  # data parallel: the same plan on every rank (exchange.balance)
+            out["batching/groups_moved"] = float(logprob[0][name]["groups_moved"])
+        else:
+            out.update(pass_metrics(name, [r.get(name, {}) for r in logprob]))
     return out
 
 
@@ -219,12 +270,29 @@ def pair_rows(input_ids, attention_mask, predicts):
         yield 0, input_ids[i, :start], input_ids[i, start : start + n], flat[i, start - 1 : start - 1 + n]
 
 
-def pair_hidden(backbone, batch, name: str, max_tokens: int, agree=None) -> torch.Tensor:
+def pair_hidden(backbone, batch, name: str, max_tokens: int, agree=None, counts: dict | None = None) -> torch.Tensor:
     """[N, H] hidden states that predict a DPO batch's targets, in their order, computed packed or with each pair's
-    prompt once (`name`)."""
+    prompt once (`name`); `counts`: as `count` takes it."""
     sequences = pair_rows(batch.input_ids, batch.attention_mask, batch.predicts)
     found = packs([], name == "shared_prompt", max_tokens, agree, sequences)
+    for p in found:
+        count_pack(counts, p)
     h = [hidden(backbone, p) for p in found]
     order = torch.cat([flat for p in found for _, flat in p.parts])
     out = h[0].new_zeros(len(batch.targets), h[0].shape[-1])
     return out.index_copy(0, order, torch.cat(h))
+
+
+def planned_forward(cfg, rows: int, seq_len: int, response: int) -> tuple[int, int]:
+    """batching=packed|shared_prompt: (positions of a forward, positions of its rows) for a pass over `rows`
+    sequences of at most `seq_len` positions, `response` of them the response. A forward holds at most
+    batching.max_tokens positions in rows as long as the longest unit: a sequence (packed) or a group with its
+    prompt once (shared_prompt: train.group_size completions, a DPO pair's 2), so a pass lays out at most
+    groups x prompt + rows x response positions."""
+    b, positions, width = cfg.batching, rows * seq_len, seq_len
+    if b.name == "shared_prompt":
+        group = 2 if cfg.loss.name == "dpo" else cfg.train.group_size
+        prompt = seq_len - response
+        positions = -(-rows // group) * prompt + rows * response
+        width = prompt + min(group, rows) * response
+    return min(b.max_tokens, positions), min(b.max_tokens, width)

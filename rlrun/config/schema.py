@@ -151,6 +151,8 @@ class ArithTask:
     size: PosInt
     max_operand: NonNegInt
     ops: Annotated[list[Literal["+", "-", "*"]], Check(lambda v: len(v) >= 1, "a non-empty list")]
+    max_terms: Annotated[int, Check(lambda v: v >= 2, "an integer >= 2")]  # operands per problem: 2 to max_terms
+    worked: bool  # the answer is the running value after each operand ("3+4+5=" -> "7,12")
     reward: ImportPath | None  # one reward (legacy form); or `rewards`
     rewards: list[RewardEntry] | None
     eval_size: EvalSize  # prompts held out of training for evaluation: a count or a fraction

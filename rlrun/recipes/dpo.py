@@ -60,15 +60,17 @@ def encode_pairs(tokenizer, pairs: list[dict], device) -> Pairs:
 
 
 def pair_logprobs(model, batch: Pairs, head, size, average: bool, entropy: list | None = None, batching=None,
-                  agree=None):
+                  agree=None, counts: dict | None = None):
     """(chosen, rejected) sequence logprobs [B] each, through the head (grad if enabled). `entropy`: a list to
     append this batch's (sum of token entropies, token count) to. `batching` packed / shared_prompt: the hidden
-    states computed without padding (each pair's prompt once), in the same order (rlrun.batching.pair_hidden)."""
+    states computed without padding (each pair's prompt once), in the same order (rlrun.batching.pair_hidden).
+    `counts`: the pass's layout (positions computed, forwards, sequences: rlrun.batching.count)."""
     backbone, weight = models.split(model)
     if batching is None or batching.name == "padded":
+        packing.count(counts, batch.input_ids.numel(), batch.input_ids.shape[0])
         hidden = models.hidden_states(backbone, batch.input_ids, batch.attention_mask)[:, :-1][batch.predicts]
     else:
-        hidden = packing.pair_hidden(backbone, batch, batching.name, batching.max_tokens, agree)
+        hidden = packing.pair_hidden(backbone, batch, batching.name, batching.max_tokens, agree, counts)
     if entropy is None:
         token_lp = head.logprobs(hidden, weight, batch.targets, 1.0, size)
     else:
@@ -114,22 +116,26 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
             batch = rank_slice([next(stream) for _ in range(t.batch_size)], engine)
 
             # 1. Reference logprobs: every batch (always) or once per pair (window).
-            known, counts = reference_logprobs(cfg, s, cache, batch)
+            known, counts, ref_layout = reference_logprobs(cfg, s, cache, batch)
 
             # 2. Train: one optimizer step over the batch; each micro-batch's loss is its share of the batch mean.
-            parts, tokens, entropy = train_step(cfg, s, batch, known, step)
+            parts, tokens, entropy, layout = train_step(cfg, s, batch, known, step)
             grad_norm = engine.step()
 
             # 3. Metrics over all ranks.
-            m = step_metrics(cfg, frame, passes, parts, tokens, counts, entropy, grad_norm)
+            m = step_metrics(cfg, frame, passes, parts, tokens, counts, entropy, grad_norm,
+                             {"train": layout, "ref": ref_layout})
             frame.log(step, m, acc=f"{m['rewards/accuracy']:.2f}", loss=f"{m['loss']:.4f}",
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
     return frame.finish()
 
 
-def step_metrics(cfg, frame, passes, parts, tokens: int, counts: Counter, entropy, grad_norm: float) -> dict:
-    """The step's metrics from every rank's per-micro-batch means (weighted by their pair counts) and counts."""
-    by_rank = frame.reduce({"parts": parts, "tokens": tokens, "counts": counts, "entropy": entropy})
+def step_metrics(cfg, frame, passes, parts, tokens: int, counts: Counter, entropy, grad_norm: float,
+                 layout: dict) -> dict:
+    """The step's metrics from every rank's per-micro-batch means (weighted by their pair counts) and counts;
+    `layout`: the train and reference passes' (rlrun.batching.metrics)."""
+    by_rank = frame.reduce({"parts": parts, "tokens": tokens, "counts": counts, "entropy": entropy,
+                            "layout": layout})
     parts, entropy = [part for p in by_rank for part in p["parts"]], [e for p in by_rank for e in p["entropy"]]
     tokens, counts = sum(p["tokens"] for p in by_rank), sum((p["counts"] for p in by_rank), Counter())
     m = {k: sum(n * mt[k] for n, mt in parts) / cfg.train.batch_size for k in parts[0][1] if k != "loss"}
@@ -139,6 +145,8 @@ def step_metrics(cfg, frame, passes, parts, tokens: int, counts: Counter, entrop
     m.update(passes.metrics(counts))
     m.update(meter_metrics([p["meter"] for p in by_rank]))
     m["throughput/train_tokens_per_s"] = tokens / m["time/train_s"]
+    ref = [{"ref": p["layout"]["ref"]} if p["layout"]["ref"] else {} for p in by_rank]  # none: every pair known
+    m.update(packing.metrics([p["layout"]["train"] for p in by_rank], ref))
     return m
 
 
@@ -157,36 +165,38 @@ def held_out(cfg, frame, s, pairs: list[dict]):
 
 
 def reference_logprobs(cfg, s, cache: ReferenceCache, batch: list[dict]):
-    """Reference logprobs of this rank's pairs: (pair id -> (chosen, rejected)), and the pass counts."""
+    """Reference logprobs of this rank's pairs: (pair id -> (chosen, rejected)), the pass counts and the pass's
+    layout (rlrun.batching.count)."""
     t, engine = cfg.train, s.engine
     known = cache.values if cfg.logprob_policy.name == "window" else {}
     todo = [p for p in batch if p["id"] not in known]
     with s.meter.phase("offload"):
         engine.offload()
-    fresh = {}
+    fresh, layout = {}, {}
     with s.meter.phase("ref_logprobs"), torch.no_grad(), models.reference(engine) as reference:
         for i in range(0, len(todo), t.micro_batch):
             chunk = encode_pairs(s.tokenizer, todo[i : i + t.micro_batch], engine.device)
             chosen, rejected = pair_logprobs(reference, chunk, s.head, s.head_size, cfg.loss.average_logprobs,
-                                             batching=cfg.batching, agree=packing.agree(engine))
+                                             batching=cfg.batching, agree=packing.agree(engine), counts=layout)
             fresh.update({pid: (c, r) for pid, c, r in zip(chunk.ids, chosen.tolist(), rejected.tolist())})
     known.update(fresh)
     with s.meter.phase("onload"):
         engine.onload()
-    return known, Counter({"ref_run": len(todo), "ref_skipped": len(batch) - len(todo)})
+    return known, Counter({"ref_run": len(todo), "ref_skipped": len(batch) - len(todo)}), layout
 
 
 def train_step(cfg, s, batch: list[dict], known: dict, step: int):
-    """Forward and backward of this rank's micro-batches: [(pairs, metrics)] per micro-batch, the token count and
-    [(entropy sum, tokens)] per micro-batch of the policy pass."""
+    """Forward and backward of this rank's micro-batches: [(pairs, metrics)] per micro-batch, the token count,
+    [(entropy sum, tokens)] per micro-batch of the policy pass, and its layout (rlrun.batching.metrics)."""
     t, lcfg, engine = cfg.train, cfg.loss, s.engine
-    parts, tokens, entropy = [], 0, []
+    parts, tokens, entropy, layout = [], 0, [], {"real": 0}
     with s.meter.phase("train"), activations.saving(cfg.activations, engine.device):
         for i in range(0, len(batch), t.micro_batch):
             chunk_pairs = batch[i : i + t.micro_batch]
             mb = encode_pairs(s.tokenizer, chunk_pairs, engine.device)
             chosen, rejected = pair_logprobs(engine.model, mb, s.head, s.head_size, lcfg.average_logprobs, entropy,
-                                             cfg.batching, packing.agree(engine))
+                                             cfg.batching, packing.agree(engine), layout)
+            layout["real"] += int(mb.attention_mask.sum())  # tokens that are not padding
             ref = torch.tensor([known[pid] for pid in mb.ids], device=engine.device, dtype=chosen.dtype)
             nll = None
             if lcfg.sft_coef:  # per-token NLL of the chosen response
@@ -199,4 +209,4 @@ def train_step(cfg, s, batch: list[dict], known: dict, step: int):
             engine.backward(loss)
             parts.append((len(chunk_pairs), metrics))
             tokens += int(mb.lengths.sum())
-    return parts, tokens, entropy
+    return parts, tokens, entropy, layout

@@ -94,12 +94,13 @@ class StepRollouts:
     ages: list[int] = field(default_factory=list)  # per micro-batch trained: step - the version that generated it
     worker: list[tuple[float, float]] = field(default_factory=list)  # async: (busy, idle) s of the generator
     sampling: dict = field(default_factory=dict)  # what dynamic sampling did (recipes/sampling.py)
+    layout: dict = field(default_factory=dict)  # "old" / "ref": the logprob passes' layout; "exchange": moves
 
     def reducible(self) -> dict:
         """The small numbers every rank sends (frame.reduce)."""
         return {"rewards": self.rewards, "by_reward": self.by_reward, "lengths": self.lengths,
                 "finished": self.finished, "gen_tokens": self.gen_tokens, "mismatch": self.mismatch,
-                "ages": self.ages, "worker": self.worker, "sampling": self.sampling}
+                "ages": self.ages, "worker": self.worker, "sampling": self.sampling, "logprob_layout": self.layout}
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True) -> torch.Tensor:
@@ -136,16 +137,19 @@ def split_rollout(roll, advantages: torch.Tensor, micro_batch: int) -> list[Micr
 
 
 @torch.no_grad()
-def logprob_pass(model, micros: list[Micro], head, size, temperature: float, batching,
-                 agree=None) -> list[torch.Tensor]:
+def logprob_pass(model, micros: list[Micro], head, size, temperature: float, batching, agree=None,
+                 counts: dict | None = None) -> list[torch.Tensor]:
     """Per-token logprobs of each micro-batch's response under `model` (no grad, through the head); packed and
     shared_prompt compute them in packs and put them back in each micro-batch's layout (0 where masked), as many
-    packs on every rank (`agree`: n -> the largest n over ranks)."""
+    packs on every rank (`agree`: n -> the largest n over ranks). `counts`: the pass's layout (packing.count)."""
     backbone, weight = models.split(model)
     if batching.name == "padded":
+        for m in micros:
+            packing.count(counts, m.input_ids.numel(), m.input_ids.shape[0])
         return [head.logprobs(response_hidden(backbone, m), weight, m.targets, temperature, size) for m in micros]
     out = [torch.zeros_like(m.gen_logprobs) for m in micros]
     for p in packing.packs(micros, batching.name == "shared_prompt", batching.max_tokens, agree):
+        packing.count_pack(counts, p)
         targets = packing.gather(p, [m.targets for m in micros])
         packing.scatter(p, head.logprobs(packing.hidden(backbone, p), weight, targets, temperature, size), out)
     return out
@@ -160,8 +164,7 @@ def forwards(backbone, micros: list[Micro], batching, counts: dict, agree=None):
     `counts` gets the positions computed and the forwards made."""
     if batching.name == "padded":
         for mb in micros:
-            counts["positions"] = counts.get("positions", 0) + mb.input_ids.numel()
-            counts["forwards"] = counts.get("forwards", 0) + 1
+            packing.count(counts, mb.input_ids.numel(), mb.input_ids.shape[0])
             yield response_hidden(backbone, mb), {f: getattr(mb, f) for f in FIELDS}, mb.mask, None
         return
     for p, t, last in packing.forwards(micros, batching, FIELDS, counts, agree):
@@ -282,6 +285,7 @@ def consume(cfg, s, d, buffer: RolloutBuffer, got: StepRollouts, version: int) -
     steps): given advantages and the logprob passes the policy needs, enqueued. Adds what it contributes to the
     step's metrics to `got`."""
     t, engine, meter = cfg.train, s.engine, s.meter
+    d = sampling.balanced(cfg, s, d, got.layout)  # ranks' token loads even (packed / shared_prompt)
     rows, roll, totals, by_reward = d.rows, d.roll, d.totals, d.by_reward
     reward = torch.tensor(totals, dtype=torch.float32)
     advantages = group_advantages(d.shaped, t.group_size, t.scale_advantages).to(engine.device)  # + overlong penalty
@@ -298,15 +302,16 @@ def consume(cfg, s, d, buffer: RolloutBuffer, got: StepRollouts, version: int) -
         engine.offload()
     if need.old:
         with meter.phase("old_logprobs"):
-            for mb, lp in zip(micros, logprob_pass(engine.model, micros, s.head, s.head_size, temperature,
-                                                   cfg.batching, packing.agree(engine))):
+            for mb, lp in zip(micros, logprob_pass(engine.model, micros, s.head, s.head_size, temperature, cfg.batching,
+                                                   packing.agree(engine), got.layout.setdefault("old", {}))):
                 mb.old_logprobs = lp
         got.mismatch += mismatch(micros)
     if need.ref:
         with meter.phase("ref_logprobs"):
             with models.reference(engine) as reference:
                 for mb, lp in zip(micros, logprob_pass(reference, micros, s.head, s.head_size, temperature,
-                                                       cfg.batching, packing.agree(engine))):
+                                                       cfg.batching, packing.agree(engine),
+                                                       got.layout.setdefault("ref", {}))):
                     mb.ref_logprobs = lp
     with meter.phase("onload"):
         engine.onload()
@@ -388,6 +393,6 @@ def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_to
         m["throughput/gen_tokens_per_s"] = gen_tokens / gen_seconds
     m["throughput/train_tokens_per_s"] = num_tokens / m["time/train_s"]
     m["train_tokens"] = num_tokens
-    m.update(packing.metrics([p["layout"] for p in by_rank]))
+    m.update(packing.metrics([p["layout"] for p in by_rank], [p["logprob_layout"] for p in by_rank]))
     m.update(sampling.metrics([p["sampling"] for p in by_rank], drawn))  # dynamic sampling, when on
     return m

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import batching as packing
 from ..rollout import Rollout
 from ..runner import rank_slice
 
@@ -116,6 +117,15 @@ def generate(cfg, s, prompts, rollout: int, round_: int) -> Drawn:
     with s.meter.phase("generate"), s.engine.generation():
         roll = s.rollout.generate(s.engine.model, texts, seeds)
     return scored(cfg, s, rows, roll)
+
+
+def balanced(cfg, s, d: Drawn, layout: dict) -> Drawn:
+    """This rank's share after the ranks even out their token loads (batching packed / shared_prompt on several
+    ranks: rlrun/batching/exchange.py); the rewards travel with their rows."""
+    extra = {"totals": d.totals, "shaped": d.shaped, **{f"reward/{k}": v for k, v in d.by_reward.items()}}
+    rows, roll, extra = packing.balance(cfg, s.engine, d.rows, d.roll, s.tokenizer.pad_token_id, layout, extra)
+    return Drawn(rows, roll, extra["totals"], {k[7:]: v for k, v in extra.items() if k.startswith("reward/")},
+                 extra["shaped"])
 
 
 def informative(shaped: torch.Tensor, group_size: int) -> list[bool]:

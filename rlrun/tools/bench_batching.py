@@ -68,9 +68,9 @@ def child(option: str, a, out_path: str) -> None:
     model, _ = models.build(model_cfg, a.seed)
     roll, adv = workload(a, a.vocab)
     micros = grpo.split_rollout(roll, adv, a.micro_batch)
+    tis = SimpleNamespace(enabled=False, level="token", mode="truncate", cap=2.0, low=0.5)
     cfg = SimpleNamespace(loss=SimpleNamespace(name="dapo", clip_low=0.2, clip_high=0.28, kl_coef=0.0,
-                                               kl_estimator="k3", tis=SimpleNamespace(enabled=False, cap=2.0),
-                                               entropy_coef=0.0),
+                                               kl_estimator="k3", tis=tis, entropy_coef=0.0),
                           rollout=SimpleNamespace(temperature=1.0),
                           batching=SimpleNamespace(name=option, max_tokens=a.max_tokens),
                           activations=SimpleNamespace(name="keep", every=1))
@@ -146,12 +146,35 @@ def describe(a) -> str:
             f"{a.max_tokens}, {a.threads or torch.get_num_threads()} threads")
 
 
+def rank_loads(a) -> str:
+    """Data parallel on this workload: the ranks' token loads (largest / smallest) as each rank's slice of the
+    rollout has them, and after rlrun.batching.exchange evens them out (the plan only: nothing is timed)."""
+    from ..batching import exchange
+
+    roll, _ = workload(a, a.vocab)
+    unit, per_block = exchange.unit_rows(a.group, a.micro_batch)
+    out = []
+    for world in (2, 4, 8):
+        rows = len(roll.completions) // world
+        if rows % a.group or rows % a.micro_batch:
+            continue
+        for how in ("packed", "shared_prompt"):
+            by_rank = [exchange.loads(SimpleNamespace(attention_mask=roll.attention_mask[r * rows : (r + 1) * rows],
+                                                      response_mask=roll.response_mask[r * rows : (r + 1) * rows],
+                                                      prompt_len=roll.prompt_len), unit, a.group, how != "packed")
+                       for r in range(world)]
+            before = [sum(x) for x in by_rank]
+            after = [sum(by_rank[r][u] for r, u in mine) for mine in exchange.assign(by_rank, per_block)]
+            out.append(f"{world} ranks {how} {max(before) / min(before):.2f} -> {max(after) / min(after):.2f}")
+    return "ranks' token loads, largest / smallest, sliced -> balanced: " + ("; ".join(out) or "one rank only")
+
+
 def bench(a, log_mlflow) -> list[dict]:
     from tqdm import tqdm
 
     results = {o: render.in_child(child, o, a) for o in tqdm(a.options, desc="batching", unit="option")}
     rows = rows_of(results)
-    text = table(rows, a, describe(a))
+    text = table(rows, a, describe(a)) + "\n" + rank_loads(a)
     print(text)
     log_mlflow(a, rows, text, "batching")
     return rows
