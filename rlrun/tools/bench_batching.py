@@ -70,8 +70,9 @@ def child(option: str, a, out_path: str) -> None:
     micros = grpo.split_rollout(roll, adv, a.micro_batch)
     tis = SimpleNamespace(enabled=False, level="token", mode="truncate", cap=2.0, low=0.5)
     cfg = SimpleNamespace(loss=SimpleNamespace(name="dapo", clip_low=0.2, clip_high=0.28, kl_coef=0.0,
-                                               kl_estimator="k3", tis=tis, entropy_coef=0.0),
-                          rollout=SimpleNamespace(temperature=1.0),
+                                               kl_estimator="k3", tis=tis, entropy_coef=0.0, agg="token_mean",
+                                               agg_max_tokens=None),
+                          rollout=SimpleNamespace(temperature=1.0, max_new_tokens=a.response_cap),
                           batching=SimpleNamespace(name=option, max_tokens=a.max_tokens),
                           activations=SimpleNamespace(name="keep", every=1))
     meter = Meter(torch.device("cpu"))

@@ -57,7 +57,7 @@ def inputs(a, device):
 def bench_args(a, dtype: str) -> argparse.Namespace:
     """The arguments `child`, `bench.make_inputs` and `bench.run_impl` read, from the gpu command's."""
     return argparse.Namespace(tokens=a.tokens, seqs=a.seqs, hidden=a.hidden, vocab=a.vocab, tile_size=a.tile_size,
-                              dtype=dtype, repeat=a.repeat, device=a.device, threads=0, seed=a.seed)
+                              dtype=dtype, repeat=a.repeat, device=a.device, threads=0, seed=a.seed, objective="dapo")
 
 
 def reference(hidden, weight, targets, mask, adv, old, rows: int = 1024):
