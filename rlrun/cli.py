@@ -60,6 +60,7 @@ def run(cfg: DictConfig, run_name: str | None = None) -> dict:
 def main(cfg: DictConfig):
     # before validation and model build: a signal from now on ends the run KILLED (restored when main returns)
     previous = signals.interrupt_on_signals()
+    signals.stacks_on_sigusr1()  # a run that looks stuck: kill -USR1 <pid> shows where it waits
     try:
         return _main(cfg)
     finally:

@@ -9,11 +9,15 @@
 `received()` is the last signal seen, so the exit status can name it (130 Ctrl-C, 143 SIGTERM); `stop_asked()` is
 when a deferred stop was asked for, so code that waits on something it cannot interrupt (a reward in its worker
 process) can give up after a grace period instead of holding the run past a scheduler's SIGKILL.
+
+`stacks_on_sigusr1()`: `kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on; where a run
+that looks stuck is waiting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import signal
 import time
@@ -97,3 +101,10 @@ def held():
         restore(previous)
         if waiting:
             signal.raise_signal(waiting[0])
+
+
+def stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>`: every thread's Python stack on stderr, the process unharmed (faulthandler's C handler
+    runs even while the interpreter is blocked in a lock or a system call)."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)

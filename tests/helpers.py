@@ -151,3 +151,24 @@ def tiny_model(seed: int = 0, **overrides):
     from rlrun import models
 
     return models.build(tiny_cfg(**overrides), seed)
+
+
+def finished(proc, timeout: float) -> tuple[int, str]:
+    """(exit code, stderr) of an rlrun process started with stderr=PIPE. If it has not ended within `timeout`
+    seconds the test fails with every thread's stack (rlrun prints them on SIGUSR1) instead of a bare timeout."""
+    import signal
+    import subprocess
+
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.returncode, err or ""
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        try:
+            proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, proc.args))[-300:]} still running after {timeout:g} s; its "
+                             f"stacks:\n{(err or '')[-6000:]}") from None

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from helpers import runs
+from helpers import finished, runs
 
 from rlrun import checkpoint
 
@@ -102,16 +102,16 @@ def test_sigkill_at_a_seeded_step_then_resume_gives_the_same_curve(tmp_path, los
             f"checkpoint.dir={tmp_path}/run/ckpt", "checkpoint.every=3"]
     (tmp_path / "base").mkdir()
     (tmp_path / "run").mkdir()
-    base = rlrun(tmp_path / "base", *args[:-2])
-    assert base.wait(timeout=600) == 0, base.stderr.read()[-2000:]
+    code, err = finished(rlrun(tmp_path / "base", *args[:-2]), 600)
+    assert code == 0, err[-2000:]
     at = kill_point(f"sigkill-{loss}", 4, 30)  # >= 4: the first checkpoint (after step 3) exists
     p, logged = kill_after(tmp_path / "run", args, at, signal.SIGKILL)
     where = f"SIGKILL once {at} steps were logged (RLRUN_TEST_KILL_SEED={KILL_SEED}), {logged} logged by then"
     # the newest checkpoint is a periodic one (every 3 steps), at or before the last logged step
     saved = checkpoint.load_latest(str(tmp_path / "run" / "ckpt"))[0]["step"]
     assert saved % 3 == 0 and 3 <= saved <= logged, f"{where}: newest checkpoint after step {saved}"
-    r = rlrun(tmp_path / "run", *args, "resume=true")
-    assert r.wait(timeout=600) == 0, f"{where}: " + r.stderr.read()[-2000:]
+    code, err = finished(rlrun(tmp_path / "run", *args, "resume=true"), 600)
+    assert code == 0, f"{where}: " + err[-2000:]
     run_, steps, values = curve(tmp_path / "run" / "mlflow.db")
     _, base_steps, base_values = curve(tmp_path / "base" / "mlflow.db")
     assert run_.info.status == "FINISHED", where
@@ -132,8 +132,8 @@ def test_ctrl_c_writes_a_checkpoint_marks_killed_and_resume_finishes(tmp_path):
     refused = subprocess.run([sys.executable, "-m", "rlrun", *args, "resume=true", "train.lr=0.5"], cwd=tmp_path,
                              env=ENV, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "train.lr was '0.001', now '0.5'" in refused.stderr
-    r = rlrun(tmp_path, *args, "resume=true", "train.steps=45")  # more steps may be asked for
-    assert r.wait(timeout=600) == 0, r.stderr.read()[-2000:]
+    code, err = finished(rlrun(tmp_path, *args, "resume=true", "train.steps=45"), 600)  # more steps may be asked for
+    assert code == 0, err[-2000:]
     run2, steps, _ = curve(tmp_path / "mlflow.db")
     assert run2.info.run_id == run_.info.run_id and run2.info.status == "FINISHED"
     assert steps == list(range(45))
@@ -168,16 +168,17 @@ def test_resume_by_run_id_restores_the_runs_config_and_applies_only_the_new_over
     trained is still refused."""
     first = rlrun(tmp_path, "experiment=smoke", "train.steps=2", "eval.every=1", "model.hidden_size=64",
                   f"checkpoint.dir={tmp_path}/ckpt", "export.enabled=false")
-    assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
+    code, err = finished(first, 300)
+    assert code == 0, err[-2000:]
     _, (r,) = runs(tmp_path / "mlflow.db")
-    again = rlrun(tmp_path, f"resume={r.info.run_id}", "train.steps=4", "eval.every=2")
-    assert again.wait(timeout=300) == 0, again.stderr.read()[-2000:]
+    code, err = finished(rlrun(tmp_path, f"resume={r.info.run_id}", "train.steps=4", "eval.every=2"), 300)
+    assert code == 0, err[-2000:]
     client, (r2,) = runs(tmp_path / "mlflow.db")
     assert r2.info.run_id == r.info.run_id and r2.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")] == [0, 1, 2, 3]
-    refused = rlrun(tmp_path, f"resume={r.info.run_id}", "train.steps=6", "loss=cispo")
-    assert refused.wait(timeout=300) == 2
-    assert "loss.name was 'dapo', now 'cispo'; a resumed run must train the same thing" in refused.stderr.read()
+    code, err = finished(rlrun(tmp_path, f"resume={r.info.run_id}", "train.steps=6", "loss=cispo"), 300)
+    assert code == 2
+    assert "loss.name was 'dapo', now 'cispo'; a resumed run must train the same thing" in err
 
 
 def test_rotation_removes_only_this_runs_own_checkpoints(tmp_path, caplog):
@@ -227,3 +228,21 @@ def test_a_resumed_run_rotates_the_checkpoints_it_wrote_before(tmp_path):
     run(make_cfg(*args, "train.steps=5", "resume=true", tmp_path=tmp_path), "first")
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*.pt")) == ["step_00000004.pt", "step_00000005.pt"]
     assert {checkpoint.owner_of(str(p)) for p in (tmp_path / "ckpt").glob("step_*.pt")} == owners  # one lineage
+
+
+@pytest.mark.slow  # one short run through the entry point (~15 s)
+def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(tmp_path):
+    """`kill -USR1 <pid>` on a run that looks stuck shows where it waits; the run keeps training."""
+    p = rlrun(tmp_path, "experiment=smoke", "train.steps=40")
+    deadline = time.time() + 240
+    while p.poll() is None and logged_steps(tmp_path / "mlflow.db") < 2 and time.time() < deadline:
+        time.sleep(0.02)
+    p.send_signal(signal.SIGUSR1)
+    at = logged_steps(tmp_path / "mlflow.db")
+    while p.poll() is None and logged_steps(tmp_path / "mlflow.db") < at + 2 and time.time() < deadline:
+        time.sleep(0.02)
+    assert p.poll() is None and logged_steps(tmp_path / "mlflow.db") >= at + 2  # still training after the dump
+    p.send_signal(signal.SIGINT)
+    code, err = finished(p, 120)
+    assert code == 130, err[-2000:]
+    assert "Current thread" in err and 'File "' in err and "rlrun" in err, err[-2000:]
