@@ -85,7 +85,7 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
     activations.apply(policy, cfg.activations)  # the policy only: the reference never runs with a gradient
     for model in (policy, reference):  # train.precision=bf16 on engine=single: backbones under bf16 autocast
         precision.apply(model, cfg)
-    shapes = plan.shapes_of(policy, cfg.model.dtype)  # before the engine partitions it (ZeRO-3)
+    shapes = plan.shapes_of(policy, plan.weight_dtype(cfg))  # before the engine partitions it (ZeRO-3)
     engine = registry.get("engine", cfg.engine.name).Engine(cfg, policy, reference, grad_accum)
     head_size, memory = plan_memory(cfg, tracker, engine, tokenizer, shapes, data.plan_rows, warnings)
     device_notes(cfg, tracker, engine)
