@@ -156,11 +156,12 @@ def test_a_run_logs_its_plan_and_the_tile_it_chose(tmp_path):
     assert "plan.txt" in {a.path for a in client.list_artifacts(r.info.run_id)}
 
 
-@pytest.mark.slow  # three short runs with vocabularies of 16k-65k, each in its own process (~2 min)
+@pytest.mark.slow  # four short runs (vocabularies of 16k-65k; the held-out 6 x 256 shape), each in its own process
 @pytest.mark.parametrize("point", [dict(head="dense", vocab=16384, tokens=512, lora=False),
                                    dict(head="chunked", vocab=65536, tokens=512, lora=False),
-                                   dict(head="tiled", vocab=65536, tokens=2048, lora=True)],
-                         ids=["dense-16k-512", "chunked-65k-512", "tiled-65k-2048-lora"])
+                                   dict(head="tiled", vocab=65536, tokens=2048, lora=True),
+                                   dict(head="chunked", vocab=32000, hidden=256, layers=6, precision="fp32")],
+                         ids=["dense-16k-512", "chunked-65k-512", "tiled-65k-2048-lora", "chunked-h256-L6"])
 def test_plan_predicts_what_runs_measure(point):
     from rlrun.render import in_child
     from rlrun.tools import bench_plan
@@ -170,6 +171,19 @@ def test_plan_predicts_what_runs_measure(point):
     for phase in bench_plan.CHECKED:
         predicted, measured = result[phase]
         assert bench_plan.within(predicted, measured), (phase, predicted, measured)
+
+
+@pytest.mark.slow  # four fresh processes importing torch
+@pytest.mark.parametrize("head", ["tiled", "chunked"])
+def test_an_auto_tile_stays_within_its_budget_in_a_fresh_process(head):
+    """head.size=auto within 24 MiB (vocab 32000, hidden 64, 512 tokens that accumulate): the first head call of a
+    fresh process, its first-call buffers included, grows by no more than the budget, lm head trained or frozen."""
+    from rlrun.render import in_child
+    from rlrun.tools import bench_plan
+
+    for trainable in (True, False):
+        r = in_child(bench_plan.auto_child, dict(head=head, vocab=32000, hidden=64, trainable=trainable, budget=24))
+        assert "error" not in r and r["size"] >= 64 and r["measured"] <= 24, (trainable, r)
 
 
 def test_rlrun_plan_sizes_an_auto_tile_for_the_device_planned_for():

@@ -73,7 +73,7 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
     """The train pass at its peak in a micro-batch after the first: the gradients already accumulated, what the
     forward saved for backward (activations; autocast's bf16 weight copies), and the larger of two moments: the
     head's backward (its working set and the next lm-head gradient) or, with checkpointing, a layer's recompute
-    (its internals and weight copies again). On CPU also the heap blocks freed small tensors leave."""
+    (its internals and weight copies again). On CPU also the heap blocks freed small tensors leave (terms.py)."""
     zero = cfg.engine.zero_stage if cfg.engine.name == "deepspeed" else 0
     a = cfg.activations
     n = len(range(0, s.layers, a.every)) if a.name == "checkpoint" else 0  # checkpointed layers
@@ -90,8 +90,8 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
                             entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     if device_type == "cpu":
-        small = terms.small_live(s, layer_tokens, kind, s.param_bytes, s.layers - n + (n > 0))
-        parts["CPU heap: blocks under 1 MiB freed and kept (allocator)"] = int(terms.HEAP_FACTOR * small)
+        parts["CPU heap: blocks under 1 MiB freed and kept (allocator)"] = terms.heap_slack(s, layer_tokens,
+                                                                                          s.layers - n + (n > 0))
     return parts
 
 

@@ -24,10 +24,12 @@ LIVE_H, LIVE_I = 4, 3  # elements per token alive at once in one layer without g
 # hidden size: measured 3.1-3.3 MiB at hidden 64, 6.3-6.8 MiB at 256, whatever the vocab and tokens): counted by
 # head.size=auto so that a fresh process stays within the budget.
 FIRST_CALL, FIRST_CALL_PER_HIDDEN = 5 * MIB // 2, 20 * 2**10
-# CPU only: glibc serves blocks under the meter's mmap threshold (1 MiB, meters.py) from its heap, and the blocks such
-# tensors free during a train pass are not all reused: measured RSS exceeds the live tensors at the peak by about
-# this many times the bytes of those small tensors alive then (hidden 32-512, tests/test_plan.py and bench plan).
-HEAP_THRESHOLD, HEAP_FACTOR = MIB, 1.0
+# CPU only: glibc serves blocks under the meter's mmap threshold (1 MiB, meters.py) from its heap, and of the blocks
+# that the [tokens, hidden] tensors of a train pass free, not all are reused before the peak: RSS exceeded the live
+# tensors by 2 MiB + 22 such fp32 blocks per layer whose internals are saved (measured at hidden 32-256, 2-8 layers,
+# 640 positions per forward, 4 micro-batches: 5-85 MiB, each within 3 MiB of this), and by nothing once a block is
+# 1 MiB or more (hidden 512 there).
+HEAP_THRESHOLD, HEAP_BASE, HEAP_BLOCKS = MIB, 2 * MIB, 22
 
 
 def activation_kind(param_bytes: int, autocast: bool) -> str:
@@ -62,19 +64,11 @@ def saved_activations(name: str, every: int, s, layer_tokens: int, kind: str, de
             "one layer recomputed in backward": per_layer, **outside}
 
 
-def small_live(s, layer_tokens: int, kind: str, grad_bytes: int, per_layer_saved: int) -> int:
-    """Bytes in tensors under HEAP_THRESHOLD alive at the train peak: the [tokens, hidden | kv] activations a layer
-    saves (when under the threshold) and the gradients of the layers' matrices that are."""
-    small = 0
-    per_h, per_kv, _ = SAVED[kind]
-    if layer_tokens * s.hidden * FP32 < HEAP_THRESHOLD:
-        small += layer_tokens * (per_h * s.hidden + per_kv * s.kv_dim) * per_layer_saved
-    if layer_tokens * s.intermediate * (FP32 if kind == "fp32" else 2) < HEAP_THRESHOLD:
-        small += layer_tokens * SAVED[kind][2] * s.intermediate * per_layer_saved
-    h, kv, i = s.hidden, s.kv_dim, s.intermediate
-    mats = [h * h, h * kv, h * kv, h * h, i * h, i * h, h * i] if s.layer_matrices else []
-    small += s.layers * sum(n * grad_bytes for n in mats if n * grad_bytes < HEAP_THRESHOLD)
-    return small
+def heap_slack(s, layer_tokens: int, layers: int) -> int:
+    """CPU only: the heap blocks that freed [tokens, hidden] tensors leave in a train pass whose forward saves the
+    internals of `layers` layers at once (0 when such a tensor is served from its own mapping)."""
+    block = layer_tokens * s.hidden * FP32
+    return HEAP_BASE + HEAP_BLOCKS * layers * block if block < HEAP_THRESHOLD else 0
 
 
 def head_parts(name: str, size: int | None, tokens: int, s, *, grad: bool, accumulate: bool = False,
