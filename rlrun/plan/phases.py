@@ -90,8 +90,8 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
                             entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     if device_type == "cpu":
-        parts["CPU heap: blocks under 1 MiB freed and kept (allocator)"] = terms.heap_slack(s, layer_tokens,
-                                                                                          s.layers - n + (n > 0))
+        parts["CPU heap: blocks under 1 MiB freed and kept (allocator)"] = terms.heap_slack(
+            s, layer_tokens, s.layers - n + (n > 0), kind)
     return parts
 
 

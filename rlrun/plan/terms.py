@@ -27,9 +27,10 @@ FIRST_CALL, FIRST_CALL_PER_HIDDEN = 5 * MIB // 2, 20 * 2**10
 # CPU only: glibc serves blocks under the meter's mmap threshold (1 MiB, meters.py) from its heap, and of the blocks
 # that the [tokens, hidden] tensors of a train pass free, not all are reused before the peak: RSS exceeded the live
 # tensors by 2 MiB + 22 such fp32 blocks per layer whose internals are saved (measured at hidden 32-256, 2-8 layers,
-# 640 positions per forward, 4 micro-batches: 5-85 MiB, each within 3 MiB of this), and by nothing once a block is
-# 1 MiB or more (hidden 512 there).
-HEAP_THRESHOLD, HEAP_BASE, HEAP_BLOCKS = MIB, 2 * MIB, 22
+# 640 positions per forward, 4 micro-batches: 5-85 MiB, each within 3 MiB of this), by about 13 under bf16 autocast
+# (half of them bf16; hidden 128 and 256), and by nothing once a block is 1 MiB or more (hidden 512 there). bf16
+# weights: 11, half of fp32's, not measured.
+HEAP_THRESHOLD, HEAP_BASE, HEAP_BLOCKS = MIB, 2 * MIB, {"fp32": 22, "autocast": 13, "bf16": 11}
 
 
 def activation_kind(param_bytes: int, autocast: bool) -> str:
@@ -64,11 +65,11 @@ def saved_activations(name: str, every: int, s, layer_tokens: int, kind: str, de
             "one layer recomputed in backward": per_layer, **outside}
 
 
-def heap_slack(s, layer_tokens: int, layers: int) -> int:
+def heap_slack(s, layer_tokens: int, layers: int, kind: str) -> int:
     """CPU only: the heap blocks that freed [tokens, hidden] tensors leave in a train pass whose forward saves the
     internals of `layers` layers at once (0 when such a tensor is served from its own mapping)."""
     block = layer_tokens * s.hidden * FP32
-    return HEAP_BASE + HEAP_BLOCKS * layers * block if block < HEAP_THRESHOLD else 0
+    return HEAP_BASE + HEAP_BLOCKS[kind] * layers * block if block < HEAP_THRESHOLD else 0
 
 
 def head_parts(name: str, size: int | None, tokens: int, s, *, grad: bool, accumulate: bool = False,
