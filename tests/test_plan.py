@@ -321,3 +321,50 @@ def test_the_train_phase_is_the_peak_of_live_tensors(overrides):
     allocator) against the peak of live tensor bytes of grpo.train_step, measured op by op."""
     p, peak = live_train_peak(*overrides)
     assert p.phases["train"].growth == pytest.approx(peak, rel=0.05, abs=MIB), plan.detail(p)
+
+
+def test_precision_paths_are_planned(monkeypatch):
+    """train.precision=bf16: on engine=single fp32 weights (the master) and fp32 AdamW state, autocast's bf16 weight
+    copies in the train pass and in the policy's no-grad pass, activations at autocast's widths; on DeepSpeed bf16
+    weights and gradients, 12 bytes per parameter of master and moments, and the heads' fp32 cast of the lm head."""
+    over = ("head=chunked", "model.vocab_size=32000", "logprob_policy=always", "loss.kl_coef=0.01")
+    _, fp32 = planned(*over)
+    _, bf16 = planned(*over, "train.precision=bf16")
+    s = bf16.shapes
+    assert bf16.phases["train"].resident == {"weights (fp32, the master copy)": s.params * 4,
+                                             "optimizer state (AdamW: 2 x trainable, fp32)": s.trainable * 8,
+                                             "reference copy": s.params * 4}
+    copies = "bf16 weight copies (autocast, saved for backward)"
+    assert bf16.phases["train"].parts[copies] == s.layer_matrices * 2 > 0 and copies not in fp32.phases["train"].parts
+    assert "bf16 weight copies (autocast cache)" in bf16.phases["old_logprobs"].parts  # the policy: cached
+    assert "bf16 weight copies (autocast cache)" not in bf16.phases["ref_logprobs"].parts  # a frozen copy: not
+    saved = "activations saved for backward"
+    assert bf16.phases["train"].parts[saved] < fp32.phases["train"].parts[saved]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _, ds = planned(*over, "engine=deepspeed", "train.precision=bf16", "train.micro_batch=16", world=2,
+                    device_type="cuda")
+    assert ds.shapes.param_bytes == 2
+    assert ds.phases["train"].resident["optimizer state (fp32 master + AdamW)"] == ds.shapes.trainable * 12 // 2
+    assert ds.phases["train"].parts["lm-head weight cast to fp32 (bf16 weights)"] == 32000 * 32 * 4
+
+
+def test_a_run_that_does_not_fit_gets_the_switches_that_would_make_it_fit():
+    """The Qwen2-7B shape (docs/plan.md): the activations term under each option, each switch's predicted peak, and
+    a combination of switches that train the same that fits 90% of 80 GiB, with its parts."""
+    cfg = validate(make_cfg("model.arch=qwen2", "model.hidden_size=3584", "model.intermediate_size=18944",
+                            "model.layers=28", "model.heads=28", "model.kv_heads=4", "model.vocab_size=152064",
+                            "model.max_positions=4096", "train.micro_batch=8", "rollout.max_new_tokens=1024",
+                            "train.precision=bf16"))
+    text = plan.report(cfg)
+    assert "on a CUDA device of 80 GiB" in text and "does not fit" in text
+    terms = {line.split()[0]: float(line.split()[1].replace(",", "")) for line in text.splitlines()
+             if line.strip().startswith("activations=") and "MiB" in line}
+    assert terms["activations=keep"] > 50_000 > 9 * terms["activations=checkpoint"] > 0, terms
+    assert "one more forward of 28 of 28 layers" in text
+    for switch in ("activations=checkpoint", "head=tiled", "model.lora.enabled=true",
+                   "WORLD_SIZE=8 engine=deepspeed engine.zero_stage=3", "train.micro_batch=4"):
+        assert f"  {switch} " in text, switch
+    together = next(line for line in text.splitlines() if line.startswith("together"))
+    peak = float(together.split("predicted peak ")[1].split()[0])
+    assert peak <= 0.9 * 80 and "fits" in together and "WORLD_SIZE=8" in together, together
+    assert "optimizer state (fp32 master + AdamW) (resident)" in text.split("together")[1]

@@ -4,6 +4,7 @@ does not fit the device planned for, the switches that would make it fit, each w
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 from .. import precision
@@ -101,7 +102,7 @@ def candidates(cfg, world: int) -> list[tuple[str, str, object, int]]:
     for name in ("tiled", "chunked"):
         if cfg.head.name == "dense" and (name != "tiled" or cfg.loss.name in rules.FUSABLE):
             out.append(("head", f"head={name}", nested(cfg, "head", option("head", name)), world))
-    if not cfg.model.lora.enabled:
+    if not cfg.model.lora.enabled and importlib.util.find_spec("peft") is not None:  # planned with peft's adapters
         out.append(("lora", "model.lora.enabled=true", nested(cfg, "model.lora.enabled", True), world))
     if precision.resolved(cfg) == "fp32" and cfg.model.dtype == "float32":
         out.append(("precision", "train.precision=bf16", nested(cfg, "train.precision", "bf16"), world))
