@@ -147,6 +147,8 @@ def test_a_run_logs_its_plan_and_the_tile_it_chose(tmp_path):
     client, [r] = runs(tmp_path / "mlflow.db")
     size = int(r.data.tags["rlrun.head.size"])
     assert size == history(client, r.info.run_id, "plan/head_size")[0]
+    assert history(client, r.info.run_id, "plan/train_activations_mib")[0] > 0
+    assert history(client, r.info.run_id, "plan/resident_mib")[0] > 0
     # 10 MiB less the first call's buffers (2.5 MiB + 20 KiB x hidden 32 = 3.1 MiB) = 6.9 MiB, at 65536 x 4 bytes per
     # token: 27 tokens, down to a multiple of 16 (of 128)
     assert size == 16

@@ -66,6 +66,8 @@ def passes(cfg, world: int) -> tuple[bool, bool, bool]:
 
 
 RECOMPUTED = "one layer recomputed in backward"
+# the train parts that are the saved-activation term (plan/train_activations_mib)
+ACTIVATIONS = ("activations saved", "layer inputs kept", RECOMPUTED, "one layer's saved tensors", "saved outside")
 
 
 def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, device_type: str, kind: str,
@@ -161,7 +163,12 @@ def metrics(plan: Plan) -> dict[str, float]:
         out[plan_peak_key(name)] = ph.peak / MIB
     if plan.head_size is not None:
         out["plan/head_size"] = float(plan.head_size)
+    if "train" in plan.phases:  # the terms activations= and train.precision change
+        train = plan.phases["train"]
+        out["plan/train_activations_mib"] = sum(v for k, v in train.parts.items() if k.startswith(ACTIVATIONS)) / MIB
+        out["plan/resident_mib"] = sum(train.resident.values()) / MIB
     return out
+
 
 
 def resolve_size(cfg, s, tokens: int, device_type: str, world: int = 1, device_bytes: int | None = None) -> int | None:
