@@ -112,11 +112,26 @@ def candidates(cfg, world: int) -> list[tuple[str, str, object, int]]:
                 engine = option("engine", "deepspeed", zero_stage=stage)
                 out.append(("zero", f"WORLD_SIZE={ranks} engine=deepspeed engine.zero_stage={stage}",
                             nested(cfg, "engine", engine), ranks))
-    for div in (2, 4):
-        mb = cfg.train.micro_batch // div
+    for div in (2, 4):  # fewer positions per forward: a smaller micro-batch, or a smaller token budget
+        mb, budget = cfg.train.micro_batch // div, cfg.batching.max_tokens // div
         if mb >= 1 and cfg.batching.name == "padded":
             out.append(("micro", f"train.micro_batch={mb}", nested(cfg, "train.micro_batch", mb), world))
-    return [c for c in out if not [m for m in rules.check(c[2], set(), c[3]) if "is not installed" not in m]]
+        elif cfg.batching.name != "padded":
+            out.append(("micro", f"batching.max_tokens={budget}", nested(cfg, "batching.max_tokens", budget), world))
+    return [c for c in out if not refused(c)]
+
+
+def refused(candidate) -> str | None:
+    """The first rule a switch's config breaks (DeepSpeed or peft missing here does not count): None if none."""
+    _, _, variant, ranks = candidate
+    return next((m for m in rules.check(variant, set(), ranks) if "is not installed" not in m), None)
+
+
+def not_applicable(cfg, world: int) -> list[str]:
+    """The ZeRO switches the batch sizes rule out here, with the rule (so a missing line is explained)."""
+    zero = [("zero", f"WORLD_SIZE={r} engine=deepspeed engine.zero_stage={z}",
+             nested(cfg, "engine", option("engine", "deepspeed", zero_stage=z)), r) for z in (2, 3) for r in (8, 16)]
+    return [f"  not listed: {c[1]}: {refused(c)}" for c in zero if refused(c)]
 
 
 @dataclasses.dataclass
@@ -146,7 +161,7 @@ def planned(cfg, world: int, gib: float, base: Base) -> pr.Plan:
 
 # what `combine` may add: the switches that train the same thing (LoRA and bf16 change what trains) and cost compute
 # or devices, not a copy of every activation over PCIe per micro-batch (offload is listed alone)
-COMBINED = ("activations=checkpoint", "head=", "WORLD_SIZE=", "train.micro_batch=")
+COMBINED = ("activations=checkpoint", "head=", "WORLD_SIZE=", "train.micro_batch=", "batching.max_tokens=")
 
 
 def combine(cfg, base: Base, world: int, gib: float):
@@ -176,6 +191,7 @@ def fit_lines(cfg, base: Base, world: int, gib: float) -> list[str]:
         name, peak = highest(planned(variant, ranks, gib, base))
         note = "" if label.startswith(COMBINED + ("activations=offload",)) else "  (changes what trains)"
         lines.append(f"  {label:<52} {peak / GIB:8.2f} GiB ({name}){'  fits' if peak <= cap else ''}{note}")
+    lines += not_applicable(cfg, world)
     chosen, current, ranks, peak = combine(cfg, base, world, gib)
     if peak > cap:
         return lines + [f"no combination of these switches fits (best: {' '.join(chosen) or '-'}, "
