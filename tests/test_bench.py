@@ -126,16 +126,23 @@ def test_plan_table_and_figure_from_measured_runs(tmp_path):
 
     grid = [dict(head="tiled", vocab=65536, tokens=512, lora=False), dict(head="dense", vocab=16384, tokens=2048,
                                                                           lora=True), dict(head="chunked", vocab=1024,
-                                                                                           tokens=512, lora=False)]
+                                                                                           tokens=512, lora=False),
+            dict(head="chunked", vocab=32000, hidden=256, layers=8, precision="bf16")]
     results = [{"train": (68.0, 78.0), "old_logprobs": (34.0, 36.0), "generate": (10.0, 300.0)},
                {"train": (400.0, 520.0)},  # 23% and 120 MiB under: missed
-               {"error": "exit code 1"}]
+               {"error": "exit code 1"}, {"train": (300.0, 330.0)}]
     rows = bench_plan.rows_of(grid, results)
     text = bench_plan.table(rows)
     assert "tiled-v65536-n512" in text and "dense-v16384-n2048-lora" in text and "MISSED" in text
-    assert "chunked-v1024-n512" in text and "failed: exit code 1" in text
+    assert "chunked-v1024-n512" in text and "failed: exit code 1" in text and "chunked-h256-L8-bf16" in text
     assert "(not a target)" in text  # generate is reported, not judged
-    assert text.splitlines()[-1] == "2 of 3 train / logprob phases within 15% or 32 MiB"
+    assert text.splitlines()[-1] == "3 of 4 train / logprob phases within 15% or 32 MiB"
+    shape = bench_plan.overrides(grid[3], 3, "sqlite:///x.db")
+    assert {"model.hidden_size=256", "model.layers=8", "train.precision=bf16", "train.micro_batch=32"} <= set(shape)
+    autos = [{"impl": "auto-tiled-trained-head", "budget_mib": 24.0, "size": 80, "measured_mib": 22.8, "ok": True},
+             {"impl": "auto-chunked-frozen-head", "budget_mib": 24.0, "size": 144, "measured_mib": 25.1, "ok": False}]
+    auto = bench_plan.auto_table(autos)
+    assert "auto-tiled-trained-head" in auto and "OVER" in auto and "22.8" in auto
     path = bench_plan.figure(rows, str(tmp_path / "plan.png"))
     assert (tmp_path / "plan.png").stat().st_size > 10_000 and path.endswith("plan.png")
 

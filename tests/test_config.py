@@ -224,6 +224,46 @@ def test_engine_rules_for_data_parallel_runs(cfg_factory, monkeypatch):
         assert rule in text, rule
 
 
+def precision_rules(engine, precision, ds_dtype, model_dtype, lora):
+    """The precision rules, stated again: DeepSpeed's engine.dtype agrees with train.precision (or is auto); weights
+    that train are fp32 unless a master copy exists (DeepSpeed bf16) or only fp32 LoRA adapters train."""
+    rules = []
+    if engine == "deepspeed" and ds_dtype not in ("auto", precision):
+        rules.append(f"engine.dtype={ds_dtype} and train.precision={precision} disagree")
+    ds_bf16 = engine == "deepspeed" and "bf16" in (ds_dtype, precision)
+    if model_dtype != "float32" and not lora and not ds_bf16:
+        rules.append(f"model.dtype={model_dtype} with engine={engine}")
+    return rules
+
+
+PRECISION_MATRIX = [(e, p, d, m, lora) for e in ("single", "deepspeed") for p in ("fp32", "bf16")
+                    for d in (("auto", "fp32", "bf16") if e == "deepspeed" else ("auto",))
+                    for m in ("float32", "bfloat16", "float16") for lora in (False, True)]
+
+
+def test_every_combination_of_precision_engine_and_model_dtype(pretend_installed):
+    """train.precision x engine (x engine.dtype) x model.dtype x LoRA: accepted, or refused with each expected rule
+    once, the fix named."""
+    base = composed("experiment=smoke")
+    engines = {e: _composed("experiment=smoke", f"engine={e}")["engine"] for e in ("single", "deepspeed")}
+    for engine, prec, ds_dtype, model_dtype, lora in PRECISION_MATRIX:
+        cfg = copy.deepcopy(base)
+        cfg.engine = copy.deepcopy(engines[engine])
+        cfg.train.precision, cfg.model.dtype, cfg.model.lora.enabled = prec, model_dtype, lora
+        if engine == "deepspeed":
+            cfg.engine.dtype = ds_dtype
+        case, rules = (engine, prec, ds_dtype, model_dtype, lora), precision_rules(engine, prec, ds_dtype,
+                                                                                   model_dtype, lora)
+        if not rules:
+            validate(cfg)
+            continue
+        e = refused(cfg)
+        assert len(e.problems) == len(rules), (case, e.problems)
+        for rule, problem in zip(rules, e.problems):
+            assert problem.startswith(rule), (case, rule, problem)
+            assert "train.precision=bf16" in problem, (case, problem)  # the fix
+
+
 def test_engine_deepspeed_without_deepspeed_names_the_install(cfg_factory, monkeypatch):
     import importlib.util
 
@@ -298,7 +338,7 @@ def test_the_schema_has_the_choice_keys_the_issue_names():
     keys = {key for _, key, _, _ in CHOICE_KEYS}
     assert {"train.lr_schedule", "loss.kl_estimator", "model.arch", "model.dtype", "rollout.mode", "engine.zero_stage",
             "engine.dtype", "engine.optimizer", "engine.offload_optimizer", "engine.offload_param", "engine.backend",
-            "task.ops", "head.name", "rollout.dtype"} <= keys
+            "task.ops", "head.name", "rollout.dtype", "train.precision"} <= keys
 
 
 @pytest.mark.parametrize("over,key,allowed,is_list", CHOICE_KEYS,

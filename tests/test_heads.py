@@ -1,5 +1,6 @@
 """tiled and chunked reproduce dense (loss, both gradients, every metric) and never build [tokens, vocab] logits."""
 
+import contextlib
 import itertools
 
 import pytest
@@ -127,6 +128,69 @@ def test_bf16_weight_accumulates_in_fp32():
     got = registry.get("head", "chunked").logprobs(hidden.bfloat16(), weight.bfloat16(), targets, 1.0, 8)
     assert got.dtype == torch.float32
     assert (got - ref).abs().max() < 0.05  # bf16 matmul, fp32 logsumexp
+
+
+def grad_errors(head, h, w, targets, adv, temperature=0.9, size=64, forward=contextlib.nullcontext):
+    """Relative L2 errors of dloss/dh and dloss/dW of `head` ('naive': a bf16 matmul whose logits are cast to fp32
+    afterwards, what dense did before) against fp64 on the same inputs (bf16 inputs are exact in fp64); the head's
+    forward runs in the context `forward()`, its backward outside."""
+    n = targets.shape[0]
+    mask = torch.ones(n, dtype=torch.bool)
+
+    def grads(x, y, call):
+        x, y = x.clone().requires_grad_(), y.clone().requires_grad_()
+        f = objective("dapo", adv.to(x.dtype), None, None, None, clip_low=0.2, clip_high=0.28)
+        call(x, y, f).backward()
+        return x.grad.double(), y.grad.double()
+
+    def plain(x, y, f):  # dense by hand: fp64 for the reference, bf16 matmul then fp32 for 'naive'
+        logp = torch.log_softmax((x @ y.T).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+                                 / temperature, -1)
+        return f(logp.gather(-1, targets[:, None]).squeeze(-1), slice(None), None)[0].sum() / n
+
+    ref = grads(h.double(), w.double(), plain)
+    if head == "naive":
+        got = grads(h, w, plain)
+    else:
+        def call(x, y, f):
+            with forward():
+                return registry.get("head", head).loss(x, y, targets, mask, f, n, temperature, size)[0]
+
+        got = grads(h, w, call)
+    return [((a - b).norm() / b.norm()).item() for a, b in zip(got, ref)]
+
+
+def bf16_case(n=256, vocab=32768, hidden=64):
+    """Logits of std ~10, as a trained LM's: their bf16 rounding (~0.04 at 10) is what moves the softmax."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(n, hidden, generator=g).bfloat16()
+    w = (torch.randn(vocab, hidden, generator=g) * 10 / hidden**0.5).bfloat16()
+    return h, w, torch.randint(0, vocab, (n,), generator=g), torch.randn(n, generator=g)
+
+
+def test_bf16_gradients_are_as_accurate_as_dense_and_better_than_a_bf16_matmul():
+    """Vocab 32768, bf16 hidden states and lm-head weight (DeepSpeed's bf16 mode): each head computes the logits and
+    softmax in fp32 (heads/common.py `logits`), so tiled's and chunked's gradients w.r.t. both are at least as
+    close to fp64 as dense's, and what remains is the bf16 storage of the gradient itself (~2^-9). A bf16 matmul
+    with its logits cast to fp32 afterwards (Liger #1432) is several times further off."""
+    h, w, targets, adv = bf16_case()
+    err = {head: grad_errors(head, h, w, targets, adv) for head in ("naive", "dense", "tiled", "chunked")}
+    for head in ("tiled", "chunked"):
+        for i, what in enumerate(("hidden", "lm-head weight")):
+            assert err[head][i] <= err["dense"][i] * (1 + 1e-6), (head, what, err)
+            assert err[head][i] < 2**-8, (head, what, err)  # bf16's own rounding of the stored gradient
+            assert err["naive"][i] > 5 * err[head][i], (head, what, err)
+
+
+@pytest.mark.parametrize("name", ["dense", "tiled", "chunked"])
+def test_heads_ignore_a_callers_autocast(name):
+    """train.precision=bf16 on engine=single: fp32 master weights, the backbone's forward under autocast. A head
+    called inside an autocast region still computes fp32 logits from the fp32 weight: its gradients are
+    fp32-accurate, where a bf16 matmul would be ~2% off."""
+    h, w, targets, adv = bf16_case()
+    errors = grad_errors(name, h.float(), w.float(), targets, adv,
+                         forward=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    assert max(errors) < 1e-5, errors
 
 
 class MaxTensor(TorchDispatchMode):

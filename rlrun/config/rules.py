@@ -117,6 +117,31 @@ def one_optimizer_offload(c, world):
                "offload=off, or engine.offload_optimizer=none.")
 
 
+# -- precision ----------------------------------------------------------------------------------------------------
+@rule("engine.name", "engine.dtype", "train.precision")
+def one_precision(c, world):
+    e, p = c.engine, c.train.precision
+    if e.name == "deepspeed" and e.dtype not in ("auto", p):
+        yield (f"engine.dtype={e.dtype} and train.precision={p} disagree; both choose bf16 mixed precision (fp32 "
+               f"master weights and optimizer state, bf16 compute). Set train.precision={e.dtype} and leave "
+               "engine.dtype=auto (it follows train.precision).")
+
+
+@rule("engine.name", "engine.dtype", "train.precision", "model.dtype", "model.lora.enabled")
+def fp32_master_weights(c, world):
+    m, e = c.model, c.engine
+    deepspeed_bf16 = e.name == "deepspeed" and "bf16" in (e.dtype, c.train.precision)
+    if m.dtype == "float32" or m.lora.enabled or deepspeed_bf16:  # LoRA: peft keeps the adapters in fp32
+        return
+    fix = ("set model.dtype=float32 train.precision=bf16 (fp32 master weights and AdamW state, forward and "
+           "backward in bf16 under autocast)" if e.name == "single" else
+           "set train.precision=bf16 (DeepSpeed's bf16 mode keeps fp32 master weights and optimizer state)")
+    yield (f"model.dtype={m.dtype} with engine={e.name} and train.precision={c.train.precision} trains the "
+           f"{m.dtype} weights themselves with AdamW: no fp32 master copy, so an update smaller than one {m.dtype} "
+           f"step of a weight rounds away. To train in bf16, {fix}; or train LoRA adapters "
+           "(model.lora.enabled=true, adapters in fp32).")
+
+
 # -- loss and logprob policy (the skip rules of seed 000: follow from the conditions, name both keys and values) --
 @rule("loss.name", "loss.tis.enabled", "loss.tis.cap")
 def tis_cap(c, world):

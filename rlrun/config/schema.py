@@ -256,7 +256,7 @@ class SingleEngine:
 class DeepSpeedEngine:
     name: Literal["deepspeed"]
     zero_stage: Literal[2, 3]
-    dtype: Literal["fp32", "bf16"]
+    dtype: Literal["auto", "fp32", "bf16"]  # auto: train.precision; fp32 | bf16 must agree with it (rules.py)
     optimizer: Literal["torch", "deepspeed"]
     offload_optimizer: Offload
     offload_param: Offload
@@ -300,6 +300,7 @@ class TrainConfig:
     grad_clip: Positive
     warmup_steps: NonNegInt
     lr_schedule: Literal["constant", "cosine", "linear"]
+    precision: Literal["fp32", "bf16"]  # bf16: fp32 master weights and optimizer state, bf16 compute (precision.py)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from .common import (
     chunked_logprobs_nograd,
     entropy,
     fix_sequences,
+    fp32,
     gathered,
     logit_grad_,
     ready_for_grad,
@@ -47,12 +48,13 @@ class ChunkedLogprobs(torch.autograd.Function):
             ready_for_grad(weight)  # ZeRO-3: gathered until its gradient is accumulated
         with gathered(weight) if not need_w else contextlib.nullcontext():  # ZeRO-3: gathered for the recompute
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            weight32 = fp32(weight)
             for sl in tiles(targets.shape[0], ctx.size):
-                z = tile_logits(hidden[sl], weight, ctx.temperature)
+                z = tile_logits(hidden[sl], weight32, ctx.temperature)
                 _, sums = softmax_stats_(z, targets[sl])
                 g_ent, ent = (None, None) if grad_ent is None else (grad_ent[sl], entropy(z, sums))
                 dz = logit_grad_(z, sums, targets[sl], grad_lp[sl], ctx.temperature, g_ent, ent)
-                accumulate_grads(dz, hidden[sl], weight, grad_h[sl] if need_h else None, grad_w)
+                accumulate_grads(dz, hidden[sl], weight32, grad_h[sl] if need_h else None, grad_w)
                 del z, dz
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 

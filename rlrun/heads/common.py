@@ -87,9 +87,29 @@ def tiles(n: int, size: int):
     return [slice(i, min(i + size, n)) for i in range(0, n, size)] or [slice(0, 0)]
 
 
-def tile_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[tile, vocab] fp32 logits divided by temperature (matmul in the weight dtype, softmax math in fp32)."""
-    z = (h @ weight.T).float()
+def fp32(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in fp32, once per head call: itself when it is fp32 (train.precision=bf16 on engine=single keeps
+    fp32 master weights), else a [vocab, hidden] fp32 copy (bf16 weights: DeepSpeed's bf16 mode) that every tile
+    reuses, counted by the plan."""
+    return weight if weight.dtype == torch.float32 else weight.float()
+
+
+def no_autocast(t: torch.Tensor):
+    """The heads choose their own dtypes: autocast, where a caller has it on, would round the logits to bf16."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
+def logits(h: torch.Tensor, weight32: torch.Tensor) -> torch.Tensor:
+    """h @ W.T in fp32 from the fp32 weight: bf16 hidden states are cast up first (exact), so the logits are never
+    rounded to bf16 on the way (Liger #1432: a bf16 matmul then an fp32 cast gave 4-23% gradient error). fp32
+    inputs: the plain fp32 matmul."""
+    with no_autocast(h):
+        return h.float() @ weight32.T
+
+
+def tile_logits(h: torch.Tensor, weight32: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[tile, vocab] fp32 logits divided by temperature (`weight32`: `fp32(weight)`; softmax math in fp32)."""
+    z = logits(h, weight32)
     if temperature != 1.0:
         z.div_(temperature)
     return z
@@ -149,12 +169,14 @@ def logit_grad_(e: torch.Tensor, sums: torch.Tensor, targets: torch.Tensor, g: t
     return e
 
 
-def accumulate_grads(dz, h, weight, grad_h_out, grad_w):
-    """grad_h_out[:] = dz @ W ; grad_w += dz.T @ h (fp32 accumulation for the weight)."""
-    if grad_h_out is not None:
-        grad_h_out.copy_(dz.to(weight.dtype) @ weight)
-    if grad_w is not None:
-        grad_w.addmm_(dz.T, h.float())
+def accumulate_grads(dz, h, weight32, grad_h_out, grad_w):
+    """grad_h_out[:] = dz @ W ; grad_w += dz.T @ h, both in fp32 (`weight32`: `fp32(weight)`), rounded to the
+    hidden states' dtype only when stored."""
+    with no_autocast(dz):
+        if grad_h_out is not None:
+            grad_h_out.copy_(dz @ weight32)
+        if grad_w is not None:
+            grad_w.addmm_(dz.T, h.float())
 
 
 def chunked_logprobs_nograd(hidden, weight, targets, temperature: float, size: int, with_entropy: bool = False):
@@ -162,8 +184,9 @@ def chunked_logprobs_nograd(hidden, weight, targets, temperature: float, size: i
     out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
     ent = torch.empty_like(out) if with_entropy else None
     with torch.no_grad():
+        weight32 = fp32(weight)
         for sl in tiles(targets.shape[0], size):
-            z = tile_logits(hidden[sl], weight, temperature)
+            z = tile_logits(hidden[sl], weight32, temperature)
             if with_entropy:
                 out[sl], _, ent[sl] = softmax_stats_(z, targets[sl], with_entropy=True)
             else:

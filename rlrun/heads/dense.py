@@ -3,11 +3,12 @@
 import torch
 
 from ..losses import masked_total
-from .common import ROWS, fix_sequences, full_weight
+from .common import ROWS, fix_sequences, fp32, full_weight, logits
 
 
 def log_softmax(hidden, weight, temperature: float):
-    return torch.log_softmax((hidden @ full_weight(weight).T).float() / temperature, dim=-1)
+    """fp32 logits (common.logits: never rounded to bf16) and their log-softmax."""
+    return torch.log_softmax(logits(hidden, fp32(full_weight(weight))) / temperature, dim=-1)
 
 
 def entropy(logp, grad: bool):

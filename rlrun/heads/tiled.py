@@ -20,6 +20,7 @@ from .common import (
     accumulate_grads,
     chunked_logprobs_nograd,
     fix_sequences,
+    fp32,
     gathered,
     logit_grad_,
     ready_for_grad,
@@ -38,8 +39,9 @@ class TiledLoss(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         parts: dict[str, list] = {}
+        weight32 = fp32(weight)
         for sl in tiles(targets.shape[0], size):
-            z = tile_logits(hidden[sl], weight, temperature)
+            z = tile_logits(hidden[sl], weight32, temperature)
             lp, sums, ent = softmax_stats_(z, targets[sl], with_entropy=True)
             with torch.enable_grad():
                 leaf, ent_leaf = lp.detach().requires_grad_(True), ent.detach().requires_grad_(need_ent)
@@ -50,8 +52,9 @@ class TiledLoss(torch.autograd.Function):
             for k, v in stats.items():
                 parts.setdefault(k, []).append(v.detach())
             dz = logit_grad_(z, sums, targets[sl], g, temperature, g_ent, ent)
-            accumulate_grads(dz, hidden[sl], weight, grad_h[sl] if need_h else None, grad_w)
+            accumulate_grads(dz, hidden[sl], weight32, grad_h[sl] if need_h else None, grad_w)
             del z, dz
+        del weight32
         stats_out.update({k: torch.cat(v) for k, v in parts.items()})
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         ctx.weight = weight

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import activations, models, plan, registry
+from .. import activations, models, plan, precision, registry
 from ..meters import OFFLOAD_PHASES, Meter
 
 log = logging.getLogger("rlrun")
@@ -83,7 +83,9 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
     if lora.enabled:  # after the warm start and the reference copy: both are of the base model
         policy = models.add_lora(policy, lora)
     activations.apply(policy, cfg.activations)  # the policy only: the reference never runs with a gradient
-    shapes = plan.shapes_of(policy, cfg.model.dtype)  # before the engine partitions it (ZeRO-3)
+    for model in (policy, reference):  # train.precision=bf16 on engine=single: backbones under bf16 autocast
+        precision.apply(model, cfg)
+    shapes = plan.shapes_of(policy, plan.weight_dtype(cfg))  # before the engine partitions it (ZeRO-3)
     engine = registry.get("engine", cfg.engine.name).Engine(cfg, policy, reference, grad_accum)
     head_size, memory = plan_memory(cfg, tracker, engine, tokenizer, shapes, data.plan_rows, warnings)
     device_notes(cfg, tracker, engine)
@@ -115,10 +117,18 @@ def warm_notice(cfg, rows: int) -> str:
             "warm_start.enabled=false turns it off.")
 
 
+PRECISION_PATHS = {"bf16-autocast": "fp32 master weights and AdamW state, backbone forward and backward under "
+                   "torch.autocast(bfloat16), logits and softmax in fp32 (engine=single)",
+                   "bf16-deepspeed": "DeepSpeed's bf16 mode: bf16 weights and compute, fp32 master weights and "
+                   "optimizer state in the ZeRO optimizer"}
+
+
 def device_notes(cfg, tracker, engine) -> None:
     """The device and versions as run tags, and a note for each option that moves nothing on this device."""
     tracker.tags({"rlrun.device": engine.device.type, "rlrun.torch": torch.__version__,
-                  "rlrun.world_size": str(engine.world)})
+                  "rlrun.world_size": str(engine.world), "rlrun.precision": precision.path(cfg)})
+    if precision.resolved(cfg) == "bf16":
+        log.info("train.precision=bf16: %s", PRECISION_PATHS[precision.path(cfg)])
     if cfg.offload.enabled and not engine.offload_effective():
         log.info("offload=on on a CPU-only run: optimizer state already lives in host memory, nothing moves.")
         tracker.tags({"offload.effective": "false"})

@@ -11,6 +11,11 @@ catch an allocation that is not its own (a BLAS library's first-call buffers, a 
 Tokens per micro-batch are micro_batch x max_new_tokens: 512 = 64 x 8 (two micro-batches per step, so gradients
 accumulate) and 2048 = 128 x 16 (one). The LoRA point adds model.lora.enabled=true (lm head frozen, reference by
 disabling the adapters).
+
+Shape points (--widths x --layers, vocab 32000, 32 rows x 16 new tokens per micro-batch, 4 micro-batches per step):
+models wider and deeper than the default's, where the backbone's activations and gradients matter, with each head
+and with chunked under train.precision=bf16. The auto points: head.size=auto within --auto-budget MiB, the first
+head call (forward and backward) of a fresh process measured against the budget, lm head trained and frozen.
 """
 
 from __future__ import annotations
@@ -28,13 +33,22 @@ TOKENS = {512: (64, 8), 2048: (128, 16)}  # tokens per micro-batch -> (micro_bat
 TOLERANCE, FLOOR_MIB = 0.15, 32.0
 
 
-def overrides(head: str, vocab: int, tokens: int, steps: int, lora: bool, uri: str) -> list[str]:
-    micro, new = TOKENS[tokens]
-    return [f"head={head}", f"model.vocab_size={vocab}", f"train.micro_batch={micro}", f"rollout.max_new_tokens={new}",
-            "train.rollout_batch=128", "train.batch_size=128", "train.group_size=16", f"train.steps={steps}",
-            "logprob_policy=always", "loss.kl_coef=0.01", "warm_start.enabled=false", "eval.every=0",
-            "export.enabled=false", "progress=false", f"tracking.uri={uri}",
-            *(["model.lora.enabled=true"] if lora else [])]
+SHAPE_VARIANTS = (("dense", "fp32"), ("tiled", "fp32"), ("chunked", "fp32"), ("chunked", "bf16"))
+
+
+def overrides(point: dict, steps: int, uri: str) -> list[str]:
+    if "hidden" in point:  # a shape point: 32 rows x 16 new tokens per micro-batch, 4 micro-batches per step
+        h, heads = point["hidden"], max(1, point["hidden"] // 64)
+        size = [f"model.hidden_size={h}", f"model.intermediate_size={4 * h}", f"model.layers={point['layers']}",
+                f"model.heads={heads}", f"model.kv_heads={heads}", "train.micro_batch=32", "rollout.max_new_tokens=16",
+                f"train.precision={point['precision']}"]
+    else:
+        micro, new = TOKENS[point["tokens"]]
+        size = [f"train.micro_batch={micro}", f"rollout.max_new_tokens={new}"]
+    return [f"head={point['head']}", f"model.vocab_size={point['vocab']}", *size, "train.rollout_batch=128",
+            "train.batch_size=128", "train.group_size=16", f"train.steps={steps}", "logprob_policy=always",
+            "loss.kl_coef=0.01", "warm_start.enabled=false", "eval.every=0", "export.enabled=false", "progress=false",
+            f"tracking.uri={uri}", *(["model.lora.enabled=true"] if point.get("lora") else [])]
 
 
 def child(point: dict, steps: int, out_path: str) -> None:
@@ -44,7 +58,7 @@ def child(point: dict, steps: int, out_path: str) -> None:
     from .bench_trl import rlrun_run
 
     render.quiet(os.devnull)  # the table is what the bench prints
-    with rlrun_run(lambda uri: overrides(**point, steps=steps, uri=uri), "bench-plan") as history:
+    with rlrun_run(lambda uri: overrides(point, steps, uri), "bench-plan") as history:
         def median(name):
             values = [m.value for m in history(name)]
             return statistics.median(values) if values else None
@@ -57,15 +71,49 @@ def within(predicted: float, measured: float) -> bool:
     return abs(predicted - measured) <= max(TOLERANCE * measured, FLOOR_MIB)
 
 
+def auto_child(point: dict, out_path: str) -> None:
+    """head.size=auto in this fresh process: the tile auto_size picks within point['budget'] MiB for 512 tokens of
+    a micro-batch that accumulates, then the measured growth of the first head call (loss and backward)."""
+    from .. import plan, registry
+    from ..losses import objective
+    from ..meters import MIB, Meter
+
+    n, vocab, hidden, trainable = 512, point["vocab"], point["hidden"], point["trainable"]
+    s = plan.Shapes(vocab=vocab, hidden=hidden, intermediate=4 * hidden, layers=1, kv_dim=hidden, params=0,
+                    trainable=0, head_trainable=trainable, param_bytes=4)
+    size = plan.auto_size(point["budget"] * MIB, n, s, point["head"], accumulate=True)
+    head = registry.get("head", point["head"])
+    warm = torch.randn(16, 8, requires_grad=True)  # as in a run, torch has computed before (thread pools set up)
+    head.loss(warm, torch.randn(64, 8), torch.zeros(16, dtype=torch.long), torch.ones(16, dtype=torch.bool),
+              objective("dapo", torch.zeros(16), None, None, None, clip_low=0.2, clip_high=0.28), 16, 1.0,
+              16)[0].backward()
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(n, hidden, generator=g, requires_grad=True)
+    w = torch.randn(vocab, hidden, generator=g, requires_grad=trainable)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    f = objective("dapo", torch.randn(n, generator=g), torch.randn(n, generator=g) - 5, None, None, clip_low=0.2,
+                  clip_high=0.28)
+    meter = Meter(torch.device("cpu"), phases=("call",))
+    meter.new_step()
+    with meter.phase("call"):
+        loss, _ = head.loss(h, w, targets, torch.ones(n, dtype=torch.bool), f, n, 1.0, size)
+        loss.backward()
+    torch.save({"size": size, "measured": meter.growth["call"] / MIB}, out_path)
+
+
 def points(a) -> list[dict]:
     grid = [dict(head=h, vocab=v, tokens=t, lora=False) for v in a.vocabs for t in a.tokens for h in a.heads]
     if a.lora:
         head, vocab, tokens = a.lora.split(",")
         grid.append(dict(head=head, vocab=int(vocab), tokens=int(tokens), lora=True))
+    grid += [dict(head=head, vocab=32000, hidden=h, layers=n, precision=p) for h in a.widths for n in a.layers
+             for head, p in SHAPE_VARIANTS]
     return grid
 
 
 def label(p: dict) -> str:
+    if "hidden" in p:
+        return f"{p['head']}-h{p['hidden']}-L{p['layers']}" + ("-bf16" if p["precision"] == "bf16" else "")
     return f"{p['head']}-v{p['vocab']}-n{p['tokens']}" + ("-lora" if p["lora"] else "")
 
 
@@ -128,14 +176,58 @@ def figure(rows: list[dict], path: str) -> str:
     return render.save(fig, path)
 
 
+def auto_rows(a) -> list[dict]:
+    """head.size=auto within a.auto_budget MiB, tiled and chunked, lm head trained and frozen: each first call's
+    measured growth in a fresh process against the budget."""
+    rows = []
+    for head in ("tiled", "chunked") if a.auto_budget else ():
+        for trainable in (True, False):
+            p = dict(head=head, vocab=32000, hidden=64, trainable=trainable, budget=a.auto_budget)
+            r = render.in_child(auto_child, p)
+            name = f"auto-{head}-{'trained' if trainable else 'frozen'}-head"
+            rows.append({"impl": name, "error": r["error"]} if "error" in r else
+                        {"impl": name, "budget_mib": float(a.auto_budget), "size": r["size"],
+                         "measured_mib": r["measured"], "ok": r["measured"] <= a.auto_budget})
+    return rows
+
+
+def auto_table(rows: list[dict]) -> str:
+    body = [[r["impl"], f"failed: {r['error']}"] if "error" in r else
+            [r["impl"], f"{r['budget_mib']:.0f}", str(r["size"]), f"{r['measured_mib']:.1f}",
+             "ok" if r["ok"] else "OVER"] for r in rows]
+    return render.table(["head.size=auto (vocab 32000, hidden 64)", "budget MiB", "tile", "first call MiB",
+                         "within"], body, left=1)
+
+
 def bench(a, log_mlflow) -> list[dict]:
     from tqdm import tqdm
 
     grid = points(a)
     results = [render.in_child(child, p, a.steps) for p in tqdm(grid, desc="plan", unit="run")]
     rows = rows_of(grid, results)
-    text = table(rows)
+    autos = auto_rows(a)
+    text = table(rows) + ("\n\n" + auto_table(autos) if autos else "")
     print(text)
     files = [figure(rows, a.figure)] if a.figure and any("error" not in r for r in rows) else []
+    rows += autos
     log_mlflow(a, [{k: v for k, v in r.items() if k != "ok"} for r in rows], text, "plan", files=files)
     return rows
+
+
+def add_parser(sub, func, ints) -> None:
+    """`python -m rlrun.bench plan`'s options (`ints`: bench.py's comma-separated integer type)."""
+    import argparse
+
+    m = sub.add_parser("plan", help="the memory plan (rlrun plan) vs the measured peak growth of short runs",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("--heads", type=lambda t: t.split(","), default=["dense", "tiled", "chunked"])
+    m.add_argument("--vocabs", type=ints, default=[16384, 65536, 151936])
+    m.add_argument("--tokens", type=ints, default=[512, 2048], help=f"per micro-batch: {sorted(TOKENS)}")
+    m.add_argument("--lora", default="tiled,65536,2048", help="HEAD,VOCAB,TOKENS of a LoRA run ('' for none)")
+    m.add_argument("--widths", type=ints, default=[128, 256, 512], help="hidden sizes of the shape points ('' none)")
+    m.add_argument("--layers", type=ints, default=[2, 8], help="layer counts of the shape points")
+    m.add_argument("--auto-budget", type=int, default=24, help="MiB for the head.size=auto points (0: none)")
+    m.add_argument("--steps", type=int, default=3)
+    m.add_argument("--figure", default="plan_accuracy.png", help="predicted vs measured (PNG); '' for none")
+    m.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
+    m.set_defaults(func=func)

@@ -1,0 +1,212 @@
+"""Each phase's predicted growth and peak for a validated config (the arithmetic of terms.py put together)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import batching as packing
+from .. import logprobs, precision, ranks
+from ..meters import plan_growth_key, plan_peak_key
+from . import terms
+from .shapes import Shapes
+from .terms import FP32, LIVE_H, LIVE_I, MIB, SAMPLER_COPIES
+
+
+@dataclass
+class Phase:
+    """A phase's predicted growth, as named parts in bytes, on top of `resident` bytes."""
+
+    parts: dict[str, int]
+    resident: dict[str, int]
+
+    @property
+    def growth(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def peak(self) -> int:
+        return self.growth + sum(self.resident.values())
+
+    def dominant(self) -> str:
+        return max(self.parts, key=self.parts.get) if self.parts else "-"
+
+
+@dataclass
+class Plan:
+    phases: dict[str, Phase]
+    tokens: int  # response tokens per micro-batch (the heads' N)
+    seq_len: int  # prompt + response positions per row
+    head_size: int | None  # tokens per tile/chunk (dense: None)
+    shapes: Shapes
+    world: int = 1  # ranks
+    device_type: str = "cpu"
+    layer_tokens: int = 0  # positions per forward of the train pass
+    kind: str = "fp32"  # the activations' dtype family (terms.activation_kind)
+
+
+def world_size(cfg) -> int:
+    """Ranks the run will have: the launcher's WORLD_SIZE (set it to plan a multi-rank run: WORLD_SIZE=8 rlrun
+    plan engine=deepspeed ...)."""
+    return ranks.world_size() if cfg.engine.name == "deepspeed" else 1
+
+
+def grad_accum(cfg, world: int) -> int:
+    return max(cfg.train.batch_size // (cfg.train.micro_batch * world), 1)
+
+
+def passes(cfg, world: int) -> tuple[bool, bool, bool]:
+    """(old-policy pass, reference pass, a reference copy in memory) of a run."""
+    t, dpo = cfg.train, cfg.loss.name == "dpo"
+    policy, lora = cfg.logprob_policy.name, cfg.model.lora
+    tis = getattr(cfg.loss, "tis", None)  # sequence-level correction reads the old logprobs before the loss
+    needs_old = not dpo and (logprobs.ever_needs_old(policy, t.rollout_batch // world // t.micro_batch
+                                                     * t.num_iterations, grad_accum(cfg, world))
+                             or (policy != "skip" and tis.enabled and tis.level == "sequence"))
+    needs_ref = dpo or logprobs.needs_reference_model(policy, getattr(cfg.loss, "kl_coef", 0.0))
+    ref_copy = needs_ref and not (lora.enabled and lora.reference == "adapters_off"
+                                  and not getattr(cfg.loss, "reference_path", None))
+    return needs_old, needs_ref, ref_copy
+
+
+RECOMPUTED = "one layer recomputed in backward"
+# the train parts that are the saved-activation term (plan/train_activations_mib)
+ACTIVATIONS = ("activations saved", "layer inputs kept", RECOMPUTED, "one layer's saved tensors", "saved outside")
+
+
+def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, device_type: str, kind: str,
+                mask: dict) -> dict[str, int]:
+    """The train pass at its peak in a micro-batch after the first: the gradients already accumulated, what the
+    forward saved for backward (activations; autocast's bf16 weight copies), and the larger of two moments: the
+    head's backward (its working set and the next lm-head gradient) or, with checkpointing, a layer's recompute
+    (its internals and weight copies again). On CPU also the heap blocks freed small tensors leave (terms.py)."""
+    zero = cfg.engine.zero_stage if cfg.engine.name == "deepspeed" else 0
+    a = cfg.activations
+    n = len(range(0, s.layers, a.every)) if a.name == "checkpoint" else 0  # checkpointed layers
+    parts = {"gradients": s.trainable * s.param_bytes // (world if zero >= 2 else 1)}
+    saved = terms.saved_activations(a.name, a.every, s, layer_tokens, kind, device_type)
+    recompute = {RECOMPUTED: saved.pop(RECOMPUTED)} if RECOMPUTED in saved else {}
+    parts.update(saved)
+    if kind == "autocast":  # cast once per forward of a layer; a checkpointed layer's casts live while it reruns
+        copies = s.layer_matrices * 2 // s.layers
+        parts["bf16 weight copies (autocast, saved for backward)"] = copies * (s.layers - n)
+        recompute = recompute and {**recompute, "its bf16 weight copies (autocast)": copies}
+    parts.update(mask)
+    head = terms.head_parts(cfg.head.name, size, tokens, s, grad=True, accumulate=grad_accum(cfg, world) > 1,
+                            entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)))
+    parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
+    parts.update(terms.objective_parts(cfg, cfg.train.batch_size // world * cfg.rollout.max_new_tokens, tokens))
+    if device_type == "cpu":
+        parts["CPU heap: blocks under 1 MiB freed and kept (allocator)"] = terms.heap_slack(
+            s, layer_tokens, s.layers - n + (n > 0), kind)
+    return parts
+
+
+def live_bytes(s, kind: str) -> int:
+    """Bytes per token alive at once in one layer without grad: the residual stream's few [hidden] tensors (fp32
+    under autocast) and the MLP's intermediates (bf16 under autocast)."""
+    h_bytes, i_bytes = (FP32, FP32) if kind == "fp32" else (FP32, 2) if kind == "autocast" else (2, 2)
+    return LIVE_H * s.hidden * h_bytes + LIVE_I * s.intermediate * i_bytes
+
+
+def generate_parts(cfg, s, seq_len: int, world: int, weights: dict) -> dict[str, int]:
+    """generate: the KV cache, the sampler's [rows, vocab] fp32 temporaries, one layer's prefill activations."""
+    b, rows = s.param_bytes, cfg.train.rollout_batch // world
+    sampler = f"sampler ({SAMPLER_COPIES} x {rows} rows x vocab, fp32)"
+    kind = terms.activation_kind(b, precision.autocasts(cfg))
+    gen = {"KV cache": 2 * s.layers * rows * seq_len * s.kv_dim * b,
+           sampler: SAMPLER_COPIES * rows * s.vocab * FP32,
+           "prefill activations (one layer)": rows * (seq_len - cfg.rollout.max_new_tokens) * live_bytes(s, kind)}
+    if cfg.engine.name == "deepspeed" and cfg.engine.zero_stage == 3:  # whole weights gathered for generate
+        gen["weights gathered for generate (ZeRO-3)"] = s.params * b - sum(weights.values())
+    t = cfg.train
+    if t.dynamic_sampling and t.dynamic_sampling_max_rounds > 1:  # ids, masks (int64), response mask, logprobs
+        rounds = t.dynamic_sampling_max_rounds - 1
+        gen[f"dynamic sampling: rollouts of {rounds} earlier round(s)"] = rounds * rows * (
+            seq_len * 16 + cfg.rollout.max_new_tokens * 5)
+    return gen
+
+
+def asynchronous(cfg, s, phases: dict, device_type: str) -> dict[str, int]:
+    """rollout.pipeline=async: generation is the worker process's (its own copy of the weights, its KV cache), so the
+    generate phase is re-planned on that copy. What the trainer's phases carry besides: on CPU the two shared weight
+    slots it writes (trainable parameters, double-buffered); on an accelerator shared with the worker
+    (rollout.worker_device unset or naming the trainer's kind), the worker's whole generate peak, since it runs
+    while the trainer trains. The slots are host memory on an accelerator, not the device's."""
+    if cfg.rollout.pipeline != "async" or "generate" not in phases:
+        return {}
+    copy = {"generator process: its copy of the weights": s.params * s.param_bytes}
+    gen = phases["generate"] = Phase(phases["generate"].parts, copy)
+    if device_type == "cpu":
+        return {"weight slots for the generator (2 x trainable, shared memory)": 2 * s.trainable * s.param_bytes}
+    device = cfg.rollout.worker_device
+    if device is None or str(device).split(":")[0] == device_type:
+        return {"generator process on this device (weights, generate peak)": gen.peak}
+    return {}
+
+
+def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, device_type: str = "cpu",
+            head_size: int | None = None, device_gib: float | None = None) -> Plan:
+    """The plan of a validated config for a model of shapes `s`, `rows` sequences of `seq_len` positions and
+    `tokens` response tokens per micro-batch, on one of `world` ranks. `head_size` overrides cfg.head.size
+    (needed when it is `auto`)."""
+    b, head, path = s.param_bytes, cfg.head.name, precision.path(cfg)
+    size = head_size if head_size is not None else cfg.head.size
+    kind = terms.activation_kind(b, path == "bf16-autocast")
+    needs_old, needs_ref, ref_copy = passes(cfg, world)
+    weights, adam = terms.resident(cfg, s, world=world, device_type=device_type, ref_copy=ref_copy, path=path,
+                                   device_gib=device_gib)
+    layer_tokens, mask = rows * seq_len, {}
+    if cfg.batching.name != "padded":  # a forward holds at most max_tokens positions, whatever the rows
+        layer_tokens, width = packing.planned_forward(cfg, rows * grad_accum(cfg, world), seq_len, tokens // rows)
+        tokens = min(cfg.batching.max_tokens, tokens * grad_accum(cfg, world))
+        mask = {f"attention mask ({layer_tokens} positions in rows of {width}, bool)": layer_tokens * width}
+
+    def logprob_phase(policy: bool) -> Phase:
+        parts = {"one layer's activations (no grad)": layer_tokens * live_bytes(s, kind),
+                 "final hidden states": 2 * layer_tokens * s.hidden * b, **mask}
+        if policy and kind == "autocast":  # the autocast cache keeps the casts of weights that require grad
+            parts["bf16 weight copies (autocast cache)"] = s.layer_matrices * 2
+        parts.update(terms.head_parts(head, size, tokens, s, grad=False))
+        offloaded = cfg.offload.enabled and device_type != "cpu"  # optimizer state on the host for these passes
+        return Phase(parts, {**weights, **({} if offloaded else adam)})
+
+    phases = {}
+    if cfg.loss.name != "dpo":
+        phases["generate"] = Phase(generate_parts(cfg, s, seq_len, world, weights), {**weights, **adam})
+    weights = {**weights, **asynchronous(cfg, s, phases, device_type)}
+    if needs_old:
+        phases["old_logprobs"] = logprob_phase(policy=True)
+    if needs_ref:
+        phases["ref_logprobs"] = logprob_phase(policy=not ref_copy)
+    phases["train"] = Phase(train_parts(cfg, s, layer_tokens, tokens, size, world=world, device_type=device_type,
+                                        kind=kind, mask=mask), {**weights, **adam})
+    return Plan(phases, tokens, seq_len, size if head != "dense" else None, s, world, device_type, layer_tokens, kind)
+
+
+def metrics(plan: Plan) -> dict[str, float]:
+    """plan/<phase>_growth_mib and plan/<phase>_peak_mib (resident + growth), beside the measured mem/*."""
+    out = {}
+    for name, ph in plan.phases.items():
+        out[plan_growth_key(name)] = ph.growth / MIB
+        out[plan_peak_key(name)] = ph.peak / MIB
+    if plan.head_size is not None:
+        out["plan/head_size"] = float(plan.head_size)
+    if "train" in plan.phases:  # the terms activations= and train.precision change
+        train = plan.phases["train"]
+        out["plan/train_activations_mib"] = sum(v for k, v in train.parts.items() if k.startswith(ACTIVATIONS)) / MIB
+        out["plan/resident_mib"] = sum(train.resident.values()) / MIB
+    return out
+
+
+
+def resolve_size(cfg, s, tokens: int, device_type: str, world: int = 1, device_bytes: int | None = None) -> int | None:
+    """head.size, with `auto` replaced by the largest tile within head.memory_budget_mib (null: a tenth of
+    `device_bytes` when given, the device a plan is for; else default_budget, from the memory free now)."""
+    if cfg.head.size != "auto":
+        return cfg.head.size
+    budget = cfg.head.memory_budget_mib
+    if budget is not None:
+        budget = budget * MIB
+    else:
+        budget = device_bytes // 10 if device_bytes else terms.default_budget(device_type)
+    return terms.auto_size(budget, tokens, s, cfg.head.name, grad_accum(cfg, world) > 1)

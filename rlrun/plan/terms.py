@@ -1,0 +1,174 @@
+"""The terms of the plan, each a count of tensor bytes written next to what allocates it (see the package docstring).
+
+The per-token constants of a decoder layer were counted with saved-tensor hooks (tests/test_plan.py checks them
+at hidden 64-512, with and without GQA, for each precision path): they are what autograd keeps, exactly.
+"""
+
+from __future__ import annotations
+
+from ..config import ConfigError
+from ..heads.common import ROWS  # rows of the heads' entropy block buffer
+
+MIB = 2**20
+FP32 = 4
+SAMPLER_COPIES = 7  # [rows, vocab] fp32 tensors alive at once in a decode step (logits copy, log-softmax, noise...)
+# Bytes a decoder layer (attention + gated MLP) saves for backward, per token, per unit of hidden / kv / intermediate
+# width, by the dtype its activations are in: fp32 (norm inputs and outputs, q/k/v before and after rotary,
+# attention output, residuals; gate, up, act(gate), act(gate) * up); bf16 autocast over fp32 weights (matmul
+# outputs in bf16, the residual stream and the norms in fp32); bf16 weights (bf16, the norms' fp32 upcasts).
+SAVED = {"fp32": (32, 8, 16), "autocast": (34, 0, 8), "bf16": (20, 4, 8)}
+OUTSIDE = {"fp32": 8, "autocast": 8, "bf16": 6}  # bytes per token and unit of hidden saved outside the layers
+# (the embedding output and the final norm's input and output; the norm computes in fp32)
+LIVE_H, LIVE_I = 4, 3  # elements per token alive at once in one layer without grad (the MLP's intermediates)
+# What a head's first call at a size keeps allocated beyond its working set (BLAS packing buffers that grow with the
+# hidden size: measured 3.1-3.3 MiB at hidden 64, 6.3-6.8 MiB at 256, whatever the vocab and tokens): counted by
+# head.size=auto so that a fresh process stays within the budget.
+FIRST_CALL, FIRST_CALL_PER_HIDDEN = 5 * MIB // 2, 20 * 2**10
+# CPU only: glibc serves blocks under the meter's mmap threshold (1 MiB, meters.py) from its heap, and of the blocks
+# that the [tokens, hidden] tensors of a train pass free, not all are reused before the peak: RSS exceeded the live
+# tensors by 2 MiB + 22 such fp32 blocks per layer whose internals are saved (measured at hidden 32-256, 2-8 layers,
+# 640 positions per forward, 4 micro-batches: 5-85 MiB, each within 3 MiB of this), by about 13 under bf16 autocast
+# (half of them bf16; hidden 128 and 256), and by nothing once a block is 1 MiB or more (hidden 512 there). bf16
+# weights: 11, half of fp32's, not measured.
+HEAP_THRESHOLD, HEAP_BASE, HEAP_BLOCKS = MIB, 2 * MIB, {"fp32": 22, "autocast": 13, "bf16": 11}
+
+
+def activation_kind(param_bytes: int, autocast: bool) -> str:
+    """The dtype family of the activations: fp32, autocast (bf16 compute over fp32 weights) or bf16 weights."""
+    if param_bytes == FP32:
+        return "autocast" if autocast else "fp32"
+    return "bf16"
+
+
+def layer_bytes(s, kind: str) -> int:
+    """Bytes one decoder layer saves for backward per token."""
+    per_h, per_kv, per_i = SAVED[kind]
+    return per_h * s.hidden + per_kv * s.kv_dim + per_i * s.intermediate
+
+
+def saved_activations(name: str, every: int, s, layer_tokens: int, kind: str, device_type: str) -> dict[str, int]:
+    """What the train pass keeps for its backward, per `activations` option: every layer's internals (keep); a
+    checkpointed layer's input only, plus one layer's internals while it is recomputed (checkpoint); on an
+    accelerator, host memory and one layer's tensors brought back at a time for its backward (offload). The
+    layers' inputs are the residual stream: fp32 under autocast."""
+    per_layer = layer_tokens * layer_bytes(s, kind)
+    if name == "offload" and device_type != "cpu":  # each layer's tensors come back while its backward runs
+        return {"activations saved for backward (in host memory: activations=offload)": 0,
+                "one layer's saved tensors back on the device in backward": per_layer}
+    outside = {"saved outside the layers (embedding output, final norm)": layer_tokens * OUTSIDE[kind] * s.hidden}
+    if name != "checkpoint":
+        return {"activations saved for backward": s.layers * per_layer, **outside}
+    n = len(range(0, s.layers, every))  # checkpointed layers
+    stream = 2 if kind == "bf16" else FP32
+    return {f"layer inputs kept ({n} checkpointed layers)": n * layer_tokens * s.hidden * stream,
+            f"activations saved for backward ({s.layers - n} layers kept whole)": (s.layers - n) * per_layer,
+            "one layer recomputed in backward": per_layer, **outside}
+
+
+def heap_slack(s, layer_tokens: int, layers: int, kind: str) -> int:
+    """CPU only: the heap blocks that freed [tokens, hidden] tensors leave in a train pass whose forward saves the
+    internals of `layers` layers at once (0 when such a tensor is served from its own mapping)."""
+    block = layer_tokens * s.hidden * FP32
+    return HEAP_BASE + HEAP_BLOCKS[kind] * layers * block if block < HEAP_THRESHOLD else 0
+
+
+def head_parts(name: str, size: int | None, tokens: int, s, *, grad: bool, accumulate: bool = False,
+               entropy_grad: bool = False) -> dict[str, int]:
+    """The lm head's working set for `tokens` response tokens: the logits it materialises and, with `grad`, the
+    extra gradient buffers (the lm-head gradient itself is counted with the other gradients). Weights that are not
+    fp32 (DeepSpeed's bf16 mode) are cast to fp32 once per call: the logits are never computed in bf16."""
+    row = s.vocab * FP32
+    if name == "dense":
+        k = (3 + 2 * entropy_grad) if grad else 2  # + exp(logp) and its product when the entropy has a gradient
+        parts = {f"dense logits ({k} x {tokens} tokens x vocab {s.vocab}, fp32)": k * tokens * row}
+    else:
+        parts = {f"one {name} tile ({min(size, tokens)} tokens x vocab {s.vocab}, fp32)": min(size, tokens) * row}
+        # tiled fills it while taking each tile's gradient; chunked in its forward, before a backward that holds
+        # the [vocab, hidden] lm-head gradient instead (larger) when the lm head trains
+        if grad and (name == "tiled" or not s.head_trainable):
+            parts["entropy block buffer (16 rows x vocab, fp32)"] = min(ROWS, tokens) * row
+    weight = s.vocab * s.hidden
+    if s.param_bytes != FP32:
+        parts["lm-head weight cast to fp32 (bf16 weights)"] = weight * FP32
+    if grad and s.head_trainable:
+        # the next micro-batch's lm-head gradient, before it is added to the one already there; dense makes it
+        # after its log-softmax backward, when one of its three [tokens, vocab] tensors is left: the larger counts
+        if accumulate and not (name == "dense" and weight * s.param_bytes <= 2 * tokens * row):
+            label = "next lm-head gradient" + (" (beyond the 2 logits tensors freed before it)" if name == "dense"
+                                               else "")
+            parts[label] = weight * s.param_bytes - (2 * tokens * row if name == "dense" else 0)
+        if name != "dense" and s.param_bytes != FP32:  # the fp32 accumulator, cast to the weight dtype at the end
+            parts["lm-head gradient accumulator (fp32)"] = weight * FP32
+    return parts
+
+
+def first_call(s) -> int:
+    return FIRST_CALL + FIRST_CALL_PER_HIDDEN * s.hidden
+
+
+def auto_size(budget: int, tokens: int, s, name: str, accumulate: bool) -> int:
+    """head.size=auto: the largest tile/chunk (a multiple of 16 tokens, at most `tokens`) whose train working set,
+    plus the buffers a first call keeps, stays within `budget` bytes; ConfigError when not even 16 tokens fit."""
+    fixed = sum(head_parts(name, 0, tokens, s, grad=True, accumulate=accumulate).values()) + first_call(s)
+    size = (budget - fixed) // (s.vocab * FP32)
+    if size < min(ROWS, tokens):
+        raise ConfigError([f"head.size=auto: head.memory_budget_mib={budget / MIB:.0f} leaves room for {max(size, 0)} "
+                           f"tokens per {name} tile at vocab {s.vocab} (the fixed part is {fixed / MIB:.0f} MiB); "
+                           f"raise head.memory_budget_mib (16 tokens need {(fixed + 16 * s.vocab * FP32) / MIB:.0f}) "
+                           "or set head.size=N."])
+    return tokens if size >= tokens else size // ROWS * ROWS
+
+
+def default_budget(device_type: str) -> int:
+    """head.memory_budget_mib=null: a tenth of the memory free now (CUDA: free device memory; CPU: MemAvailable)."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0] // 10
+    from ..meters import proc_bytes
+
+    return proc_bytes("/proc/meminfo", "MemAvailable") // 10
+
+
+def resident(cfg, s, *, world: int, device_type: str, ref_copy: bool, path: str, device_gib: float | None = None):
+    """(weights, optimizer state) living on one rank's device across phases: ZeRO partitions optimizer state
+    (stages 2 and 3) and weights (stage 3) over the ranks; bf16 keeps fp32 master weights and fp32 AdamW moments
+    (engine=single: the weights themselves are the fp32 master; DeepSpeed: a master copy beside bf16 weights);
+    DeepSpeed offloads and `offload=on` (logprob passes only, see predict) take them off a CUDA device; vLLM on
+    CUDA reserves gpu_memory_utilization of the device."""
+    b, e, cuda = s.param_bytes, cfg.engine, device_type != "cpu"
+    zero = e.zero_stage if e.name == "deepspeed" else 0
+    shard = (lambda n, stage: n // world if zero >= stage else n)  # noqa: E731
+    weights = {}
+    if not (cuda and zero == 3 and e.offload_param != "none"):
+        label = "weights (fp32, the master copy)" if path == "bf16-autocast" else "weights"
+        weights[label] = shard(s.params * b, 3)
+        if ref_copy:
+            weights["reference copy"] = shard(s.params * b, 3)
+    if cuda and cfg.rollout.name == "vllm" and device_gib:
+        weights["vLLM engine (gpu_memory_utilization x device)"] = int(cfg.rollout.gpu_memory_utilization
+                                                                      * device_gib * 2**30)
+    master = path == "bf16-deepspeed"  # fp32 master copy + two fp32 moments per parameter
+    label = ("optimizer state (fp32 master + AdamW)" if master else
+             "optimizer state (AdamW: 2 x trainable, fp32)" if path == "bf16-autocast" else
+             "optimizer state (AdamW: 2 x trainable)")
+    offloaded = cuda and e.name == "deepspeed" and e.offload_optimizer != "none"
+    optimizer = {} if offloaded else {label: shard(s.trainable * (3 * FP32 if master else 2 * b), 1)}
+    return weights, optimizer
+
+
+def objective_parts(cfg, step_tokens: int, tokens: int) -> dict[str, int]:
+    """What the objective adds to the train phase, for the step's `step_tokens` response tokens (per rank) and a
+    forward's `tokens`: loss.agg's per-token weights (fp32) and loss=gspo's sequence ids (int64), made for the
+    whole step before its first forward (losses/agg.py); gspo on tiled: every token's logprob of a forward from
+    the first no-grad sweep (fp32; the sweep's tile is the size of the fused pass's, so no more)."""
+    parts, gspo = {}, cfg.loss.name == "gspo"
+    if cfg.loss.name == "dpo":
+        return parts
+    if cfg.loss.agg != "token_mean":
+        parts[f"loss.agg={cfg.loss.agg}: per-token weights of the step (fp32)"] = step_tokens * FP32
+    if gspo:
+        parts["loss=gspo: per-token sequence ids of the step (int64)"] = step_tokens * 8
+    if gspo and cfg.head.name == "tiled":
+        parts["loss=gspo on tiled: logprobs of the first sweep (fp32)"] = tokens * FP32
+    return parts

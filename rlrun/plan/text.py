@@ -1,0 +1,229 @@
+"""`rlrun plan`: the plan as text, the saved-activation term under each `activations` option, and, for a run that
+does not fit the device planned for, the switches that would make it fit, each with its predicted peak."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+from .. import precision
+from ..config import OPTIONS, rules
+from . import phases as pr
+from . import shapes as sh
+from . import terms
+from .terms import MIB
+
+CONF = Path(__file__).resolve().parent.parent.parent / "conf"  # the options as shipped (their YAML defaults)
+GIB = 2**30
+HEADROOM = 0.9  # a switch "fits" within 90% of the device: the CUDA context and the allocator's slack need the rest
+
+
+def table(plan: pr.Plan, device: pr.Plan | None = None, device_gib: float | None = None) -> str:
+    """The plan as text: per phase the predicted growth, the peak, and the largest part of the growth; with
+    `device` (the same run planned for CUDA) and `device_gib`, whether it fits a device of that size."""
+    s = plan.shapes
+    lines = [f"model: {s.params / 1e6:.2f}M parameters ({s.trainable / 1e6:.2f}M trainable), vocab {s.vocab}, "
+             f"hidden {s.hidden}, {s.layers} layers; planned for {plan.world} rank(s), per rank",
+             f"micro-batch: {plan.tokens} response tokens, {plan.seq_len} positions per row"
+             + (f"; head tile {plan.head_size} tokens" if plan.head_size else "")]
+    head = ["phase", "growth MiB", "peak MiB", "largest part of the growth"]
+    rows = [[name, f"{ph.growth / MIB:.0f}", f"{ph.peak / MIB:.0f}", ph.dominant()] for name, ph in
+            plan.phases.items()]
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(4)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head] + rows]
+    lines.append("peak = resident (weights, reference copy, optimizer state) + growth")
+    if device is not None and device_gib:
+        name, peak = highest(device)
+        cap = device_gib * GIB
+        verdict = "fits" if peak <= cap else f"does not fit: over by {(peak - cap) / GIB:.2f} GiB"
+        lines.append(f"on a CUDA device of {device_gib:g} GiB: predicted peak {peak / GIB:.2f} GiB ({name}), "
+                     f"{verdict}; add the CUDA context and allocator slack, a few hundred MiB.")
+    return "\n".join(lines)
+
+
+def highest(plan: pr.Plan) -> tuple[str, int]:
+    name, ph = max(plan.phases.items(), key=lambda kv: kv[1].peak)
+    return name, ph.peak
+
+
+def detail(plan: pr.Plan) -> str:
+    """Every part of every phase, in MiB (the plan artifact and `rlrun plan`)."""
+    lines = []
+    for name, ph in plan.phases.items():
+        lines.append(f"{name}: growth {ph.growth / MIB:.1f} MiB on resident {sum(ph.resident.values()) / MIB:.1f}")
+        lines += [f"    {v / MIB:10.1f}  {k}" for k, v in sorted(ph.parts.items(), key=lambda kv: -kv[1])]
+        lines += [f"    {v / MIB:10.1f}  {k} (resident)" for k, v in ph.resident.items()]
+    return "\n".join(lines)
+
+
+# -- the activations term per option ------------------------------------------------------------------------------
+COST = {"keep": "nothing recomputed, nothing moved",
+        "checkpoint": "recompute: one more forward of {n} of {layers} layers in backward (about +1/3 of their "
+                      "train FLOPs; measured as system/time/train_s)",
+        "offload": "{mib:.0f} MiB copied to pinned host memory in forward and back in backward per micro-batch "
+                   "(on a CPU run nothing moves)"}
+
+
+def activation_lines(plan: pr.Plan) -> list[str]:
+    """The train pass's saved-activation term under keep, checkpoint (every layer) and offload, on the device
+    `plan` is for, with what each costs."""
+    s, out = plan.shapes, []
+    whole = sum(terms.saved_activations("keep", 1, s, plan.layer_tokens, plan.kind, plan.device_type).values())
+    for name in ("keep", "checkpoint", "offload"):
+        kept = sum(terms.saved_activations(name, 1, s, plan.layer_tokens, plan.kind, plan.device_type).values())
+        cost = COST[name].format(n=s.layers, layers=s.layers, mib=whole / MIB)
+        out.append(f"  activations={name:<10} {kept / MIB:12,.0f} MiB  {cost}")
+    return out
+
+
+# -- switches that would make a run fit ---------------------------------------------------------------------------
+def option(group: str, name: str, **changes):
+    """The option `group=name` as shipped (its YAML), with `changes`."""
+    from omegaconf import OmegaConf
+
+    data = {**OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml")), **changes}
+    return OPTIONS[group][name](**data)
+
+
+def nested(obj, key: str, value):
+    """dataclasses.replace at a dotted key: nested(cfg, "model.lora.enabled", True)."""
+    first, _, rest = key.partition(".")
+    return dataclasses.replace(obj, **{first: nested(getattr(obj, first), rest, value) if rest else value})
+
+
+def candidates(cfg, world: int) -> list[tuple[str, str, object, int]]:
+    """(family, label, config, ranks) of each switch that changes this run: one family per line of the list."""
+    out = []
+    for name in ("checkpoint", "offload"):
+        if cfg.activations.name != name:
+            out.append(("activations", f"activations={name}", nested(cfg, "activations", option("activations", name)),
+                        world))
+    for name in ("tiled", "chunked"):
+        if cfg.head.name == "dense" and (name != "tiled" or cfg.loss.name in rules.FUSABLE):
+            out.append(("head", f"head={name}", nested(cfg, "head", option("head", name)), world))
+    if not cfg.model.lora.enabled and importlib.util.find_spec("peft") is not None:  # planned with peft's adapters
+        out.append(("lora", "model.lora.enabled=true", nested(cfg, "model.lora.enabled", True), world))
+    if precision.resolved(cfg) == "fp32" and cfg.model.dtype == "float32":
+        out.append(("precision", "train.precision=bf16", nested(cfg, "train.precision", "bf16"), world))
+    for stage in (2, 3):
+        for ranks in (8, 16):
+            if cfg.engine.name == "single" or (stage, ranks) != (cfg.engine.zero_stage, world):
+                engine = option("engine", "deepspeed", zero_stage=stage)
+                out.append(("zero", f"WORLD_SIZE={ranks} engine=deepspeed engine.zero_stage={stage}",
+                            nested(cfg, "engine", engine), ranks))
+    for div in (2, 4):  # fewer positions per forward: a smaller micro-batch, or a smaller token budget
+        mb, budget = cfg.train.micro_batch // div, cfg.batching.max_tokens // div
+        if mb >= 1 and cfg.batching.name == "padded":
+            out.append(("micro", f"train.micro_batch={mb}", nested(cfg, "train.micro_batch", mb), world))
+        elif cfg.batching.name != "padded":
+            out.append(("micro", f"batching.max_tokens={budget}", nested(cfg, "batching.max_tokens", budget), world))
+    return [c for c in out if not refused(c)]
+
+
+def refused(candidate) -> str | None:
+    """The first rule a switch's config breaks (DeepSpeed or peft missing here does not count): None if none."""
+    _, _, variant, ranks = candidate
+    return next((m for m in rules.check(variant, set(), ranks) if "is not installed" not in m), None)
+
+
+def not_applicable(cfg, world: int) -> list[str]:
+    """The ZeRO switches the batch sizes rule out here, with the rule (so a missing line is explained)."""
+    zero = [("zero", f"WORLD_SIZE={r} engine=deepspeed engine.zero_stage={z}",
+             nested(cfg, "engine", option("engine", "deepspeed", zero_stage=z)), r) for z in (2, 3) for r in (8, 16)]
+    return [f"  not listed: {c[1]}: {refused(c)}" for c in zero if refused(c)]
+
+
+@dataclasses.dataclass
+class Base:
+    """What the original config's plan was made of: its shapes and micro-batch sizes, and what they depend on."""
+
+    shapes: sh.Shapes
+    rows: int
+    seq_len: int
+    tokens: int
+    micro_batch: int
+    lora: bool
+    dtype: str
+
+
+def planned(cfg, world: int, gib: float, base: Base) -> pr.Plan:
+    """The CUDA plan of a variant of the base config on `world` ranks: shapes from a meta model again only when
+    LoRA or the weights' dtype changed; rows and tokens scaled with the micro-batch."""
+    shapes = base.shapes
+    if cfg.model.lora.enabled != base.lora or sh.weight_dtype(cfg) != base.dtype:
+        shapes = sh.shapes_of(sh.meta_model(cfg.model, cfg.seed)[0], sh.weight_dtype(cfg))
+    rows, tokens = (n * cfg.train.micro_batch // base.micro_batch for n in (base.rows, base.tokens))
+    size = pr.resolve_size(cfg, shapes, tokens, "cuda", world, device_bytes=int(gib * GIB))
+    return pr.predict(cfg, shapes, rows, base.seq_len, tokens, world=world, device_type="cuda", head_size=size,
+                      device_gib=gib)
+
+
+# what `combine` may add: the switches that train the same thing (LoRA and bf16 change what trains) and cost compute
+# or devices, not a copy of every activation over PCIe per micro-batch (offload is listed alone)
+COMBINED = ("activations=checkpoint", "head=", "WORLD_SIZE=", "train.micro_batch=", "batching.max_tokens=")
+
+
+def combine(cfg, base: Base, world: int, gib: float):
+    """Switches that keep the result (COMBINED), added one family at a time, the one that lowers the peak most
+    first, until the run fits (or none lowers it): (labels, config, ranks, peak)."""
+    chosen, current, ranks, used = [], cfg, world, set()
+    peak = highest(planned(current, ranks, gib, base))[1]
+    while peak > HEADROOM * gib * GIB:
+        options = [(highest(planned(v, r, gib, base))[1], family, label, v, r)
+                   for family, label, v, r in candidates(current, ranks)
+                   if family not in used and label.startswith(COMBINED)]
+        best = min(options, key=lambda o: o[0], default=None)
+        if best is None or best[0] >= peak:
+            break
+        peak, family, label, current, ranks = best
+        chosen.append(label)
+        used.add(family)
+    return chosen, current, ranks, peak
+
+
+def fit_lines(cfg, base: Base, world: int, gib: float) -> list[str]:
+    """Each switch alone with its predicted peak, then a combination that fits, with its parts."""
+    cap = HEADROOM * gib * GIB
+    lines = [f"switches that change the peak (predicted peak per rank, its phase; fits: within {HEADROOM:.0%} of "
+             f"{gib:g} GiB, the rest for the CUDA context and allocator slack):"]
+    for _, label, variant, ranks in candidates(cfg, world):
+        name, peak = highest(planned(variant, ranks, gib, base))
+        note = "" if label.startswith(COMBINED + ("activations=offload",)) else "  (changes what trains)"
+        lines.append(f"  {label:<52} {peak / GIB:8.2f} GiB ({name}){'  fits' if peak <= cap else ''}{note}")
+    lines += not_applicable(cfg, world)
+    chosen, current, ranks, peak = combine(cfg, base, world, gib)
+    if peak > cap:
+        return lines + [f"no combination of these switches fits (best: {' '.join(chosen) or '-'}, "
+                        f"{peak / GIB:.2f} GiB)"]
+    plan = planned(current, ranks, gib, base)
+    lines.append(f"together (switches that train the same, the largest cut first): {' '.join(chosen)}: predicted "
+                 f"peak {peak / GIB:.2f} GiB per rank, fits; its parts (MiB, CUDA, per rank):")
+    return lines + ["  " + x for x in detail(plan).splitlines()]
+
+
+def report(cfg) -> str:
+    """`rlrun plan`: the plan of a validated config without building its weights (a meta-device model), as on
+    this machine's CPU, plus whether it fits a CUDA device of plan.device_gib (and if not, what would make it);
+    the activations term under each option; then every part."""
+    s, n_rows, seq_len, tokens = sh.inputs(cfg)
+    world, gib = pr.world_size(cfg), cfg.plan.device_gib
+    # head.size=auto with no budget: a tenth of the device planned for (plan.device_gib), as a run on it would take
+    size = pr.resolve_size(cfg, s, tokens, "cpu", world, device_bytes=int(gib * GIB) if gib else None)
+    cpu = pr.predict(cfg, s, n_rows, seq_len, tokens, world=world, head_size=size)
+    cuda = pr.predict(cfg, s, n_rows, seq_len, tokens, world=world, device_type="cuda", head_size=size,
+                      device_gib=gib) if gib else None
+    note = ""
+    if cfg.head.size == "auto":
+        within = (f"head.memory_budget_mib={cfg.head.memory_budget_mib}" if cfg.head.memory_budget_mib else
+                  f"a tenth of plan.device_gib={gib:g} GiB; a run chooses from its own device's free memory" if gib
+                  else "a tenth of this machine's free memory; a run chooses from its own device's free memory")
+        note = f"head.size=auto: {size} tokens per tile, within {within}\n"
+    text = [note + table(cpu, cuda, gib)]
+    device = cuda or cpu
+    text.append(f"\nactivations saved for backward by the train pass, per option ({device.device_type}, "
+                f"{device.layer_tokens} positions per forward):\n" + "\n".join(activation_lines(device)))
+    if cuda is not None and highest(cuda)[1] > gib * GIB:
+        base = Base(s, n_rows, seq_len, tokens, cfg.train.micro_batch, cfg.model.lora.enabled, sh.weight_dtype(cfg))
+        text.append("\n" + "\n".join(fit_lines(cfg, base, world, gib)))
+    return "\n".join(text) + "\n\nparts (MiB, CPU):\n" + detail(cpu)

@@ -1,0 +1,67 @@
+"""train.precision=fp32|bf16: the arithmetic of the policy's passes, and the master copy the optimizer updates.
+
+- `fp32` (the baseline): weights, gradients, optimizer state and every op in fp32.
+- `bf16` on engine=single: weights, gradients and AdamW's moments stay fp32 (the master copy: an update smaller
+  than one bf16 step of a weight, 1/256 of it, still lands); every forward of the policy's and the reference's
+  backbone runs under torch.autocast(bfloat16): matmuls in bf16, norms, softmax and reductions in fp32 where
+  autocast says so, and the backward follows the forward's dtypes. The heads compute logits and their softmax in
+  fp32 whatever the hidden states' dtype (heads/common.py). The backbone is wrapped by replacing its instance
+  `forward` (as rlrun.activations does for layers), so the train pass, the logprob passes, generation and
+  evaluation all see the same numerics; the warm start, before the wrap, stays fp32.
+- `bf16` on engine=deepspeed: DeepSpeed's bf16 block: the module in bf16, fp32 master weights and moments inside
+  its ZeRO optimizer (engine.dtype=auto follows train.precision; a contradicting engine.dtype is refused).
+
+Both bf16 paths keep fp32 master weights and optimizer state and compute in bf16; the run tag `rlrun.precision`
+says which one ran (`path`).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import models
+from .errors import ModelError
+
+
+def resolved(cfg) -> str:
+    """fp32 | bf16: train.precision, or engine.dtype where DeepSpeed's is set (the validator made them agree)."""
+    e = cfg.engine
+    return e.dtype if e.name == "deepspeed" and e.dtype != "auto" else cfg.train.precision
+
+
+def path(cfg) -> str:
+    """The run tag rlrun.precision: fp32, bf16-autocast (engine=single) or bf16-deepspeed."""
+    if resolved(cfg) == "fp32":
+        return "fp32"
+    return "bf16-deepspeed" if cfg.engine.name == "deepspeed" else "bf16-autocast"
+
+
+def autocasts(cfg) -> bool:
+    return path(cfg) == "bf16-autocast"
+
+
+def _autocast_forward(self, *args, **kwargs):
+    """A backbone's forward under bf16 autocast, on the device its weights are on."""
+    device = next(self.parameters()).device.type
+    with torch.autocast(device, dtype=torch.bfloat16):
+        return type(self).forward(self, *args, **kwargs)
+
+
+def apply(model, cfg) -> None:
+    """bf16-autocast: run `model`'s backbone under autocast, and check that what trains is fp32 (the master)."""
+    if model is None or not autocasts(cfg):
+        return
+    backbone, _ = models.split(model)
+    backbone.forward = types.MethodType(_autocast_forward, backbone)
+    low = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
+    if low:  # the validator refuses model.dtype!=float32 without LoRA; a peft that made bf16 adapters lands here
+        raise ModelError(f"train.precision=bf16 keeps fp32 master weights, but trainable parameters are {low}; "
+                         "set model.dtype=float32 (LoRA: a peft that keeps adapters in fp32).")
+
+
+def autocasting(model) -> bool:
+    """Whether `model`'s backbone runs under autocast (apply)."""
+    backbone, _ = models.split(model)
+    return vars(backbone).get("forward") is not None and vars(backbone)["forward"].__func__ is _autocast_forward
