@@ -124,8 +124,9 @@ def add_parser(sub, log_mlflow) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", type=modes, default=["sync", "async_k1"],
                    help=f"of {', '.join(MODES)}")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; round r uses seed r")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps per run (the default run's)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; round r uses seed r")
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps per run (200 is the default run's; "
+                   "runs of 200 steps last ~8 s here, too short for a steady ratio)")
     p.add_argument("--rlrun-args", nargs="*", default=[], help="extra rlrun overrides for every run")
     p.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
     p.set_defaults(func=lambda a: bench(a, log_mlflow))
