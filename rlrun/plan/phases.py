@@ -95,7 +95,8 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
                             entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     parts.update(terms.objective_parts(cfg, cfg.train.batch_size // world * cfg.rollout.max_new_tokens, tokens))
-    if device_type == "cpu":
+    if device_type == "cpu" and grad_accum(cfg, world) > 1:  # left by the micro-batch before the peak's (none: a
+        # step of one micro-batch starts on the heap the last step left, and reuses it: bench plan's n2048 points)
         parts["CPU heap: blocks under 1 MiB freed and kept (allocator)"] = terms.heap_slack(
             s, layer_tokens, s.layers - n + (n > 0), kind)
     return parts
