@@ -332,6 +332,7 @@ def test_a_folder_without_data_files_is_one_message(tmp_path, folder, files, hel
     assert "point task.path at one of those" in str(e.value) and "resolve pattern" not in str(e.value)
 
 
+@pytest.mark.slow  # ~5 s: loads data through `datasets` (its first import)
 def test_unimportable_rewards_say_why(tmp_path, monkeypatch):
     path = write(tmp_path, GSM, "jsonl")
     monkeypatch.chdir(tmp_path)
@@ -393,6 +394,7 @@ def test_legacy_reward_key_and_both_keys(tmp_path):
 # --- lengths ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~5 s: loads data through `datasets` (its first import)
 def test_length_warnings_have_numbers(tmp_path):
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "what is 3+4? answer in words:", "answer": "seven"},
             {"prompt": "x" * 40, "answer": "eight"}]

@@ -129,6 +129,7 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path):
         pass
 
 
+@pytest.mark.slow  # ~6 s: three short runs
 def test_a_new_run_refuses_a_folder_of_another_runs_checkpoints(tmp_path):
     new_store(tmp_path)
     ckpt = tmp_path / "ckpt"

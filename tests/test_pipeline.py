@@ -114,6 +114,7 @@ def run_pipeline(cfg, model, steps, window=1, grad_accum=1, build=None, trainer_
     return got, versions
 
 
+@pytest.mark.slow  # ~8 s: a generator process of its own
 def test_each_rollout_is_generated_by_the_weights_its_version_names():
     cfg = cfg_for("rollout.max_staleness=1", "rollout.max_new_tokens=5")
     model, _ = models.build(cfg.model, cfg.seed)
