@@ -106,7 +106,7 @@ def sweep_job(cfg: DictConfig, run_name: str):
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def plan_main(cfg: DictConfig):
-    """`rlrun plan <overrides>`: validate, then print the memory plan (rlrun/plan.py); builds no weights."""
+    """`rlrun plan <overrides>`: validate, then print the memory plan (rlrun/plan/); builds no weights."""
     try:
         typed = validate(cfg)
         from . import plan

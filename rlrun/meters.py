@@ -42,7 +42,7 @@ def growth_key(phase: str) -> str:
 
 
 def plan_growth_key(phase: str) -> str:
-    """The memory plan's prediction of growth_key(phase) (rlrun/plan.py)."""
+    """The memory plan's prediction of growth_key(phase) (rlrun/plan/)."""
     return f"plan/{phase}_growth_mib"
 
 

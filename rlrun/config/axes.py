@@ -20,7 +20,7 @@ class DenseHead:
 @dataclass
 class TiledHead:
     name: Literal["tiled"]
-    size: TileSize  # auto: the planner picks the largest within memory_budget_mib (rlrun/plan.py)
+    size: TileSize  # auto: the planner picks the largest within memory_budget_mib (rlrun/plan/)
     memory_budget_mib: PosInt | None  # null: a tenth of the memory free at start
 
 

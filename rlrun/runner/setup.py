@@ -139,7 +139,7 @@ def device_notes(cfg, tracker, engine) -> None:
 
 
 def plan_memory(cfg, tracker, engine, tokenizer, shapes, rows: list[dict], warnings: list[str]):
-    """Predict each phase's memory (rlrun/plan.py) and log it as plan/* at step 0 beside the measured mem/*, with its
+    """Predict each phase's memory (rlrun/plan/) and log it as plan/* at step 0 beside the measured mem/*, with its
     parts as the artifact plan.txt. Returns (head size, plan); head.size=auto is resolved here, rank 0's choice for
     all ranks. A run that cannot be planned warns (appended to `warnings`) and goes on, unless the size is auto."""
     size = cfg.head.size

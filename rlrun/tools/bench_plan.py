@@ -1,4 +1,4 @@
-"""`python -m rlrun.bench plan`: how close the memory plan (rlrun/plan.py) comes to what runs measure.
+"""`python -m rlrun.bench plan`: how close the memory plan (rlrun/plan/) comes to what runs measure.
 
 Each point is a short GRPO run of the embedded model (random init, so responses run to rollout.max_new_tokens and
 the plan's upper bound on tokens is the real count) with a large vocabulary, `logprob_policy=always` and a small
