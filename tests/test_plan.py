@@ -34,8 +34,8 @@ def test_head_arithmetic_is_what_the_heads_allocate(name, grad):
     h = torch.randn(n, hidden, generator=g, requires_grad=grad)
     w = torch.randn(vocab, hidden, generator=g, requires_grad=grad)
     targets = torch.randint(0, vocab, (n,), generator=g)
-    meter = Meter(torch.device("cpu"), phases=("call",))
-    for _ in range(2):  # the first call also sets up thread pools and kernels
+    meter, growth = Meter(torch.device("cpu"), phases=("call",)), []
+    for _ in range(4):  # the first call also sets up thread pools and kernels
         meter.new_step()
         with meter.phase("call"):
             if grad:
@@ -47,9 +47,13 @@ def test_head_arithmetic_is_what_the_heads_allocate(name, grad):
                 with torch.no_grad():
                     registry.get("head", name).logprobs(h, w, targets, 1.0, size)
         h.grad = w.grad = None
+        growth.append(meter.growth["call"])
     predicted = sum(plan.head_parts(name, size, n, shapes(vocab, hidden), grad=grad).values())
     predicted += vocab * hidden * 4 if grad else 0  # w.grad
-    assert meter.growth["call"] == pytest.approx(predicted, rel=0.05, abs=3 * MIB)
+    # the least of the calls after the first: RSS is process-wide, and in a test worker another test's leftover
+    # thread can allocate during one call (CI once read 4 MiB over in one call); what the head allocates is the same
+    # every call, so a kept extra tile would show in all of them
+    assert min(growth[1:]) == pytest.approx(predicted, rel=0.05, abs=3 * MIB), growth
 
 
 def test_auto_size_is_the_largest_tile_within_the_budget():
