@@ -19,7 +19,8 @@ def trainer_logprobs(policy, roll, temperature):
     from rlrun.recipes.grpo import group_advantages, logprob_pass, split_rollout
 
     micros = split_rollout(roll, group_advantages(torch.zeros(len(roll.completions)), 4), 64)
-    (lp,) = logprob_pass(policy, micros, registry.get("head", "dense"), None, temperature)
+    padded = make_cfg().batching  # the trainer's pass as the default run makes it
+    (lp,) = logprob_pass(policy, micros, registry.get("head", "dense"), None, temperature, padded)
     return lp, micros[0].mask
 
 
