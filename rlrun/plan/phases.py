@@ -95,8 +95,8 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
                             entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     parts.update(terms.objective_parts(cfg, cfg.train.batch_size // world * cfg.rollout.max_new_tokens, tokens))
-    if device_type == "cpu" and grad_accum(cfg, world) > 1:  # left by the micro-batch before the peak's (none: a
-        # step of one micro-batch starts on the heap the last step left, and reuses it: bench plan's n2048 points)
+    # the blocks the micro-batch before the peak's left; a step of one micro-batch reuses the last step's heap
+    if device_type == "cpu" and grad_accum(cfg, world) > 1:
         parts["CPU heap: blocks under 1 MiB freed and kept (allocator)"] = terms.heap_slack(
             s, layer_tokens, s.layers - n + (n > 0), kind)
     return parts
@@ -127,22 +127,21 @@ def generate_parts(cfg, s, seq_len: int, world: int, weights: dict) -> dict[str,
     return gen
 
 
-def asynchronous(cfg, s, phases: dict, device_type: str) -> dict[str, int]:
-    """rollout.pipeline=async: generation is the worker process's (its own copy of the weights, its KV cache), so the
-    generate phase is re-planned on that copy. What the trainer's phases carry besides: on CPU the two shared weight
-    slots it writes (trainable parameters, double-buffered); on an accelerator shared with the worker
-    (rollout.worker_device unset or naming the trainer's kind), the worker's whole generate peak, since it runs
-    while the trainer trains. The slots are host memory on an accelerator, not the device's."""
-    if cfg.rollout.pipeline != "async" or "generate" not in phases:
-        return {}
-    copy = {"generator process: its copy of the weights": s.params * s.param_bytes}
-    gen = phases["generate"] = Phase(phases["generate"].parts, copy)
+def asynchronous(cfg, s, gen: Phase, device_type: str) -> tuple[Phase, dict[str, int]]:
+    """rollout.pipeline=async: (the generate phase re-planned on the worker process's own copy of the weights, what
+    the trainer's phases carry besides). The trainer carries, on CPU, the two shared weight slots it writes
+    (trainable parameters, double-buffered); on an accelerator shared with the worker (rollout.worker_device unset
+    or naming the trainer's kind), the worker's whole generate peak, since it runs while the trainer trains. The
+    slots are host memory on an accelerator, not the device's."""
+    if cfg.rollout.pipeline != "async":
+        return gen, {}
+    gen = Phase(gen.parts, {"generator process: its copy of the weights": s.params * s.param_bytes})
     if device_type == "cpu":
-        return {"weight slots for the generator (2 x trainable, shared memory)": 2 * s.trainable * s.param_bytes}
+        return gen, {"weight slots for the generator (2 x trainable, shared memory)": 2 * s.trainable * s.param_bytes}
     device = cfg.rollout.worker_device
     if device is None or str(device).split(":")[0] == device_type:
-        return {"generator process on this device (weights, generate peak)": gen.peak}
-    return {}
+        return gen, {"generator process on this device (weights, generate peak)": gen.peak}
+    return gen, {}
 
 
 def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, device_type: str = "cpu",
@@ -162,7 +161,7 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         tokens = min(cfg.batching.max_tokens, tokens * grad_accum(cfg, world))
         mask = {f"attention mask ({layer_tokens} positions in rows of {width}, bool)": layer_tokens * width}
 
-    def logprob_phase(policy: bool) -> Phase:
+    def logprob_phase(policy: bool, weights: dict) -> Phase:
         parts = {"one layer's activations (no grad)": layer_tokens * live_bytes(s, kind),
                  "final hidden states": 2 * layer_tokens * s.hidden * b, **mask}
         if policy and kind == "autocast":  # the autocast cache keeps the casts of weights that require grad
@@ -171,16 +170,17 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         offloaded = cfg.offload.enabled and device_type != "cpu"  # optimizer state on the host for these passes
         return Phase(parts, {**weights, **({} if offloaded else adam)})
 
-    phases = {}
+    phases, trainer = {}, weights  # trainer: what the trainer's phases hold resident besides optimizer state
     if cfg.loss.name != "dpo":
-        phases["generate"] = Phase(generate_parts(cfg, s, seq_len, world, weights), {**weights, **adam})
-    weights = {**weights, **asynchronous(cfg, s, phases, device_type)}
+        gen = Phase(generate_parts(cfg, s, seq_len, world, weights), {**weights, **adam})
+        phases["generate"], extra = asynchronous(cfg, s, gen, device_type)
+        trainer = {**weights, **extra}
     if needs_old:
-        phases["old_logprobs"] = logprob_phase(policy=True)
+        phases["old_logprobs"] = logprob_phase(True, trainer)
     if needs_ref:
-        phases["ref_logprobs"] = logprob_phase(policy=not ref_copy)
+        phases["ref_logprobs"] = logprob_phase(not ref_copy, trainer)
     phases["train"] = Phase(train_parts(cfg, s, layer_tokens, tokens, size, world=world, device_type=device_type,
-                                        kind=kind, mask=mask), {**weights, **adam})
+                                        kind=kind, mask=mask), {**trainer, **adam})
     return Plan(phases, tokens, seq_len, size if head != "dense" else None, s, world, device_type, layer_tokens, kind)
 
 
