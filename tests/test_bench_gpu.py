@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from rlrun import registry
 from rlrun.tools import bench, bench_gpu, gpu_heads, gpu_runs
 
 ENV = {"device": "NVIDIA Test (80 GiB)", "torch": "2.x", "cuda": "12.x", "date": "2026-01-01"}
@@ -292,6 +293,17 @@ def test_inputs_keep_every_log_ratio_off_the_clip_bounds_and_both_sides_of_them(
     far = ((current - math.log(0.8)).abs() >= 0.05) & ((current - math.log(1.28)).abs() >= 0.05)
     assert torch.equal(old[far], torch.zeros(int(far.sum()), dtype=torch.float64))  # the rest untouched
     assert (r < math.log(0.8)).any() and (r > math.log(1.28)).any() and (r.abs() < 0.1).any()
+
+
+@pytest.mark.parametrize("dtype", gpu_heads.DTYPES)
+@pytest.mark.parametrize("impl", list(registry.REGISTRY["head"]))
+def test_the_gpu_tests_heads_check_runs_on_cpu_as_written(impl, dtype):
+    """tests/test_gpu.py's heads check, on CPU at a small size: the code it runs on CUDA is run in every CI. (Its
+    namespace once lacked `objective`, which only the first CUDA run found: 6 failures on an H200, 2026-11-26.)"""
+    g = args("--tokens", "128", "--hidden", "32", "--vocab", "1024", "--tile-size", "32")
+    g.device = "cpu"
+    errs = gpu_heads.errors(impl, gpu_heads.bench_args(g, dtype))
+    assert set(errs) == {"loss", "grad_h", "grad_w"} and max(errs.values()) <= gpu_heads.TOLERANCE[dtype], errs
 
 
 def test_rlrun_heads_in_fp32_pass_and_a_wrong_gradient_fails(tmp_path):

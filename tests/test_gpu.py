@@ -5,7 +5,6 @@ CPU runs cannot: CUDA's allocator as the meter reads it, optimizer state leaving
 heads' equivalence in CUDA kernels, a run on the device, and `python -m rlrun.bench gpu` end to end at a small size.
 """
 
-import argparse
 import subprocess
 import sys
 
@@ -51,16 +50,9 @@ def test_offload_moves_adams_state_off_the_device_and_back_bit_for_bit():
 def test_heads_on_cuda_agree_with_the_fp64_reference(impl, dtype):
     from rlrun.tools import bench, gpu_heads
 
-    a = argparse.Namespace(tokens=1024, seqs=8, hidden=256, vocab=32768, tile_size=256, dtype=dtype, device="cuda",
-                           seed=0)
-    hidden, weight, targets, mask, adv, seq_adv, old = gpu_heads.inputs(a, CUDA)
-    ref = dict(zip(("loss", "grad_h", "grad_w"), gpu_heads.reference(hidden, weight, targets, mask, adv, old)))
-    hidden.requires_grad_(True)
-    weight.requires_grad_(True)
-    loss = bench.run_impl(impl, a, hidden, weight, targets, mask, adv, seq_adv, old)
-    loss.backward()
-    got = {"loss": loss.detach(), "grad_h": hidden.grad, "grad_w": weight.grad}
-    errs = {k: bench.rel_err(got[k].double(), ref[k]) for k in ref}
+    g = bench.parser().parse_args(["gpu", "--tokens", "1024", "--hidden", "256", "--vocab", "32768",
+                                   "--tile-size", "256"])
+    errs = gpu_heads.errors(impl, gpu_heads.bench_args(g, dtype))  # the gpu command's own device: cuda
     assert max(errs.values()) <= gpu_heads.TOLERANCE[dtype], errs
 
 

@@ -117,6 +117,21 @@ def reference_child(a, out_path) -> None:
                 "time": readings[0][0], "peak": readings[0][1]}, out_path)
 
 
+def errors(impl: str, a) -> dict[str, float]:
+    """Max relative errors of `impl`'s loss, dL/dh and dL/dW against the fp64 reference, in this process and without
+    metering: the check a row makes, small enough for a test (tests/test_gpu.py on CUDA, test_bench_gpu on CPU).
+    `a`: `bench_args`'s namespace, so that a field the heads read is never missing here alone."""
+    device = torch.device(a.device)
+    hidden, weight, targets, mask, adv, seq_adv, old = inputs(a, device)
+    ref = dict(zip(("loss", "grad_h", "grad_w"), reference(hidden, weight, targets, mask, adv, old)))
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    loss = bench.run_impl(impl, a, hidden, weight, targets, mask, adv, seq_adv, old)
+    loss.backward()
+    got = {"loss": loss.detach(), "grad_h": hidden.grad, "grad_w": weight.grad}
+    return {k: bench.rel_err(got[k].double(), ref[k]) for k in ref}
+
+
 def row_of(impl: str, dtype: str, r: dict, ref: dict | None) -> dict:
     """One table row: the run's time and growth, its errors vs the reference and the verdict."""
     row = {"part": "heads", "case": f"{impl} {SHORT[dtype]}"}
