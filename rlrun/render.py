@@ -99,7 +99,12 @@ def in_child(target, *args) -> dict:
         path = os.path.join(tmp, "result.pt")
         p = mp.get_context("spawn").Process(target=target, args=(*args, path))
         p.start()
-        p.join()
+        try:
+            p.join()
+        except BaseException:  # Ctrl-C or a SIGTERM handler's exception in the waiting parent: no child left behind
+            p.kill()
+            p.join()
+            raise
         if p.exitcode != 0:
             return {"error": f"exit code {p.exitcode}"}
         import torch

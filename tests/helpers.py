@@ -172,3 +172,13 @@ def finished(proc, timeout: float) -> tuple[int, str]:
         _, err = proc.communicate()
         raise AssertionError(f"{' '.join(map(str, proc.args))[-300:]} still running after {timeout:g} s; its "
                              f"stacks:\n{(err or '')[-6000:]}") from None
+
+
+def sleep_then_save(seconds: float, out_path: str) -> None:
+    """A child for render.in_child that takes `seconds` and then saves {"slept": seconds}: a run to cut short."""
+    import time
+
+    import torch
+
+    time.sleep(seconds)
+    torch.save({"slept": seconds}, out_path)

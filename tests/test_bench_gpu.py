@@ -177,7 +177,8 @@ def test_one_table_with_a_row_per_case_and_the_verdicts():
     assert lines[3].endswith("FAIL") and "2.5 steps/s" in lines[4] and lines[4].endswith("–")
     assert "failed: RuntimeError: CUDA out of memory" in lines[5] and lines[5].endswith("failed")
     assert "skipped: vLLM is not installed" in lines[6]
-    assert lines[7] == "1 of 2 checks ok; failed: plan dense-keep / train, offload offload=on"
+    assert lines[7] == ("1 of 2 checks ok; failed: plan dense-keep / train, offload offload=on; "
+                        "not run: vllm rollout=vllm")
     assert lines[8] == "heads: liger not installed, left out"
 
 
@@ -224,6 +225,46 @@ def test_docs_keep_the_parts_not_rerun_and_show_one_table(tmp_path):
 def test_the_committed_page_is_the_one_the_writer_makes():
     md = bench_gpu.DOCS
     assert md.read_text() == bench_gpu.markdown(bench_gpu.load_results(md.with_suffix(".json")))
+
+
+# --- a command with a time limit: --budget, and a SIGTERM from `timeout` or a scheduler ---
+
+
+def test_over_budget_no_run_starts_and_its_row_says_not_run_without_failing(monkeypatch, tmp_path):
+    import time
+
+    a = args("--budget", "60", "--log-dir", str(tmp_path))
+    a.deadline = time.monotonic() - 1  # as bench() sets it, 60 s ago
+    monkeypatch.setattr(gpu_runs.render, "in_child", lambda *args: pytest.fail("a run started over the budget"))
+    r = gpu_runs.launch(a, "runs-skip", [])
+    assert r == {"skipped": "not started: over --budget 60 s"}
+    rows = gpu_runs.runs_rows({"always": history(loss=[0.0, 0.0, 0.0], grad_norm=[1.0] * 3), "skip": r}, skip=1)
+    assert rows[1] == {"part": "runs", "case": "skip", "skipped": "not started: over --budget 60 s"}
+    assert bench_gpu.verdict(rows[1]) == "skipped" and bench_gpu.summary(rows) == "0 of 0 checks ok; not run: runs skip"
+    off = {"part": "offload", "case": "offload=on"}
+    assert gpu_runs.offload_rows(r, r, 8, 1) == [{**off, "case": "offload=off", **r}, {**off, **r}]
+    assert gpu_heads.row_of("tiled", "float32", r, None) == {"part": "heads", "case": "tiled fp32", **r}
+
+
+def test_a_sigterm_cuts_the_child_in_flight_short_and_starts_no_other(tmp_path):
+    """What `timeout 300 python -m rlrun.bench gpu` does at 300 s: the run in flight becomes an error row, the rest
+    are not started, and the command goes on to print and write the rows of the runs that finished."""
+    import os
+    import signal
+    import threading
+
+    import helpers
+
+    a, before = args(), signal.getsignal(signal.SIGTERM)
+    with bench_gpu.stopped_by_sigterm():
+        done = gpu_runs.child(a, helpers.sleep_then_save, 0.0)
+        threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        cut = gpu_runs.child(a, helpers.sleep_then_save, 600.0)  # had it finished, it would say {"slept": 600.0}
+        later = gpu_runs.child(a, helpers.sleep_then_save, 0.0)
+    assert done == {"slept": 0.0} and cut == {"error": "cut short: the command got SIGTERM"}
+    assert later == {"skipped": "not started: the command got SIGTERM"}
+    assert gpu_runs.STOP == {"why": None, "waiting": False}  # the handler and its state are gone after the command
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_a_part_that_raises_is_one_failed_row_and_the_others_run(monkeypatch):

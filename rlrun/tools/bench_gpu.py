@@ -20,9 +20,12 @@ code: 2 without a CUDA device, 1 if a check failed or a part could not run, else
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import signal
 import sys
+import time
 from pathlib import Path
 
 from .. import render
@@ -107,8 +110,10 @@ def cells(r: dict) -> list[str]:
 def summary(rows: list[dict]) -> str:
     checked = [r for r in rows if r.get("ok") is not None]
     failed = [f"{r['part']} {r['case']}" for r in rows if r.get("ok") is False or "error" in r]
+    skipped = [f"{r['part']} {r['case']}" for r in rows if "skipped" in r]
     line = f"{sum(r['ok'] for r in checked)} of {len(checked)} checks ok"
-    return line + (f"; failed: {', '.join(failed)}" if failed else "")
+    return line + (f"; failed: {', '.join(failed)}" if failed else "") + (
+        f"; not run: {', '.join(skipped)}" if skipped else "")
 
 
 def table(rows: list[dict], env: dict, notes: list[str] = ()) -> str:
@@ -173,21 +178,42 @@ def run_part(part: str, a) -> tuple[list[dict], list[str]]:
         return [{"part": part, "case": "(all)", "error": f"{type(e).__name__}: {e}"}], []
 
 
+@contextlib.contextmanager
+def stopped_by_sigterm():
+    """A SIGTERM (`timeout`, a scheduler) stops the parts instead of the process: the child in flight is cut short
+    (gpu_runs.child), none starts after it, and the table of what finished is still printed and written."""
+    from . import gpu_runs
+
+    def stop(signum, frame):
+        gpu_runs.STOP["why"] = "the command got SIGTERM"
+        if gpu_runs.STOP["waiting"]:
+            raise gpu_runs.Stopped()
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        gpu_runs.STOP.update(why=None, waiting=False)
+
+
 def bench(a, log_mlflow) -> list[dict]:
     require_cuda()
+    a.deadline = time.monotonic() + a.budget if a.budget else None
     env = environment()
     vars(a).update({f"env_{k}": v for k, v in env.items()})  # logged as the MLflow run's params
     command = " ".join(["python -m rlrun.bench", *sys.argv[1:]]) if sys.argv[1:2] == ["gpu"] else "rlrun.bench gpu"
-    results = {part: run_part(part, a) for part in a.only}
+    with stopped_by_sigterm():
+        results = {part: run_part(part, a) for part in a.only}
     rows = [r for rs, _ in results.values() for r in rs]
     notes = [n for _, ns in results.values() for n in ns]
     text = table(rows, env, notes)
-    print(text)
-    log_mlflow(a, mlflow_rows(rows), text, "gpu")
-    if a.docs:
+    print(text, flush=True)
+    if a.docs:  # before MLflow: the page is what a stopped command must not lose
         write_docs(Path(a.docs), {p: {"env": env, "command": command, "rows": rs, "notes": ns}
                                   for p, (rs, ns) in results.items()})
-        print(f"written to {a.docs}")
+        print(f"written to {a.docs}", flush=True)
+    log_mlflow(a, mlflow_rows(rows), text, "gpu")
     if any(r.get("ok") is False or "error" in r for r in rows):
         raise SystemExit(1)
     return rows
@@ -218,11 +244,13 @@ def add_parser(sub, log_mlflow) -> None:
                    help="HEAD-ACTIVATIONS[-lora], comma-separated")
     r.add_argument("--plan-steps", type=int, default=3)
     r.add_argument("--offload-steps", type=int, default=4)
-    r.add_argument("--run-steps", type=int, default=30)
+    r.add_argument("--run-steps", type=int, default=8, help="an H200 took 18 s + 4.8 s a step per run (docs/gpu.md)")
     r.add_argument("--variants", type=csv_of(list(gpu_runs.VARIANTS)), default=list(gpu_runs.VARIANTS))
     r.add_argument("--warmup", type=int, default=2, help="first steps left out of steps/s")
     r.add_argument("--vllm-steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="start no run or head after this many seconds; their rows say 'not run' (a lease's minutes)")
     p.add_argument("--docs", default=str(DOCS), help="the markdown page to write, default the checkout's "
                    "docs/benchmarks-gpu.md ('' for none)")
     p.add_argument("--log-dir", default="bench-gpu-logs", help="each run's output, named in a failed row")

@@ -20,8 +20,7 @@ import torch
 from ..heads.common import chunked_logprobs_nograd
 from ..losses import masked_total, objective
 from ..meters import MIB, Meter
-from ..render import in_child
-from . import bench
+from . import bench, gpu_runs
 
 IMPLS = ("dense", "tiled", "chunked", "deepspeed", "liger")
 DTYPES = ("float32", "bfloat16")
@@ -135,12 +134,12 @@ def errors(impl: str, a) -> dict[str, float]:
 def row_of(impl: str, dtype: str, r: dict, ref: dict | None) -> dict:
     """One table row: the run's time and growth, its errors vs the reference and the verdict."""
     row = {"part": "heads", "case": f"{impl} {SHORT[dtype]}"}
-    if "error" in r:
-        return {**row, "error": r["error"]}
+    if gpu_runs.missing(r):
+        return gpu_runs.error_row("heads", row["case"], r)
     row.update(time_s=r["time"], growth_mib=r["peak"] / MIB)
     if impl == REFERENCE:
         return {**row, "check": "float64, block by block", "ok": None}
-    if ref is None or "error" in ref:
+    if ref is None or gpu_runs.missing(ref):
         return {**row, "check": "no reference", "ok": False}
     errs = {k: bench.rel_err(r[k], ref[k]) for k in ("loss", "grad_h", "grad_w")}
     tol = TOLERANCE[dtype]
@@ -159,9 +158,9 @@ def run(a) -> tuple[list[dict], list[str]]:
     for dtype in a.dtypes:
         args = bench_args(a, dtype)
         print(f"heads: {SHORT[dtype]} reference", flush=True)
-        ref = in_child(reference_child, args)
+        ref = gpu_runs.child(a, reference_child, args)
         rows.append(row_of(REFERENCE, dtype, ref, None))
         for impl in impls:
             print(f"heads: {impl} {SHORT[dtype]}", flush=True)
-            rows.append(row_of(impl, dtype, in_child(child, impl, args), ref))  # one result in memory at a time
+            rows.append(row_of(impl, dtype, gpu_runs.child(a, child, impl, args), ref))  # one result in memory
     return rows, notes

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 import traceback
 
 from .. import render
@@ -59,6 +60,36 @@ def common(a, steps: int) -> list[str]:
             "export.enabled=false", "progress=false"]
 
 
+STOP = {"why": None, "waiting": False}  # set by bench_gpu's SIGTERM handler
+
+
+class Stopped(Exception):
+    """Raised by bench_gpu's SIGTERM handler while a child runs: that child is cut short, the finished ones stay."""
+
+
+def child(a, target, *args) -> dict:
+    """`render.in_child(target, *args)`, unless the command's time is up: after `--budget` seconds, or once it got a
+    SIGTERM (a scheduler's, or `timeout`'s), no child starts, and one cut short by the SIGTERM is an error. Either
+    way the part goes on to its rows, so a command stopped half-way still prints and writes what it measured."""
+    if STOP["why"]:
+        return {"skipped": f"not started: {STOP['why']}"}
+    deadline = getattr(a, "deadline", None)
+    if deadline is not None and time.monotonic() >= deadline:
+        return {"skipped": f"not started: over --budget {a.budget:g} s"}
+    STOP["waiting"] = True
+    try:
+        return render.in_child(target, *args)
+    except Stopped:
+        return {"error": f"cut short: {STOP['why']}"}
+    finally:
+        STOP["waiting"] = False
+
+
+def missing(r: dict) -> bool:
+    """A run that did not finish (failed, cut short, or not started): it has no metrics to read."""
+    return "error" in r or "skipped" in r
+
+
 def run_child(overrides: list[str], name: str, log_path: str, out_path: str) -> None:
     """`rlrun <overrides>` in this fresh process; saves {metric: [(step, value, seconds)]} of KEYS, or {"error"}."""
     import torch
@@ -88,7 +119,7 @@ def launch(a, name: str, overrides: list[str]) -> dict:
     os.makedirs(a.log_dir, exist_ok=True)
     log = os.path.join(a.log_dir, f"{name}.log")
     print(f"{name}: rlrun {' '.join(overrides)}", flush=True)
-    r = render.in_child(run_child, overrides, name, log)
+    r = child(a, run_child, overrides, name, log)
     return {**r, "error": f"{r['error']} (log: {log})"} if "error" in r else r
 
 
@@ -120,8 +151,9 @@ def rel_diff(x: float | None, ref: float | None) -> float:
     return abs(x - ref) / max(abs(ref), 1e-30)
 
 
-def error_row(part: str, case: str, r: dict) -> dict | None:
-    return {"part": part, "case": case, "error": r["error"]} if "error" in r else None
+def error_row(part: str, case: str, r: dict) -> dict:
+    """The row of a run that did not finish: failed (error) or not started (skipped), saying why."""
+    return {"part": part, "case": case, **{k: r[k] for k in ("error", "skipped") if k in r}}
 
 
 def plan_points(text: str) -> list[tuple[str, str, bool]]:
@@ -167,7 +199,7 @@ def plan_part(a, model: list[str]) -> list[dict]:
     for head, act, lora in a.plan_points:
         point = f"{head}-{act}" + ("-lora" if lora else "")
         r = launch(a, f"plan-{point}", plan_overrides(a, model, head, act, lora))
-        rows += [error_row("plan", point, r)] if "error" in r else plan_rows(point, r)
+        rows += [error_row("plan", point, r)] if missing(r) else plan_rows(point, r)
     return rows
 
 
@@ -186,7 +218,7 @@ def offload_rows(on: dict, off: dict, expected: int, skip: int) -> list[dict]:
     norms against `off`'s."""
     rows = []
     for case, h in (("offload=off", off), ("offload=on", on)):
-        if "error" in h:
+        if missing(h):
             rows.append(error_row("offload", case, h))
             continue
         prep = sum(median(h, time_key(p), skip) or 0.0 for p in PREP)
@@ -196,7 +228,7 @@ def offload_rows(on: dict, off: dict, expected: int, skip: int) -> list[dict]:
         if case == "offload=on":
             moved = median(h, growth_key("onload"), skip) or 0.0
             norms = [rel_diff(x, y) for x, y in zip(values(h, "grad_norm"), values(off, "grad_norm"))]
-            same = bool(norms) and "error" not in off and max(norms) <= OFFLOAD_EXACT
+            same = bool(norms) and not missing(off) and max(norms) <= OFFLOAD_EXACT
             row.update(moved_mib=moved, state_mib=expected / 2**20, grad_norm_rel_diff=max(norms, default=None),
                        check=f"back on device {moved:.0f} MiB/step (AdamW state {expected / 2**20:.0f}); "
                              f"grad norms vs off {max(norms, default=float('nan')):.1e} (tol {OFFLOAD_EXACT:.0e})",
@@ -220,11 +252,11 @@ def offload_part(a, model: list[str]) -> list[dict]:
 def runs_rows(results: dict[str, dict], skip: int) -> list[dict]:
     """Steps/s, peak and the step-0 grad norm of each variant against `always` (the baseline)."""
     base = results.get("always", {"error": "not run"})
-    base_sps = None if "error" in base else steps_per_s(base, skip)
-    base_g0 = None if "error" in base else (values(base, "grad_norm") or [None])[0]
+    base_sps = None if missing(base) else steps_per_s(base, skip)
+    base_g0 = None if missing(base) else (values(base, "grad_norm") or [None])[0]
     rows = []
     for name, h in results.items():
-        if "error" in h:
+        if missing(h):
             rows.append(error_row("runs", name, h))
             continue
         sps, g0 = steps_per_s(h, skip), (values(h, "grad_norm") or [None])[0]
@@ -255,7 +287,7 @@ def runs_part(a, model: list[str]) -> list[dict]:
 def vllm_rows(hf: dict, vllm: dict, steps: int, skip: int) -> list[dict]:
     rows, base = [], None
     for case, h in (("rollout=hf", hf), ("rollout=vllm", vllm)):
-        if "error" in h:
+        if missing(h):
             rows.append(error_row("vllm", case, h))
             continue
         tps = median(h, "throughput/gen_tokens_per_s", skip)
