@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from .batching.layouts import Padded
 from .errors import TaskError
 
 EVAL_KEY = 0x65766131  # spawn-key prefix: eval seeds never coincide with a training rollout's seeds
@@ -126,21 +127,24 @@ def sample_row(row: dict, completion: str, total: float, per_reward: dict | None
 
 @torch.no_grad()
 def evaluate_pairs(policy, reference, tokenizer, pairs: list[dict], *, encode_pairs, pair_logprobs, beta: float,
-                   average: bool = False, head=None, size: int = 1024, batch_size: int = 64,
-                   show: int = 4) -> Evaluation:
+                   average: bool = False, head=None, batch_size: int = 64, show: int = 4) -> Evaluation:
     """DPO on held-out pairs ({prompt, chosen, rejected}): `eval/accuracy` = share of pairs whose implicit reward
     margin beta*((pi_c - ref_c) - (pi_r - ref_r)) is positive, `eval/margin` its mean.
 
-    `encode_pairs(tokenizer, pairs, device)` and `pair_logprobs(model, batch, head, size, average)` are the DPO
+    `encode_pairs(tokenizer, pairs, device)` and `pair_logprobs(model, batch, head, layout, average)` are the DPO
     recipe's own (rlrun.recipes.dpo passes them), so evaluation scores sequences exactly as training does; they
-    are arguments because this module sits below the recipes (tests/test_code_shape.py: no upward imports).
-    `head`: the head module (default dense), `size` its tile size. `reference`: a model, or a function returning a
+    are arguments because this module sits below the recipes (tests/test_code_shape.py: no upward imports); the
+    pairs are laid out padded. `head`: the run's bound head (heads.Bound; default dense). `reference`: a model, or
+    a function returning a
     context that yields one (rlrun.models.reference: LoRA's adapters-off reference is the policy itself, so the
     policy's pass must run outside that context)."""
     if not pairs:
         raise ValueError("evaluate_pairs: no pairs to evaluate on")
     if head is None:
-        from .heads import dense as head
+        from .heads import Bound, dense
+
+        head = Bound(dense, None)
+    layout = Padded(None)
     device = next(policy.parameters()).device
     reference_of = (lambda: contextlib.nullcontext(reference)) if isinstance(reference, torch.nn.Module) else reference
     was_training = policy.training
@@ -150,9 +154,9 @@ def evaluate_pairs(policy, reference, tokenizer, pairs: list[dict], *, encode_pa
         for b in range(0, len(pairs), batch_size):
             chunk = [dict(p, id=b + i) for i, p in enumerate(pairs[b : b + batch_size])]
             batch = encode_pairs(tokenizer, chunk, device)
-            pc, pr = pair_logprobs(policy, batch, head, size, average)
+            pc, pr = pair_logprobs(policy, batch, head, layout, average)
             with reference_of() as ref:
-                rc, rr = pair_logprobs(ref, batch, head, size, average)
+                rc, rr = pair_logprobs(ref, batch, head, layout, average)
             margins.append((beta * ((pc - rc) - (pr - rr))).double().cpu())
     finally:
         policy.train(was_training)

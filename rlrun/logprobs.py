@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Protocol
 
-POLICIES = ("always", "window", "skip")
+PHASES = ("old_logprobs", "ref_logprobs")  # what a logprob policy changes: which of these passes run
 
 
 @dataclass(frozen=True)
@@ -26,29 +27,90 @@ def crosses_step(start: int, window: int, grad_accum: int) -> bool:
     return start // grad_accum != (start + window - 1) // grad_accum
 
 
+class LogprobPolicy(Protocol):
+    """The contract of a `logprob_policy` option: built as `Option(cfg.logprob_policy)`."""
+
+    exactness: str  # rlrun.axes.EXACTNESS
+    phases: tuple[str, ...]
+    caches_reference: bool  # DPO: a pair's reference logprobs computed once and reused
+
+    def need(self, *, start: int, window: int, grad_accum: int, ref_coef: float,
+             old_before_loss: bool = False) -> Need: ...
+
+    def builds_reference(self, ref_coef: float) -> bool: ...
+
+    def ever_needs_old(self, window: int, grad_accum: int, old_before_loss: bool = False) -> bool: ...
+
+
+class Always:
+    """logprob_policy=always (the baseline): the old-policy and reference passes for every rollout (DPO: the
+    reference pass for every batch)."""
+
+    exactness = "baseline"
+    phases = PHASES
+    caches_reference = False  # DPO: the reference logprobs of a pair are computed again in every epoch
+
+    def __init__(self, cfg=None):
+        self.cfg = cfg
+
+    def need(self, *, start: int, window: int, grad_accum: int, ref_coef: float,
+             old_before_loss: bool = False) -> Need:
+        """Which passes the rollout whose window starts at micro-step `start` needs. `old_before_loss`: the
+        objective reads the old-policy logprobs before the loss (sequence-level importance weights)."""
+        return Need(old=True, ref=True)
+
+    def builds_reference(self, ref_coef: float) -> bool:
+        """Whether any rollout can need the reference pass (so whether to build the reference model)."""
+        return True
+
+    def ever_needs_old(self, window: int, grad_accum: int, old_before_loss: bool = False) -> bool:
+        """Whether any rollout of the run needs the old-policy pass (the schedule repeats every grad_accum
+        rollouts)."""
+        return any(self.need(start=k * window, window=window, grad_accum=grad_accum, ref_coef=0.0,
+                             old_before_loss=old_before_loss).old for k in range(grad_accum))
+
+
+class Window(Always):
+    """logprob_policy=window: the old pass only for a rollout whose window crosses an optimizer step (or whose
+    objective reads it before the loss); the reference pass only with a non-zero coefficient; DPO computes each
+    pair's reference logprobs once. Exact where it runs: a skipped pass is one whose result equals the current
+    logprobs (ratio against their detached value)."""
+
+    exactness = "fp_tolerance"
+    caches_reference = True
+
+    def need(self, *, start, window, grad_accum, ref_coef, old_before_loss=False) -> Need:
+        return Need(old=old_before_loss or crosses_step(start, window, grad_accum), ref=ref_coef != 0)
+
+    def builds_reference(self, ref_coef: float) -> bool:
+        return ref_coef != 0
+
+
+class Skip(Always):
+    """logprob_policy=skip: no old-policy pass (the ratio against the detached current logprobs), no reference
+    pass; the validator admits it only where that is exact (config/rules.py)."""
+
+    exactness = "fp_tolerance"
+
+    def need(self, *, start, window, grad_accum, ref_coef, old_before_loss=False) -> Need:
+        return Need(old=False, ref=False)
+
+    def builds_reference(self, ref_coef: float) -> bool:
+        return False
+
+
+def option(name: str) -> Always:
+    """The policy object of `logprob_policy=name` (through the registry)."""
+    from . import registry
+
+    return registry.get("logprob_policy", name)()
+
+
 def plan(policy: str, *, start: int, window: int, grad_accum: int, ref_coef: float,
          old_before_loss: bool = False) -> Need:
-    """Which passes the rollout whose window starts at micro-step `start` needs under `policy`. `old_before_loss`:
-    the objective reads the old-policy logprobs before the loss (sequence-level importance weights), so `window`
-    runs the old pass for every rollout (`skip` refuses such objectives: config/rules.py)."""
-    if policy == "always":
-        return Need(old=True, ref=True)
-    if policy == "window":
-        return Need(old=old_before_loss or crosses_step(start, window, grad_accum), ref=ref_coef != 0)
-    if policy == "skip":
-        return Need(old=False, ref=False)
-    raise ValueError(f"logprob_policy={policy!r}; supported: {list(POLICIES)}")
-
-
-def ever_needs_old(policy: str, window: int, grad_accum: int) -> bool:
-    """Whether any rollout of the run needs the old-policy pass (the schedule repeats every grad_accum rollouts)."""
-    return any(plan(policy, start=k * window, window=window, grad_accum=grad_accum, ref_coef=0.0).old
-               for k in range(grad_accum))
-
-
-def needs_reference_model(policy: str, ref_coef: float) -> bool:
-    """Whether any rollout of the run can need the reference pass (so whether to build the reference model)."""
-    return policy == "always" or (policy == "window" and ref_coef != 0)
+    """Which passes the rollout whose window starts at micro-step `start` needs under `logprob_policy=policy`."""
+    return option(policy).need(start=start, window=window, grad_accum=grad_accum, ref_coef=ref_coef,
+                               old_before_loss=old_before_loss)
 
 
 class PassCounter:

@@ -131,6 +131,12 @@ def peft_model(model):
     return model
 
 
+def adapters_off_reference(lora, reference_path: str | None = None) -> bool:
+    """Whether the reference pass runs the policy with its LoRA adapters disabled (model.lora.reference=
+    adapters_off, no loss.reference_path): the initial policy without a second copy in memory."""
+    return bool(lora.enabled and lora.reference == "adapters_off" and not reference_path)
+
+
 @contextlib.contextmanager
 def reference(engine):
     """The model of a reference pass: the engine's frozen reference, or (model.lora.reference=adapters_off) the

@@ -7,6 +7,8 @@ On a CPU-only run the state is already in host memory and nothing moves; the loo
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 
@@ -26,9 +28,9 @@ def move_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> 
     return moved
 
 
-def effective(enabled: bool, device: torch.device) -> bool:
-    """Whether offload moves anything: only when the state lives on an accelerator."""
-    return bool(enabled) and device.type != "cpu"
+def effective(enabled: bool, device: torch.device | str) -> bool:
+    """Whether offload moves anything: only when the state lives on an accelerator (a device or its type)."""
+    return bool(enabled) and getattr(device, "type", device) != "cpu"
 
 
 def to_host(optimizer, enabled: bool, device: torch.device) -> int:
@@ -37,3 +39,41 @@ def to_host(optimizer, enabled: bool, device: torch.device) -> int:
 
 def to_device(optimizer, enabled: bool, device: torch.device) -> int:
     return move_state(optimizer, device) if effective(enabled, device) else 0
+
+
+class Offload(Protocol):
+    """The contract of an `offload` option: built as `Option(cfg.offload)`; the engines move the state."""
+
+    exactness: str
+    phases: tuple[str, ...]
+    enabled: bool
+
+    def frees_state(self, device_type: str) -> bool: ...
+
+
+class Off:
+    """offload=off (the baseline): optimizer state stays where the optimizer keeps it."""
+
+    exactness = "baseline"
+    phases = ("offload", "onload", "old_logprobs", "ref_logprobs")  # the prep phases and the passes between them
+
+    def __init__(self, cfg=None):
+        self.enabled = bool(getattr(cfg, "enabled", False))
+
+    def frees_state(self, device_type: str) -> bool:
+        """Whether the logprob passes run without the optimizer state on a `device_type` device (the planner)."""
+        return effective(self.enabled, device_type)
+
+
+class On(Off):
+    """offload=on: optimizer state to host memory for the logprob passes and back before training; plain copies,
+    so it comes back bit for bit. Nothing moves on a CPU run."""
+
+    exactness = "bitwise"
+
+
+def option(cfg) -> Off:
+    """The object of `offload=cfg.name` (through the registry)."""
+    from . import registry
+
+    return registry.get("offload", cfg.name)(cfg)

@@ -18,6 +18,7 @@ says which one ran (`path`).
 from __future__ import annotations
 
 import types
+from typing import Protocol
 
 import torch
 
@@ -49,10 +50,72 @@ def _autocast_forward(self, *args, **kwargs):
         return type(self).forward(self, *args, **kwargs)
 
 
-def apply(model, cfg) -> None:
+PHASES = ("generate", "old_logprobs", "ref_logprobs", "train")  # every pass of the policy
+NOTES = {"bf16-autocast": "fp32 master weights and AdamW state, backbone forward and backward under "
+         "torch.autocast(bfloat16), logits and softmax in fp32 (engine=single)",
+         "bf16-deepspeed": "DeepSpeed's bf16 mode: bf16 weights and compute, fp32 master weights and optimizer "
+         "state in the ZeRO optimizer"}
+
+
+class Precision(Protocol):
+    """The contract of a precision (train.precision): built as `Option(cfg)` (the whole run config: DeepSpeed's
+    engine.dtype decides its path there)."""
+
+    exactness: str
+    phases: tuple[str, ...]
+    path: str  # fp32 | bf16-autocast | bf16-deepspeed: the run tag rlrun.precision
+
+    @property
+    def note(self) -> str | None: ...
+
+    def apply(self, model, role: str) -> None: ...
+
+
+class Fp32:
+    """train.precision=fp32 (the baseline)."""
+
+    exactness = "baseline"
+    phases = PHASES
+
+    def __init__(self, cfg):
+        self.path = path(cfg)
+
+    @property
+    def note(self) -> str | None:
+        """What the run's precision does, said once at setup (None for the baseline)."""
+        return NOTES.get(self.path)
+
+    def apply(self, model, role: str) -> None:
+        """Put one copy of the policy (`role`: trainer, reference or generator; rlrun.policy builds them all) on
+        this precision's path, so that every copy computes as the trainer does."""
+        if self.path == "bf16-autocast":
+            _autocast(model)
+        elif self.path == "bf16-deepspeed" and role == "generator":
+            model.to(torch.bfloat16)  # DeepSpeed's bf16 module computes in bf16 weights; its own copies it casts
+
+
+class Bf16(Fp32):
+    """train.precision=bf16: bf16 compute over fp32 master weights (rlrun's autocast on engine=single, DeepSpeed's
+    bf16 mode on engine=deepspeed). Not the baseline's numbers: close to them (docs/precision.md)."""
+
+    exactness = "approximate"
+
+
+def option(cfg) -> Fp32:
+    """The precision object of a run (train.precision, or DeepSpeed's engine.dtype: `resolved`)."""
+    from . import registry
+
+    return registry.get("precision", resolved(cfg))(cfg)
+
+
+def apply(model, cfg, role: str = "trainer") -> None:
+    """`model` (a copy of the policy in `role`) on the run's precision path; None is left alone."""
+    if model is not None:
+        option(cfg).apply(model, role)
+
+
+def _autocast(model) -> None:
     """bf16-autocast: run `model`'s backbone under autocast, and check that what trains is fp32 (the master)."""
-    if model is None or not autocasts(cfg):
-        return
     backbone, _ = models.split(model)
     backbone.forward = types.MethodType(_autocast_forward, backbone)
     low = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})

@@ -1,27 +1,34 @@
-"""Group -> option -> the component that implements it, as "module" or "module:attribute" import strings.
+"""Group -> option -> the object that implements it, as "module" or "module:attribute" import strings: the one
+list of option names.
 
-The one dispatch mechanism: every option of every config group is found here with `get(group, name)`. Names equal
-the YAML file stems in conf/<group>/ and the option dataclasses in rlrun.config (a test checks all three agree);
-`recipe` is keyed by the loss group's options (the loss stays the user's one switch of algorithm). Components are
-imported by `get` on first use, so importing this module (the CLI does, before validation) imports no torch.
+The one dispatch mechanism: every option of every config group is found here with `get(group, name)`, and what
+is true of it (exactness, the phases it changes, its memory term: rlrun/axes.py) is said on that object. Names
+equal the YAML file stems in conf/<group>/ and the option dataclasses in rlrun.config (a test checks all three
+agree); `recipe` is keyed by the loss group's options (the loss stays the user's one switch of algorithm), and
+`precision` and `pipeline` by the values of `train.precision` and `rollout.pipeline`. Components are imported by
+`get` on first use, so importing this module (the CLI does, before validation) imports no torch. `register` adds
+an option from outside the package (a plugin, a test): its object and its config dataclass, nothing else to edit.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
-REGISTRY: dict[str, dict[str, str]] = {
+REGISTRY: dict[str, dict[str, Any]] = {
     # per-token GRPO terms, wrapped by rlrun.losses.objective; dpo: the sequence-pair loss the DPO recipe calls
     "loss": {"dapo": "rlrun.losses.dapo:token_loss", "cispo": "rlrun.losses.cispo:token_loss",
              "gspo": "rlrun.losses.gspo:token_loss", "dpo": "rlrun.losses.dpo:dpo_loss"},
     "head": {"dense": "rlrun.heads.dense", "tiled": "rlrun.heads.tiled", "chunked": "rlrun.heads.chunked"},
-    # the policy is a name rlrun.logprobs.plan interprets; the module is what implements all three
-    "logprob_policy": {"always": "rlrun.logprobs", "window": "rlrun.logprobs", "skip": "rlrun.logprobs"},
-    "offload": {"on": "rlrun.offload", "off": "rlrun.offload"},  # the engines call it when offload.enabled
-    # the recipes' training passes read the layout (rlrun.batching.packs) when batching is not padded
-    "batching": {"padded": "rlrun.batching", "packed": "rlrun.batching", "shared_prompt": "rlrun.batching"},
-    # setup wraps the policy's decoder layers (checkpoint); the train passes run inside activations.saving
-    "activations": {"keep": "rlrun.activations", "checkpoint": "rlrun.activations", "offload": "rlrun.activations"},
+    "logprob_policy": {"always": "rlrun.logprobs:Always", "window": "rlrun.logprobs:Window",
+                       "skip": "rlrun.logprobs:Skip"},
+    "offload": {"off": "rlrun.offload:Off", "on": "rlrun.offload:On"},  # the engines move the state when enabled
+    "batching": {"padded": "rlrun.batching.layouts:Padded", "packed": "rlrun.batching.layouts:Packed",
+                 "shared_prompt": "rlrun.batching.layouts:SharedPrompt"},
+    "activations": {"keep": "rlrun.activations:Keep", "checkpoint": "rlrun.activations:Checkpoint",
+                    "offload": "rlrun.activations:Offload"},
+    "precision": {"fp32": "rlrun.precision:Fp32", "bf16": "rlrun.precision:Bf16"},
+    "pipeline": {"sync": "rlrun.recipes.sources:Sync", "async": "rlrun.recipes.sources:Async"},
     "model": {"tiny": "rlrun.models:tiny", "hf": "rlrun.models:hf"},  # (cfg, seed) -> (model, tokenizer)
     "task": {"arith": "rlrun.tasks.arith:read", "jsonl": "rlrun.tasks.jsonl:read",
              "dataset": "rlrun.tasks.dataset:read"},
@@ -31,7 +38,12 @@ REGISTRY: dict[str, dict[str, str]] = {
     "recipe": {"dapo": "rlrun.recipes.grpo", "cispo": "rlrun.recipes.grpo", "gspo": "rlrun.recipes.grpo",
                "dpo": "rlrun.recipes.dpo"},
 }
-KEYED_BY = {"recipe": "loss"}  # groups that are not config groups: the config group whose options key them
+# The axes: the groups whose options change how a run computes (efficiency, the first five: exact against their
+# baseline) or its arithmetic and schedule (precision, pipeline: approximate). Each group lists its baseline first.
+EFFICIENCY = ("head", "logprob_policy", "offload", "batching", "activations")
+AXES = (*EFFICIENCY, "precision", "pipeline")
+# groups that are not config groups: the config group whose options key them, or the config key whose values do
+KEYED_BY = {"recipe": "loss", "precision": "train.precision", "pipeline": "rollout.pipeline"}
 
 # Group -> the typing.Protocol every option of the group satisfies (tests/test_protocols.py checks each one).
 PROTOCOLS: dict[str, str] = {
@@ -40,16 +52,50 @@ PROTOCOLS: dict[str, str] = {
     "rollout": "rlrun.rollout.protocol:RolloutModule",
     "task": "rlrun.tasks.protocol:TaskReader",
     "tracking": "rlrun.tracking.tracker:Tracker",
+    "logprob_policy": "rlrun.logprobs:LogprobPolicy",
+    "offload": "rlrun.offload:Offload",
+    "batching": "rlrun.batching.protocol:Layout",
+    "activations": "rlrun.activations.protocol:Activations",
+    "precision": "rlrun.precision:Precision",
+    "pipeline": "rlrun.recipes.sources:Source",
 }
 
 
-def load(path: str):
-    """The object an import string names: "module" or "module:attribute.attribute"."""
+# Config group -> option name -> the dataclass its node is validated against, for options added by `register` (the
+# shipped ones are in rlrun/config's schema); the validator reads both.
+CONFIGS: dict[str, dict[str, type]] = {}
+
+
+def register(group: str, name: str, target, config: type | None = None) -> None:
+    """Add option `name` to `group`: `target` is its object (or an import string); `config`, the dataclass its
+    config node is validated against (a config group's option: its `name: Literal[name]` and its keys), so that
+    `group=name` composes (with its YAML on Hydra's search path), validates, and is found by `get`."""
+    REGISTRY.setdefault(group, {})[name] = target
+    if config is not None:
+        CONFIGS.setdefault(group, {})[name] = config
+
+
+def unregister(group: str, name: str) -> None:
+    """Undo `register` (tests)."""
+    REGISTRY.get(group, {}).pop(name, None)
+    CONFIGS.get(group, {}).pop(name, None)
+
+
+def load(path):
+    """The object an import string names: "module" or "module:attribute.attribute" (an object: itself)."""
+    if not isinstance(path, str):
+        return path
     module, _, attribute = path.partition(":")
     obj = importlib.import_module(module)
     for part in attribute.split(".") if attribute else ():
         obj = getattr(obj, part)
     return obj
+
+
+def baseline(group: str) -> str:
+    """The option of an axis the others are compared with: the first the registry lists (tests/test_axes.py checks
+    that its object says `exactness = "baseline"`)."""
+    return next(iter(REGISTRY[group]))
 
 
 def get(group: str, name: str):

@@ -194,3 +194,22 @@ def warm_start(model, tokenizer, rows: list[dict], cfg, seed: int, cache: bool =
     if path is not None:
         _save_cached(path, model)
     return model
+
+
+def applies(cfg) -> bool:
+    """warm_start.enabled: true, or auto for the embedded random-init model on its own synthetic task (task=arith,
+    whose answers the warm start's off-by-one labels are made for); never on the user's data unless asked."""
+    enabled = cfg.warm_start.enabled
+    return enabled is True or (enabled == "auto" and cfg.model.name == "tiny" and cfg.task.name == "arith")
+
+
+def notice(cfg, rows: int) -> str | None:
+    """What a warm start on the user's data does, said when it runs (None on the embedded task, where it is the
+    default)."""
+    if cfg.task.name == "arith":
+        return None
+    w = cfg.warm_start
+    return (f"warm start: {w.steps} supervised steps on {rows} training rows, prompt -> answer (DPO: the chosen "
+            f"response), {w.wrong_prob:.0%} of the labels made wrong on purpose (the answer with one of "
+            f"{list(w.offsets)} added, where it is a number); it is meant for task=arith's short numeric answers. "
+            "warm_start.enabled=false turns it off.")

@@ -11,7 +11,13 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from rlrun import registry
+
 TINY_YAML = Path(__file__).resolve().parent.parent / "conf" / "model" / "tiny.yaml"
+# The options tests parametrize over, from the registry (the one list of option names), the baseline first.
+HEADS = list(registry.REGISTRY["head"])
+HEAD_ALTERNATIVES = HEADS[1:]  # the heads compared with dense
+LAYOUTS = list(registry.REGISTRY["batching"])[1:]  # the batching options compared with padded
 
 calls: Counter = Counter()  # completions scored so far by each counting reward, in this process
 
@@ -182,3 +188,11 @@ def sleep_then_save(seconds: float, out_path: str) -> None:
 
     time.sleep(seconds)
     torch.save({"slept": seconds}, out_path)
+
+
+
+def axes_of(*args, **kwargs):
+    """rlrun.axes.of: the axes a test's step runs with, from option names."""
+    from rlrun import axes
+
+    return axes.of(*args, **kwargs)

@@ -9,11 +9,12 @@ import sys
 
 import torch
 import torch.distributed as dist
+from helpers import HEADS
 from objectives_reference import make_step, rank_step
 
 from rlrun.losses import agg
 
-HEADS, LOSSES, VARIANTS = ("dense", "tiled", "chunked"), ("dapo", "cispo", "gspo"), (("k1", 1.5), ("k3", None))
+LOSSES, VARIANTS = ("dapo", "cispo", "gspo"), (("k1", 1.5), ("k3", None))
 
 
 def gather(obj):

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import history, tiny_model
+from helpers import HEADS, axes_of, history, tiny_model
 from test_batching import PAIRS, micros_of, step
 
-from rlrun import activations, models, registry
+from rlrun import activations, models
 
 WIDE = dict(hidden_size=64, intermediate_size=256, layers=4, heads=2, kv_heads=2)
 
@@ -64,7 +64,7 @@ def test_a_deepcopy_runs_its_own_layers():
 
 
 @pytest.mark.parametrize("loss", ["dapo", "cispo"])
-@pytest.mark.parametrize("head", ["dense", "tiled", "chunked"])
+@pytest.mark.parametrize("head", HEADS)
 def test_grpo_checkpoint_equals_keep(head, loss):
     model, tok = tiny_model()
     micros = micros_of(tok)
@@ -105,7 +105,8 @@ def test_dpo_checkpoint_equals_keep():
     def run(name):
         m = copy.deepcopy(model)
         activations.apply(m, SimpleNamespace(name=name, every=1))
-        chosen, rejected = pair_logprobs(m, batch, registry.get("head", "tiled"), 7, False)
+        a = axes_of("tiled", 7)
+        chosen, rejected = pair_logprobs(m, batch, a.head, a.layout, False)
         loss, _ = dpo_loss(chosen, rejected, chosen.detach() - 0.1, rejected.detach() + 0.2, beta=0.1,
                            label_smoothing=0.0, chosen_nll=None, sft_coef=0.0, num_pairs=len(PAIRS))
         loss.backward()
@@ -118,10 +119,12 @@ def test_dpo_checkpoint_equals_keep():
 
 def test_offload_saves_to_host_on_an_accelerator_and_moves_nothing_on_cpu():
     cfg = SimpleNamespace(name="offload", every=1)
-    assert isinstance(activations.saving(cfg, torch.device("cuda")), torch.autograd.graph.save_on_cpu)
-    assert not isinstance(activations.saving(cfg, torch.device("cpu")), torch.autograd.graph.save_on_cpu)
-    assert not activations.effective(cfg, torch.device("cpu"))
-    assert activations.effective(SimpleNamespace(name="checkpoint", every=1), torch.device("cpu"))
+    on_gpu, on_cpu = activations.option(cfg, "cuda"), activations.option(cfg, "cpu")
+    assert isinstance(on_gpu.saving(), torch.autograd.graph.save_on_cpu)
+    assert on_gpu.saving() is on_gpu.saving()  # built once, entered by every train pass
+    assert not isinstance(on_cpu.saving(), torch.autograd.graph.save_on_cpu)
+    assert not on_cpu.effective() and on_gpu.effective()
+    assert activations.option(SimpleNamespace(name="checkpoint", every=1), "cpu").effective()
 
 
 @pytest.mark.slow  # three seeded runs (~20 s)

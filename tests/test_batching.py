@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import history, tiny_model
+from helpers import HEADS, LAYOUTS, axes_of, history, tiny_model
 
-from rlrun import batching, registry
+from rlrun import batching
 from rlrun.config import ConfigError
 from rlrun.meters import Meter
 from rlrun.recipes import grpo
@@ -127,7 +127,7 @@ def test_a_sequence_over_the_budget_is_refused_with_the_numbers():
         batching.packs(micros_of(tok), shared=False, max_tokens=12)
 
 
-def step(model, micros, head, how, loss="dapo", max_tokens=64, activations="keep", agg="token_mean"):
+def step(model, micros, head, how, loss="dapo", max_tokens=64, activations="keep", agg="token_mean", agree=None):
     """grpo.train_step on a copy of `model` with `head`, batching=`how`, `activations` and loss.agg=`agg` -> (loss,
     metrics parts, grads, micro-batches, layout counts)."""
     from rlrun import activations as acts
@@ -145,11 +145,13 @@ def step(model, micros, head, how, loss="dapo", max_tokens=64, activations="keep
     boundaries = []
     engine = SimpleNamespace(model=model, gather=lambda x: [x], world=1, device=torch.device("cpu"),
                              backward=lambda t, boundary=None: (boundaries.append(boundary), t.backward()))
-    s = SimpleNamespace(engine=engine, meter=Meter(torch.device("cpu")), head=registry.get("head", head),
-                        head_size=16)
+    s = SimpleNamespace(engine=engine, meter=Meter(torch.device("cpu")),
+                        axes=axes_of(head, 16, 0.9, how, max_tokens, activations, loss=cfg.loss, agree=agree))
     micros = copy.deepcopy(micros)
     for kind in ("old", "ref"):  # the passes through the same layout, then a perturbed policy trains on them
-        for mb, lp in zip(micros, grpo.logprob_pass(model, micros, s.head, 16, 0.9, cfg.batching)):
+        with torch.no_grad():
+            passed = s.axes.layout.logprobs(model, micros, s.axes.head)
+        for mb, lp in zip(micros, passed):
             setattr(mb, f"{kind}_logprobs", lp + (0.03 if kind == "ref" else 0.0))
     with torch.no_grad():
         for p in model.parameters():
@@ -161,8 +163,8 @@ def step(model, micros, head, how, loss="dapo", max_tokens=64, activations="keep
 
 
 @pytest.mark.parametrize("loss", ["dapo", "cispo"])
-@pytest.mark.parametrize("head", ["dense", "tiled", "chunked"])
-@pytest.mark.parametrize("how", ["packed", "shared_prompt"])
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("how", LAYOUTS)
 def test_loss_gradients_and_metrics_equal_padded(head, how, loss):
     model, tok = tiny_model()
     micros = micros_of(tok)
@@ -181,8 +183,8 @@ def test_loss_gradients_and_metrics_equal_padded(head, how, loss):
     assert layout["positions"] < padded["positions"] and 1 < layout["forwards"] < padded["forwards"]
 
 
-@pytest.mark.parametrize("how", ["packed", "shared_prompt"])
-@pytest.mark.parametrize("head", ["dense", "tiled", "chunked"])
+@pytest.mark.parametrize("how", LAYOUTS)
+@pytest.mark.parametrize("head", HEADS)
 def test_a_sequence_that_fills_the_budget_exactly(head, how):
     """max_tokens = the longest sequence (9 prompt + 12 response tokens lay out 20 positions): a forward of one
     full row holds it; the 1-token responses beside it (predicted from their prompt's last position, laying out
@@ -202,15 +204,15 @@ def test_a_sequence_that_fills_the_budget_exactly(head, how):
         assert n == rn and abs(s_ - rs) <= 1e-5 * max(abs(rs), 1.0) and abs(lo - rlo) < 1e-5 and abs(hi - rhi) < 1e-5
 
 
-@pytest.mark.parametrize("head", ["dense", "tiled", "chunked"])
-def test_a_rank_with_fewer_packs_runs_empty_ones_and_the_result_is_unchanged(head, monkeypatch):
+@pytest.mark.parametrize("head", HEADS)
+def test_a_rank_with_fewer_packs_runs_empty_ones_and_the_result_is_unchanged(head):
     """Under ZeRO every rank makes as many forwards and backwards: one with fewer packs runs empty ones (one
     padding token, no target), which add nothing; only the last backward is the accumulation boundary."""
     model, tok = tiny_model()
     micros = micros_of(tok)
     total, parts, grads, _, one = step(model, micros, head, "packed")
-    monkeypatch.setattr(batching, "agree", lambda engine: lambda n: n + 2)  # another rank makes 2 more forwards
-    total2, parts2, grads2, _, two = step(model, micros, head, "packed")
+    # another rank makes 2 more forwards (the agreement setup binds to the layout: batching.agree(engine))
+    total2, parts2, grads2, _, two = step(model, micros, head, "packed", agree=lambda n: n + 2)
     assert two["forwards"] == one["forwards"] + 2 and two["positions"] == one["positions"]
     assert two["boundaries"] == [False] * (two["forwards"] - 1) + [True]
     assert total2 == total and parts2 == parts
@@ -234,12 +236,14 @@ def test_every_pass_counts_positions_forwards_and_sequences():
     whole (4 micro-batches of 3 rows x 21 positions); packed its forwards' positions, far fewer."""
     model, tok = tiny_model()
     micros = micros_of(tok)
-    head, counts = registry.get("head", "dense"), {}
-    for how in ("padded", "packed", "shared_prompt"):
+    counts = {}
+    for how in ("padded", *LAYOUTS):
         counts[how] = {}
-        grpo.logprob_pass(model, micros, head, 16, 1.0, SimpleNamespace(name=how, max_tokens=64), counts=counts[how])
+        a = axes_of("dense", 16, 1.0, how, 64)
+        with torch.no_grad():
+            a.layout.logprobs(model, micros, a.head, counts=counts[how])
     assert counts["padded"] == {"positions": 4 * 3 * 21, "forwards": 4, "sequences": 12}
-    for how in ("packed", "shared_prompt"):
+    for how in LAYOUTS:
         found = batching.packs(micros, how == "shared_prompt", 64)
         assert counts[how] == {"positions": sum(p.input_ids.numel() for p in found), "forwards": len(found),
                                "sequences": 12}
@@ -271,8 +275,8 @@ PAIRS = [{"id": 0, "prompt": "1+1=", "chosen": "2", "rejected": "three hundred"}
          {"id": 2, "prompt": "7=", "chosen": "7", "rejected": "seven"}]
 
 
-@pytest.mark.parametrize("head", ["dense", "tiled", "chunked"])
-@pytest.mark.parametrize("how", ["packed", "shared_prompt"])
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("how", LAYOUTS)
 def test_dpo_pairs_equal_padded(head, how):
     """DPO: chosen and rejected share their prompt (shared_prompt); sequence logprobs, loss and gradients are
     padded's."""
@@ -284,8 +288,8 @@ def test_dpo_pairs_equal_padded(head, how):
 
     def run(name):
         m = copy.deepcopy(model)
-        layout = SimpleNamespace(name=name, max_tokens=40)
-        chosen, rejected = pair_logprobs(m, batch, registry.get("head", head), 7, False, batching=layout)
+        a = axes_of(head, 7, 1.0, name, 40)
+        chosen, rejected = pair_logprobs(m, batch, a.head, a.layout, False)
         ref_chosen, ref_rejected = chosen.detach() - torch.tensor([0.3, -0.3, 0.1]), rejected.detach()
         loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.1, label_smoothing=0.0,
                                  chosen_nll=None, sft_coef=0.0, num_pairs=len(PAIRS))
@@ -311,7 +315,7 @@ def test_seeded_runs_give_paddeds_curves(tmp_path):
     from test_runs import loss_curve
 
     _, ref, _ = loss_curve(tmp_path / "padded")
-    for how in ("packed", "shared_prompt"):
+    for how in LAYOUTS:
         _, got, r = loss_curve(tmp_path / how, f"batching={how}", "batching.max_tokens=64")
         assert got["reward_mean"] == ref["reward_mean"]
         for key in ("loss", "grad_norm", "clipfrac"):
@@ -322,7 +326,7 @@ def test_seeded_runs_give_paddeds_curves(tmp_path):
 
 
 @pytest.mark.slow  # 8 seeded runs (~60 s)
-@pytest.mark.parametrize("how", ["packed", "shared_prompt"])
+@pytest.mark.parametrize("how", LAYOUTS)
 def test_offload_and_every_logprob_policy_compose_with_batching(tmp_path, how):
     """offload=on and logprob_policy=always|window|skip (with old-policy and reference passes that run, or are
     skipped) give the curves of the same run with batching=padded."""

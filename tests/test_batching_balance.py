@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import LAYOUTS, tiny_model
 from test_batching import rollout
 
-from rlrun import batching
+from rlrun import axes, batching
 from rlrun.batching import exchange
 from rlrun.recipes import grpo
 
@@ -47,6 +47,11 @@ def cfg(how, group, micro):
                            train=SimpleNamespace(group_size=group, micro_batch=micro))
 
 
+def balance(c, engine, rows, roll, **kw):
+    """batching.balance under the layout of `c`'s batching option."""
+    return batching.balance(c, engine, axes.of(batching=c.batching.name).layout, rows, roll, **kw)
+
+
 def sequences(rows, roll):
     """Each row as what training reads of it: its row, prompt and response tokens, sampler logprobs, text, end."""
     p = roll.prompt_len
@@ -80,7 +85,7 @@ def test_heavy_groups_are_dealt_to_the_lighter_rank_block_by_block():
     assert exchange.assign([[20, 18], [3, 4]], 1) == [[(0, 0), (1, 1)], [(1, 0), (0, 1)]]
     layouts = [{}, {}]
     totals = [[float(i) for i in range(4)], [float(10 + i) for i in range(4)]]  # rewards travel with their rows
-    moved = on_ranks(2, lambda e: batching.balance(c, e, *before[e.rank], pad_id=0, layout=layouts[e.rank],
+    moved = on_ranks(2, lambda e: balance(c, e, *before[e.rank], pad_id=0, layout=layouts[e.rank],
                                                   extra={"totals": totals[e.rank],
                                                          "shaped": torch.tensor(totals[e.rank])}))
     after = [(rows, roll) for rows, roll, _ in moved]
@@ -95,7 +100,7 @@ def test_heavy_groups_are_dealt_to_the_lighter_rank_block_by_block():
     assert positions == [20 + 4, 3 + 18]  # the ratio of the ranks' loads, 38 / 7 before, is 24 / 21 after
 
 
-@pytest.mark.parametrize("how", ["packed", "shared_prompt"])
+@pytest.mark.parametrize("how", LAYOUTS)
 @pytest.mark.parametrize("micro", [2, 8])
 def test_every_step_covers_the_same_sequences_and_groups_stay_whole(micro, how):
     """4 ranks, long-tailed lengths, groups of 4 and micro-batches of 2 (a group spans 2 micro-batches) or of 8
@@ -106,7 +111,7 @@ def test_every_step_covers_the_same_sequences_and_groups_stay_whole(micro, how):
     prompts = [list(range(5, 5 + int(x))) for x in torch.randint(1, 30, (n_prompts,), generator=g)]
     lengths = torch.exp(2.5 + torch.randn(n_prompts * group, generator=g)).round().clamp(1, 60).long().tolist()
     before = shares(prompts, lengths, world, group)
-    after = on_ranks(world, lambda e: batching.balance(cfg(how, group, micro), e, *before[e.rank], pad_id=0)[:2])
+    after = on_ranks(world, lambda e: balance(cfg(how, group, micro), e, *before[e.rank], pad_id=0)[:2])
     old, new = [slots(x, micro) for x in before], [slots(x, micro) for x in after]
     for j in range(len(old[0])):  # the same sequences in micro-slot j, over all ranks
         assert set().union(*(o[j] for o in old)) == set().union(*(n[j] for n in new))
@@ -129,8 +134,8 @@ def slots(share, micro):
 def test_one_process_and_padded_move_nothing():
     before = shares([[5, 6], [7]], [3, 1, 2, 2], 1, 2)[0]
     one = SimpleNamespace(world=1, rank=0)
-    assert batching.balance(cfg("packed", 2, 2), one, *before, pad_id=0) == (*before, {})
-    two = on_ranks(2, lambda e: batching.balance(cfg("padded", 2, 2), e, *shares([[5, 6], [7]], [3, 1, 2, 2], 2, 2)[
+    assert balance(cfg("packed", 2, 2), one, *before, pad_id=0) == (*before, {})
+    two = on_ranks(2, lambda e: balance(cfg("padded", 2, 2), e, *shares([[5, 6], [7]], [3, 1, 2, 2], 2, 2)[
         e.rank], pad_id=0)[:2])
     assert [sequences(*x) for x in two] == [sequences(*x) for x in shares([[5, 6], [7]], [3, 1, 2, 2], 2, 2)]
 

@@ -75,9 +75,13 @@ def test_error_names_the_rank_under_a_launcher(tmp_path):
 
 
 def test_registry_names_are_the_options():
+    from rlrun.config import choices
+
     keyed = {g: registry.KEYED_BY.get(g, g) for g in registry.REGISTRY}  # recipe: by the loss group's options
-    assert set(keyed.values()) == set(OPTIONS) and set(keyed) - set(OPTIONS) == set(registry.KEYED_BY)
-    assert {g: set(n) for g, n in registry.REGISTRY.items()} == {g: set(OPTIONS[keyed[g]]) for g in keyed}
+    groups = {k for k in keyed.values() if "." not in k}  # precision, pipeline: by a config key's values
+    assert groups == set(OPTIONS) and set(keyed) - set(OPTIONS) == set(registry.KEYED_BY)
+    assert {g: set(n) for g, n in registry.REGISTRY.items()} == {
+        g: set(choices(k) if "." in k else OPTIONS[k]) for g, k in keyed.items()}
     with pytest.raises(KeyError, match=r"head='fancy' is not supported; supported: \['chunked', 'dense', 'tiled'\]"):
         registry.get("head", "fancy")
 
@@ -91,7 +95,7 @@ def test_registry_resolves_every_option():
             "got = {(g, n): registry.get(g, n) for g in registry.REGISTRY for n in registry.REGISTRY[g]}\n"
             "assert got['loss', 'dapo'] is dapo.token_loss and got['loss', 'cispo'] is cispo.token_loss, 'grpo'\n"
             "assert got['loss', 'dpo'] is dpo.dpo_loss and got['head', 'dense'] is dense, 'dpo, head'\n"
-            "assert set(registry.REGISTRY['logprob_policy']) == set(logprobs.POLICIES), 'policies'\n"
+            "assert got['logprob_policy', 'window'] is logprobs.Window, 'policies'\n"
             "assert got['tracking', 'none'] is tracking.Null and got['model', 'tiny'] is models.tiny\n"
             "assert all(callable(got['task', n]) for n in registry.REGISTRY['task']), 'tasks'\n"
             "assert all(callable(got['recipe', n].train) for n in registry.REGISTRY['recipe']), 'recipes'\n"

@@ -8,7 +8,7 @@ curves of the same global batch up to float reduction order (tolerance below).
 import pytest
 from conftest import make_cfg, new_store
 from distributed import rlrun
-from helpers import history, runs
+from helpers import HEADS, history, runs
 
 from rlrun import cli
 
@@ -124,7 +124,7 @@ def test_heads_under_zero3_match_dense_and_one_process(tmp_path, tied):
     loss.backward()
     ref = weight.grad.flatten()
     assert ref.norm() > 1e-3
-    for name in ("dense", "tiled", "chunked"):
+    for name in HEADS:
         assert got[name]["gathered_numel"] == weight.numel()  # the weight really was partitioned by ZeRO-3
         assert got[name]["loss"] == pytest.approx(loss.item(), rel=1e-5), name
         assert got[name]["loss"] == pytest.approx(got["dense"]["loss"], rel=1e-6), name

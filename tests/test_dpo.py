@@ -7,9 +7,9 @@ import subprocess
 import pytest
 import torch
 from conftest import make_cfg
-from helpers import history, runs, tiny_model
+from helpers import axes_of, history, runs, tiny_model
 
-from rlrun import registry, tasks
+from rlrun import tasks
 from rlrun.config import validate
 from rlrun.losses.dpo import dpo_loss, sequence_logprobs
 from rlrun.recipes.dpo import encode_pairs, pair_logprobs
@@ -60,8 +60,8 @@ def test_chunked_equals_dense_for_dpo_loss_and_gradients(average):
     for name in ("dense", "chunked"):
         model.zero_grad()
         with torch.no_grad():
-            rc, rr = pair_logprobs(reference, batch, registry.get("head", name), 5, average)
-        pc, pr = pair_logprobs(model, batch, registry.get("head", name), 5, average)
+            rc, rr = pair_logprobs(reference, batch, axes_of(name, 5).head, axes_of().layout, average)
+        pc, pr = pair_logprobs(model, batch, axes_of(name, 5).head, axes_of().layout, average)
         loss, metrics = dpo_loss(pc, pr, rc, rr, beta=0.3, label_smoothing=0.05)
         loss.backward()
         results[name] = (loss.detach(), metrics, {k: p.grad.clone() for k, p in model.named_parameters()}, rc, rr)

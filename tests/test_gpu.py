@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from helpers import HEADS
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +47,7 @@ def test_offload_moves_adams_state_off_the_device_and_back_bit_for_bit():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("impl", ["dense", "tiled", "chunked"])
+@pytest.mark.parametrize("impl", HEADS)
 def test_heads_on_cuda_agree_with_the_fp64_reference(impl, dtype):
     from rlrun.tools import bench, gpu_heads
 

@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+from helpers import HEAD_ALTERNATIVES, HEADS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlrun import registry
@@ -59,7 +60,7 @@ def test_heads_match_dense(loss_name, kl_est, temperature, tis, size):
 
     dense = run_head("dense", hidden, weight, targets, mask, make_objective, temperature, size)
     assert 0 < dense[3]["clipfrac"] < 1  # the case exercises clipping on both sides of the mask
-    for name in ("tiled", "chunked"):
+    for name in HEAD_ALTERNATIVES:
         got = run_head(name, hidden, weight, targets, mask, make_objective, temperature, size)
         assert_close(got[0], dense[0], f"{name} loss")
         assert_close(got[1], dense[1], f"{name} grad hidden")
@@ -85,7 +86,7 @@ def test_entropy_bonus_matches_dense_autograd(loss_name, entropy_coef, temperatu
                      lambda: objective(loss_name, adv, None, clip_low=0.2 if loss_name == "dapo" else None),
                      temperature, size)
     assert (dense[2] - plain[2]).abs().max() > 1e-3 * plain[2].abs().max()  # the bonus moves the gradient
-    for name in ("tiled", "chunked"):
+    for name in HEAD_ALTERNATIVES:
         got = run_head(name, hidden, weight, targets, mask, make_objective, temperature, size)
         assert_close(got[0], dense[0], f"{name} loss")
         assert_close(got[1], dense[1], f"{name} grad hidden")
@@ -93,7 +94,7 @@ def test_entropy_bonus_matches_dense_autograd(loss_name, entropy_coef, temperatu
         assert got[3]["entropy"] == pytest.approx(dense[3]["entropy"], rel=1e-6)
 
 
-@pytest.mark.parametrize("name", ["dense", "tiled", "chunked"])
+@pytest.mark.parametrize("name", HEADS)
 def test_entropy_metric_is_the_tempered_distributions_entropy(name):
     hidden, weight, targets, mask, adv, _ = inputs(4)
     logits = (hidden @ weight.T) / 0.8
@@ -103,7 +104,7 @@ def test_entropy_metric_is_the_tempered_distributions_entropy(name):
     assert summarize(stats, mask)["entropy"] == pytest.approx(expected, rel=1e-6)
 
 
-@pytest.mark.parametrize("name", ["tiled", "chunked"])
+@pytest.mark.parametrize("name", HEAD_ALTERNATIVES)
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_logprobs_match_dense_with_and_without_grad(name, temperature):
     hidden, weight, targets, *_ = inputs(1)
@@ -175,14 +176,14 @@ def test_bf16_gradients_are_as_accurate_as_dense_and_better_than_a_bf16_matmul()
     with its logits cast to fp32 afterwards (Liger #1432) is several times further off."""
     h, w, targets, adv = bf16_case()
     err = {head: grad_errors(head, h, w, targets, adv) for head in ("naive", "dense", "tiled", "chunked")}
-    for head in ("tiled", "chunked"):
+    for head in HEAD_ALTERNATIVES:
         for i, what in enumerate(("hidden", "lm-head weight")):
             assert err[head][i] <= err["dense"][i] * (1 + 1e-6), (head, what, err)
             assert err[head][i] < 2**-8, (head, what, err)  # bf16's own rounding of the stored gradient
             assert err["naive"][i] > 5 * err[head][i], (head, what, err)
 
 
-@pytest.mark.parametrize("name", ["dense", "tiled", "chunked"])
+@pytest.mark.parametrize("name", HEADS)
 def test_heads_ignore_a_callers_autocast(name):
     """train.precision=bf16 on engine=single: fp32 master weights, the backbone's forward under autocast. A head
     called inside an autocast region still computes fp32 logits from the fp32 weight: its gradients are
@@ -220,7 +221,7 @@ def saved_bytes(fn):
     return sum(total), out
 
 
-@pytest.mark.parametrize("name", ["tiled", "chunked"])
+@pytest.mark.parametrize("name", HEAD_ALTERNATIVES)
 def test_memory_is_one_tile_not_all_tokens(name):
     n, h, v, size = 512, 16, 2000, 64
     g = torch.Generator().manual_seed(0)
@@ -264,7 +265,7 @@ def test_real_model_tied_embeddings_all_heads_same_grads():
     mask = torch.ones_like(ids)
     adv = torch.randn(3 * 8)
     grads = {}
-    for name in ("dense", "tiled", "chunked"):
+    for name in HEADS:
         model.zero_grad()
         hid = models.hidden_states(backbone, ids, mask)[:, :-1].reshape(-1, 32)
         f = objective("cispo", adv, None, clip_low=None)
@@ -272,7 +273,7 @@ def test_real_model_tied_embeddings_all_heads_same_grads():
         loss, _ = head.loss(hid, weight, ids[:, 1:].reshape(-1), torch.ones(24, dtype=bool), f, 24, 0.8, 5)
         loss.backward()
         grads[name] = {k: p.grad.clone() for k, p in model.named_parameters()}
-    for name in ("tiled", "chunked"):
+    for name in HEAD_ALTERNATIVES:
         for k in grads["dense"]:
             assert_close(grads[name][k], grads["dense"][k], f"{name} {k}")
 

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from rlrun.logprobs import Need, crosses_step, needs_reference_model, plan
+from rlrun.logprobs import Need, crosses_step, option, plan
 
 
 def brute_force(rollout_batch, batch_size, micro_batch, num_iterations, n_rollouts):
@@ -51,5 +51,9 @@ def test_always_and_skip_and_reference_rule():
     assert plan("always", start=0, window=1, grad_accum=1, ref_coef=0) == Need(True, True)
     assert plan("skip", start=3, window=5, grad_accum=2, ref_coef=0) == Need(False, False)
     assert plan("window", start=0, window=1, grad_accum=1, ref_coef=0.1) == Need(False, True)
-    assert not needs_reference_model("window", 0.0) and needs_reference_model("window", 0.1)
-    assert needs_reference_model("always", 0.0) and not needs_reference_model("skip", 0.0)
+    assert not option("window").builds_reference(0.0) and option("window").builds_reference(0.1)
+    assert option("always").builds_reference(0.0) and not option("skip").builds_reference(0.0)
+    assert option("window").caches_reference and not option("always").caches_reference  # DPO's reference cache
+    # the old pass of a sequence-level correction is needed before the loss: window runs it, skip is refused
+    assert option("window").need(start=0, window=1, grad_accum=1, ref_coef=0, old_before_loss=True).old
+    assert option("window").ever_needs_old(2, 2) is False and option("window").ever_needs_old(2, 2, True)

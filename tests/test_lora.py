@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import make_cfg, new_store
-from helpers import history, runs, tiny_model
+from helpers import HEAD_ALTERNATIVES, history, runs, tiny_model
 
 from rlrun import models, registry
 from rlrun.config import ConfigError, validate
@@ -145,7 +145,7 @@ def test_grpo_lora_runs_are_the_same_in_every_head_and_with_either_reference(tmp
     grpo = ("loss.kl_coef=0.1", "train.num_iterations=2")
     dense = lora_run(tmp_path / "dense", *grpo)
     assert min(dense["grad_norm"]) > 1e-4 and max(dense["kl"]) > 0  # the adapters moved the policy off the base
-    for head in ("tiled", "chunked"):
+    for head in HEAD_ALTERNATIVES:
         assert_same(lora_run(tmp_path / head, *grpo, f"head={head}"), dense, ("loss", "grad_norm", "reward_mean"))
     copied = lora_run(tmp_path / "copy", *grpo, "model.lora.reference=copy")
     assert_same(copied, dense, ("loss", "grad_norm", "reward_mean", "kl"))

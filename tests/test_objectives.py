@@ -5,13 +5,13 @@ runs the same step on two real ranks), for each head x agg mode x dapo/cispo/gsp
 
 import pytest
 import torch
+from helpers import HEADS, LAYOUTS
 from objectives_reference import SHAPES, make_step, micros_of, rank_step, reference, rel_err
 from torch.utils.flop_counter import FlopCounterMode
 
 from rlrun import registry
 from rlrun.losses import agg, combine, gspo_loss, objective
 
-HEADS = ("dense", "tiled", "chunked")
 LOSSES = ("dapo", "cispo", "gspo")
 VARIANTS = [("k1", 1.5), ("k3", None)]  # (KL estimator, TIS cap)
 
@@ -101,7 +101,7 @@ def test_gspo_without_an_old_policy_pass_is_ratio_one():
 
 
 @pytest.mark.parametrize("head", HEADS)
-@pytest.mark.parametrize("how", ["packed", "shared_prompt"])
+@pytest.mark.parametrize("how", LAYOUTS)
 def test_gspo_and_a_per_sequence_aggregation_through_packs_equal_padded(head, how):
     """Packs gather each token's weight and sequence id from its micro-batch (every sequence whole in one pack):
     the training step's loss, every weight's gradient and the metrics are padded's (test_batching's check)."""

@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import make_cfg
-from helpers import history, runs
+from helpers import HEADS, history, runs
 
 from rlrun import losses, models, pipeline
+from rlrun.batching.layouts import response_hidden
 from rlrun.config import validate
-from rlrun.recipes.grpo import response_hidden, split_rollout
+from rlrun.recipes.grpo import split_rollout
 from rlrun.rollout import hf
 
 
@@ -260,7 +261,7 @@ def test_sequence_level_weight_is_the_product_of_the_ratios_of_valid_tokens():
     assert w.view(2, 3)[1].tolist() == [pytest.approx(torch.exp(torch.tensor(seq[1])).item())] * 3
 
 
-@pytest.mark.parametrize("head", ["dense", "tiled", "chunked"])
+@pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("level,mode", [("token", "truncate"), ("token", "mask"), ("sequence", "mask")])
 def test_every_head_applies_the_correction_as_the_formula_says(head, level, mode):
     """Loss, gradients and metrics of each head equal a reference written from the formula (DAPO term times the

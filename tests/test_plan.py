@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_cfg, new_store
-from helpers import history, runs
+from helpers import HEAD_ALTERNATIVES, HEADS, history, runs
 
-from rlrun import models, plan, registry
+from rlrun import axes, models, plan, registry
 from rlrun.config import ConfigError, validate
 from rlrun.heads.common import ROWS
 from rlrun.losses import objective
@@ -24,7 +24,7 @@ def shapes(vocab=65536, hidden=32, head_trainable=True):
                        params=vocab * hidden, trainable=vocab * hidden, head_trainable=head_trainable, param_bytes=4)
 
 
-@pytest.mark.parametrize("name", ["dense", "tiled", "chunked"])
+@pytest.mark.parametrize("name", HEADS)
 @pytest.mark.parametrize("grad", [False, True], ids=["logprobs", "loss+backward"])
 def test_head_arithmetic_is_what_the_heads_allocate(name, grad):
     """Measured growth of one head call (CPU RSS; 32 MiB tiles, so the allocator adds nothing) vs head_parts, plus
@@ -49,7 +49,7 @@ def test_head_arithmetic_is_what_the_heads_allocate(name, grad):
                     registry.get("head", name).logprobs(h, w, targets, 1.0, size)
         h.grad = w.grad = None
         growth.append(meter.growth["call"])
-    predicted = sum(plan.head_parts(name, size, n, shapes(vocab, hidden), grad=grad).values())
+    predicted = sum(plan.head_parts(registry.get("head", name), size, n, shapes(vocab, hidden), grad=grad).values())
     predicted += vocab * hidden * 4 if grad else 0  # w.grad
     # chunked, lm head trained: in CI's test workers (after other tests) every call read one 16-row entropy block
     # (ROWS x vocab fp32, 4 MiB here) over the plan, the forward's block still held by the allocator at the
@@ -63,16 +63,17 @@ def test_head_arithmetic_is_what_the_heads_allocate(name, grad):
 
 def test_auto_size_is_the_largest_tile_within_the_budget():
     s = shapes(vocab=151936, hidden=512)
+    tiled, chunked = registry.get("head", "tiled"), registry.get("head", "chunked")
     for budget_mib in (400, 600, 1000):
         budget = budget_mib * MIB
-        size = plan.auto_size(budget, 4096, s, "tiled", accumulate=True)
+        size = plan.auto_size(budget, 4096, s, tiled, accumulate=True)
         assert size % 16 == 0
-        used, more = (sum(plan.head_parts("tiled", n, 4096, s, grad=True, accumulate=True).values())
+        used, more = (sum(plan.head_parts(tiled, n, 4096, s, grad=True, accumulate=True).values())
                       + plan.first_call(s) for n in (size, size + 16))
         assert used <= budget < more, (budget_mib, size)
-    assert plan.auto_size(100 * 2**30, 4096, s, "chunked", accumulate=False) == 4096  # never beyond the micro-batch
+    assert plan.auto_size(100 * 2**30, 4096, s, chunked, accumulate=False) == 4096  # never beyond the micro-batch
     with pytest.raises(ConfigError, match=r"raise head.memory_budget_mib \(16 tokens need \d+\) or set head.size=N"):
-        plan.auto_size(300 * MIB, 4096, s, "tiled", accumulate=True)  # the fp32 lm-head gradient alone is 297 MiB
+        plan.auto_size(300 * MIB, 4096, s, tiled, accumulate=True)  # the fp32 lm-head gradient alone is 297 MiB
 
 
 def planned(*overrides, **kw):
@@ -224,7 +225,7 @@ def test_plan_predicts_what_runs_measure(point):
 
 
 @pytest.mark.slow  # four fresh processes importing torch
-@pytest.mark.parametrize("head", ["tiled", "chunked"])
+@pytest.mark.parametrize("head", HEAD_ALTERNATIVES)
 def test_an_auto_tile_stays_within_its_budget_in_a_fresh_process(head):
     """head.size=auto within 24 MiB (vocab 32000, hidden 64, 512 tokens that accumulate): the first head call of a
     fresh process, its first-call buffers included, grows by no more than the budget, lm head trained or frozen."""
@@ -347,8 +348,8 @@ def live_train_peak(*overrides):
                                  -torch.rand(tokens, generator=g)))
     engine = SimpleNamespace(model=model, gather=lambda x: [x], world=1, device=torch.device("cpu"),
                              backward=lambda loss, boundary=None: loss.backward())
-    run = SimpleNamespace(engine=engine, meter=Meter(torch.device("cpu")), head=registry.get("head", cfg.head.name),
-                          head_size=cfg.head.size)
+    run = SimpleNamespace(engine=engine, meter=Meter(torch.device("cpu")),
+                          axes=axes.resolve(cfg, temperature=cfg.rollout.temperature))
     tensors = [*model.parameters(), *model.buffers(), *(t for m in micros for t in vars(m).values()
                                                         if isinstance(t, torch.Tensor))]
     with LiveBytes(tensors) as live:

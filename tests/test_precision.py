@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import make_cfg
+from helpers import HEADS
 from test_batching import micros_of
 
-from rlrun import models, precision, registry
+from rlrun import axes, models, precision
 from rlrun.config import validate
 from rlrun.engine import single
 from rlrun.meters import Meter
@@ -31,8 +32,8 @@ def train_once(*overrides):
         saved.add(t.dtype)
         return t
 
-    s = SimpleNamespace(engine=engine, meter=Meter(torch.device("cpu")), head=registry.get("head", cfg.head.name),
-                        head_size=7)
+    s = SimpleNamespace(engine=engine, meter=Meter(torch.device("cpu")),
+                        axes=axes.resolve(cfg, head_size=7, temperature=cfg.rollout.temperature))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         grpo.train_step(cfg, s, micros_of(tok, micro_batch=6), 0)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -103,7 +104,7 @@ def test_one_meaning_on_both_engines():
 
 
 @pytest.mark.slow  # three seeded runs of 24 steps after a (cached) warm start, ~1-2 min each on 2 cores
-@pytest.mark.parametrize("head", ["dense", "tiled", "chunked"])
+@pytest.mark.parametrize("head", HEADS)
 def test_a_seeded_bf16_run_trains_with_every_head(tmp_path, head):
     from helpers import history
     from test_runs import run_in

@@ -1,6 +1,6 @@
 """Every registered option of a group with a Protocol satisfies it, checked structurally: each member the
 Protocol names exists, methods and functions take the Protocol's parameters (names, order, defaults), and a member
-annotated with another Protocol (`Engine: type[Engine]`, `build(...) -> Rollout`) is checked against that one."""
+annotated with another Protocol (`Engine: type[Engine]`, `build(...) -> Sampler`) is checked against that one."""
 
 from __future__ import annotations
 
@@ -55,10 +55,14 @@ def signature_problems(impl, want, where: str, drop_self: bool) -> list[str]:
 
 
 def assigned_in(cls) -> set[str]:
-    """Attributes a class sets on self (`self.x = ...`, also in tuple targets) anywhere in its methods."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
-            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    """Attributes a class (or a base it inherits from) sets on self (`self.x = ...`, also in tuple targets)
+    anywhere in its methods."""
+    out = set()
+    for c in (c for c in cls.__mro__ if c is not object):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(c)))
+        out |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return out
 
 
 def problems(obj, proto, where: str) -> list[str]:
@@ -74,7 +78,8 @@ def problems(obj, proto, where: str) -> list[str]:
             if not callable(have):
                 out.append(f"{at} is missing or not callable")
                 continue
-            out += signature_problems(have, want, at, drop_self=is_class)
+            static = is_class and isinstance(inspect.getattr_static(obj, name), (staticmethod, classmethod))
+            out += signature_problems(have, want, at, drop_self=is_class and not static)
             ret = typing.get_type_hints(want).get("return")
             if is_protocol(ret):
                 got = typing.get_type_hints(have).get("return")
@@ -129,15 +134,20 @@ def test_a_broken_implementation_is_caught():
     def loss(hidden, weight, targets, objective, mask, num_tokens, temperature, size):  # mask / objective swapped
         return None
 
-    head = types.SimpleNamespace(logprobs=dense.logprobs, loss=loss)
+    facts = {k: getattr(dense, k) for k in ("EXACTNESS", "PHASES", "TILED", "SWEEPS_SEQUENCE_LEVEL", "memory",
+                                            "freed_before_weight_grad")}
+    head = types.SimpleNamespace(logprobs=dense.logprobs, loss=loss, **facts)
     assert problems(head, Head, "head") == ["head.loss: parameter 3 must be 'mask'",
                                             "head.loss: parameter 4 must be 'objective'"]
-    assert problems(types.SimpleNamespace(loss=dense.loss), Head, "h") == ["h.logprobs is missing or not callable"]
+    assert problems(types.SimpleNamespace(loss=dense.loss, **facts), Head, "h") == [
+        "h.logprobs is missing or not callable"]
+    no_facts = problems(types.SimpleNamespace(logprobs=dense.logprobs, loss=dense.loss), Head, "h")
+    assert "h.EXACTNESS is missing" in no_facts and "h.memory is missing or not callable" in no_facts
 
     def logprobs(hidden, weight, targets, temperature, size, with_entropy):  # no default: callers leave it out
         return None
 
-    assert problems(types.SimpleNamespace(logprobs=logprobs, loss=dense.loss), Head, "h") == [
+    assert problems(types.SimpleNamespace(logprobs=logprobs, loss=dense.loss, **facts), Head, "h") == [
         "h.logprobs: 'with_entropy' needs a default (callers may leave it out)"]
 
     class Engine:  # no step, a gather with another parameter, no rank

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import history, runs, steps
+from helpers import HEAD_ALTERNATIVES, HEADS, history, runs, steps
 
 from rlrun.cli import run
 from rlrun.runner import NonFiniteLossError
@@ -93,7 +93,7 @@ def assert_same_curves(got, ref):
 @pytest.mark.parametrize("loss", ["dapo", "cispo"])
 def test_heads_give_the_same_curve(tmp_path, loss):
     _, dense, _ = loss_curve(tmp_path / "dense", f"loss={loss}")
-    for head in ("tiled", "chunked"):
+    for head in HEAD_ALTERNATIVES:
         _, got, _ = loss_curve(tmp_path / head, f"loss={loss}", f"head={head}")
         assert_same_curves(got, dense)
 
@@ -105,7 +105,7 @@ def test_entropy_is_logged_and_its_bonus_trains_the_same_in_every_head(tmp_path)
     client, _ = runs(tmp_path / "plain" / "mlflow.db")
     assert len(history(client, r.info.run_id, "entropy")) == 5
     curves = {}
-    for head in ("dense", "tiled", "chunked"):
+    for head in HEADS:
         _, curves[head], r = loss_curve(tmp_path / head, f"head={head}", "loss.entropy_coef=0.5")
         client, _ = runs(tmp_path / head / "mlflow.db")
         curves[head]["entropy"] = history(client, r.info.run_id, "entropy")
@@ -113,7 +113,7 @@ def test_entropy_is_logged_and_its_bonus_trains_the_same_in_every_head(tmp_path)
     assert curves["dense"]["loss"][0] == pytest.approx(plain["loss"][0] - 0.5 * curves["dense"]["entropy"][0],
                                                        rel=1e-5)
     assert curves["dense"]["grad_norm"] != plain["grad_norm"]
-    for head in ("tiled", "chunked"):
+    for head in HEAD_ALTERNATIVES:
         assert_same_curves(curves[head], curves["dense"])
         assert curves[head]["entropy"] == pytest.approx(curves["dense"]["entropy"], rel=1e-5)
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import HEAD_ALTERNATIVES
 
 from rlrun.recipes import grpo, sampling
 from rlrun.rollout import Rollout
@@ -210,7 +211,7 @@ def test_heads_give_the_same_curve_with_every_new_option(tmp_path, option):
     from test_runs import assert_same_curves, loss_curve
 
     _, dense, _ = loss_curve(tmp_path / "dense", *OPTIONS[option])
-    for head in ("tiled", "chunked"):
+    for head in HEAD_ALTERNATIVES:
         _, got, _ = loss_curve(tmp_path / head, *OPTIONS[option], f"head={head}")
         assert_same_curves(got, dense)
 

@@ -146,7 +146,8 @@ def test_auto_warm_starts_the_embedded_model_on_its_own_task_only(caplog):
     and then the run says what the warm start trains on."""
     from types import SimpleNamespace
 
-    from rlrun.runner.setup import warm_applies, warm_notice
+    from rlrun.warmstart import applies as warm_applies
+    from rlrun.warmstart import notice as warm_notice
 
     def cfg(enabled, task, model="tiny"):
         return SimpleNamespace(warm_start=SimpleNamespace(enabled=enabled, steps=300, wrong_prob=0.75, offsets=[1]),

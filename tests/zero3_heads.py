@@ -7,6 +7,7 @@ import sys
 import torch
 from conftest import make_cfg
 from deepspeed.utils import safe_get_full_grad
+from helpers import HEADS
 
 from rlrun import losses, models, registry
 from rlrun.engine import deepspeed as ds_engine
@@ -19,7 +20,7 @@ def main(out: str, tied: str):
     ids = torch.randint(3, 50, (8, 10), generator=gen)  # the global batch; each rank takes 4 rows
     adv = torch.randn(8, generator=gen)
     results = {}
-    for name in ("dense", "tiled", "chunked"):
+    for name in HEADS:
         policy, _ = models.build(cfg.model, 0)
         engine = ds_engine.Engine(cfg, policy, None, grad_accum=1)
         rows = slice(4 * engine.rank, 4 * engine.rank + 4)

@@ -42,26 +42,107 @@ def _checkpointed(self, *args, **kwargs):
     return inner(self, *args, **kwargs)
 
 
-def apply(model, cfg) -> None:
-    """Set the model up for `cfg` (the activations group): wrap the layers `checkpoint` recomputes."""
-    if cfg.name == "checkpoint":
-        for layer in list(decoder_layers(model))[:: cfg.every]:
+class Keep:
+    """activations=keep (the baseline): what autograd saves stays where it was made."""
+
+    exactness = "baseline"
+    phases = ("train",)  # only passes with a gradient: the logprob passes run under no_grad
+    cost = "nothing recomputed, nothing moved"  # what it costs for what it saves (rlrun plan's activations lines)
+
+    def __init__(self, cfg, device: torch.device | str = "cpu"):
+        self.every, self.device = cfg.every, torch.device(device)
+        self.context = self.build_context()  # built once: the train passes enter it step after step
+
+    def build_context(self):
+        return contextlib.nullcontext()
+
+    def apply(self, model) -> None:
+        """Set the model up for this option (the trainer's copy: rlrun.policy)."""
+
+    def saving(self):
+        """The context a pass with a gradient runs in."""
+        return self.context
+
+    def effective(self) -> bool:
+        """False where the option changes nothing on this device."""
+        return True
+
+    def memory(self, s, layer_tokens: int, layer_bytes: int, outside: int, stream_bytes: int,
+               device_type: str) -> dict[str, int]:
+        """What the train pass keeps for its backward on a `device_type` device: every layer's internals
+        (`layer_bytes` per token each) and what the backbone saves outside its layers (`outside`), for
+        `layer_tokens` positions (rlrun/plan/terms.py counts the bytes)."""
+        return {"activations saved for backward": s.layers * layer_tokens * layer_bytes,
+                "saved outside the layers (embedding output, final norm)": outside}
+
+    def checkpointed_layers(self, layers: int) -> int:
+        return 0
+
+
+class Checkpoint(Keep):
+    """activations=checkpoint: every `every`-th decoder layer keeps only its input; its forward runs again in the
+    backward. The same operations on the same inputs: keep's numbers."""
+
+    exactness = "bitwise"
+    cost = ("recompute: one more forward of {n} of {layers} layers in backward (about +1/3 of their train FLOPs; "
+            "measured as system/time/train_s)")
+
+    def apply(self, model) -> None:
+        for layer in list(decoder_layers(model))[:: self.every]:
             layer.forward = types.MethodType(_checkpointed, layer)
 
+    def checkpointed_layers(self, layers: int) -> int:
+        return len(range(0, layers, self.every))
 
-def effective(cfg, device: torch.device) -> bool:
-    """False where the option changes nothing: `offload` on a CPU run (saved tensors already in host memory)."""
-    return not (cfg.name == "offload" and device.type == "cpu")
+    def memory(self, s, layer_tokens, layer_bytes, outside, stream_bytes, device_type):
+        """A checkpointed layer's input only (the residual stream, `stream_bytes` per element), the layers not
+        checkpointed whole, and one layer's internals while it is recomputed."""
+        n = self.checkpointed_layers(s.layers)
+        per_layer = layer_tokens * layer_bytes
+        return {f"layer inputs kept ({n} checkpointed layers)": n * layer_tokens * s.hidden * stream_bytes,
+                f"activations saved for backward ({s.layers - n} layers kept whole)": (s.layers - n) * per_layer,
+                RECOMPUTED: per_layer,
+                "saved outside the layers (embedding output, final norm)": outside}
+
+
+class Offload(Keep):
+    """activations=offload: saved tensors go to (pinned) host memory as the forward makes them and come back for
+    the backward; on a CPU run they are already there and nothing moves."""
+
+    exactness = "bitwise"
+    cost = ("{mib:.0f} MiB copied to pinned host memory in forward and back in backward per micro-batch (on a CPU "
+            "run nothing moves)")
+
+    def build_context(self):
+        if self.device.type != "cpu":
+            return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        return contextlib.nullcontext()
+
+    def effective(self) -> bool:
+        return self.device.type != "cpu"
+
+    def memory(self, s, layer_tokens, layer_bytes, outside, stream_bytes, device_type):
+        if device_type == "cpu":  # already in host memory: keep's
+            return super().memory(s, layer_tokens, layer_bytes, outside, stream_bytes, device_type)
+        return {"activations saved for backward (in host memory: activations=offload)": 0,
+                "one layer's saved tensors back on the device in backward": layer_tokens * layer_bytes}
+
+
+RECOMPUTED = "one layer recomputed in backward"  # the plan's part that is the recompute's moment, not a sum
+
+
+def option(cfg, device: torch.device | str = "cpu") -> Keep:
+    """The object of `activations=cfg.name` (through the registry) for a run on `device`."""
+    from .. import registry
+
+    return registry.get("activations", cfg.name)(cfg, device)
+
+
+def apply(model, cfg) -> None:
+    """Set `model` up for `cfg` (the activations group): wrap the layers `checkpoint` recomputes."""
+    option(cfg).apply(model)
 
 
 def checkpointed(model) -> list[int]:
     """Indices of the decoder layers that run checkpointed."""
     return [i for i, layer in enumerate(decoder_layers(model)) if "forward" in vars(layer)]
-
-
-def saving(cfg, device: torch.device):
-    """The context a pass with a gradient runs in: saved tensors to pinned host memory for `offload` on an
-    accelerator; nothing to do otherwise."""
-    if cfg.name == "offload" and device.type != "cpu":
-        return torch.autograd.graph.save_on_cpu(pin_memory=True)
-    return contextlib.nullcontext()

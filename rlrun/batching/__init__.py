@@ -28,8 +28,6 @@ import torch
 from ..config import ConfigError
 from .exchange import balance  # noqa: F401  (data parallel: even token loads; the recipes call it as batching.balance)
 
-OPTIONS = ("padded", "packed", "shared_prompt")
-
 
 @dataclass
 class Unit:
@@ -203,11 +201,10 @@ def by_passes(micros) -> list[list]:
     return [[m for m in micros if kind(m) == k] for k in dict.fromkeys(map(kind, micros))]
 
 
-def forwards(micros, batching, fields: tuple[str, ...], counts: dict, agree=None):
+def forwards(micros, shared: bool, max_tokens: int, fields: tuple[str, ...], counts: dict, agree=None):
     """(pack, {field: per-target tensor or None}, last) of each forward a non-padded pass makes over `micros`
     (`agree`: as in `packs`, over the whole pass); adds the positions computed and the forwards made to `counts`."""
-    shared = batching.name == "shared_prompt"
-    todo = [(p, same) for same in by_passes(micros) for p in packs(same, shared, batching.max_tokens)]
+    todo = [(p, same) for same in by_passes(micros) for p in packs(same, shared, max_tokens)]
     n = max(agree(len(todo)) if agree else len(todo), 1)  # one forward at least: a step of masked rows (overlong)
     todo += [(empty(micros[0].input_ids.device), micros)] * (n - len(todo))
     for i, (p, same) in enumerate(todo):
@@ -270,11 +267,11 @@ def pair_rows(input_ids, attention_mask, predicts):
         yield 0, input_ids[i, :start], input_ids[i, start : start + n], flat[i, start - 1 : start - 1 + n]
 
 
-def pair_hidden(backbone, batch, name: str, max_tokens: int, agree=None, counts: dict | None = None) -> torch.Tensor:
+def pair_hidden(backbone, batch, shared: bool, max_tokens: int, agree=None, counts: dict | None = None) -> torch.Tensor:
     """[N, H] hidden states that predict a DPO batch's targets, in their order, computed packed or with each pair's
-    prompt once (`name`); `counts`: as `count` takes it."""
+    prompt once (`shared`); `counts`: as `count` takes it."""
     sequences = pair_rows(batch.input_ids, batch.attention_mask, batch.predicts)
-    found = packs([], name == "shared_prompt", max_tokens, agree, sequences)
+    found = packs([], shared, max_tokens, agree, sequences)
     for p in found:
         count_pack(counts, p)
     h = [hidden(backbone, p) for p in found]
@@ -283,14 +280,14 @@ def pair_hidden(backbone, batch, name: str, max_tokens: int, agree=None, counts:
     return out.index_copy(0, order, torch.cat(h))
 
 
-def planned_forward(cfg, rows: int, seq_len: int, response: int) -> tuple[int, int]:
+def planned_forward(cfg, rows: int, seq_len: int, response: int, shared: bool) -> tuple[int, int]:
     """batching=packed|shared_prompt: (positions of a forward, positions of its rows) for a pass over `rows`
     sequences of at most `seq_len` positions, `response` of them the response. A forward holds at most
     batching.max_tokens positions in rows as long as the longest unit: a sequence (packed) or a group with its
-    prompt once (shared_prompt: train.group_size completions, a DPO pair's 2), so a pass lays out at most
+    prompt once (`shared`: train.group_size completions, a DPO pair's 2), so a pass lays out at most
     groups x prompt + rows x response positions."""
     b, positions, width = cfg.batching, rows * seq_len, seq_len
-    if b.name == "shared_prompt":
+    if shared:
         group = 2 if cfg.loss.name == "dpo" else cfg.train.group_size
         prompt = seq_len - response
         positions = -(-rows // group) * prompt + rows * response

@@ -103,16 +103,18 @@ def assemble(parts: list[dict], pad_id: int, device) -> tuple[list[dict], Rollou
     return [r for x in parts for r in x["rows"]], roll
 
 
-def balance(cfg, engine, rows: list[dict], roll, pad_id: int, layout: dict | None = None, extra: dict | None = None):
+def balance(cfg, engine, batching, rows: list[dict], roll, pad_id: int, layout: dict | None = None,
+            extra: dict | None = None):
     """(rows, rollout, extra) of this rank after the exchange (see the module's docstring); as they are on one
-    process or with batching=padded. `extra`: per-row values that travel with their rows (lists or tensors: the
-    rewards). `layout["exchange"]["groups_moved"]`: adds the groups that changed rank."""
+    process or under a `batching` layout that does not exchange (padded). `extra`: per-row values that travel with
+    their rows (lists or tensors: the rewards). `layout["exchange"]["groups_moved"]`: adds the groups that changed
+    rank."""
     extra = extra or {}
-    if engine.world == 1 or cfg.batching.name == "padded":
+    if engine.world == 1 or not batching.exchanges:
         return rows, roll, extra
     t = cfg.train
     unit, per_block = unit_rows(t.group_size, t.micro_batch)
-    plan = assign(engine.gather(loads(roll, unit, t.group_size, cfg.batching.name == "shared_prompt")), per_block)
+    plan = assign(engine.gather(loads(roll, unit, t.group_size, batching.shares_prompt)), per_block)
     if layout is not None:
         moved = layout.setdefault("exchange", {})
         moved["groups_moved"] = moved.get("groups_moved", 0) + sum(

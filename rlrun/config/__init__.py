@@ -39,9 +39,10 @@ from .schema import (
     VLLMRollout,
     WindowPolicy,
 )
-from .validate import OPTIONS, ConfigError, validate
+from .validate import OPTIONS, ConfigError, choices, validate
 
-__all__ = ["OPTIONS", "ConfigError", "RunConfig", "validate", "AlwaysPolicy", "ArithTask", "CheckpointConfig",
-           "ChunkedHead", "CispoLoss", "DapoLoss", "DeepSpeedEngine", "DenseHead", "DpoLoss", "GspoLoss", "HFModel",
-           "HFRollout", "JsonlTask", "MLflowTracking", "NoTracking", "OffOffload", "OnOffload", "SingleEngine",
-           "SkipPolicy", "TiledHead", "TinyModel", "TisConfig", "TrainConfig", "VLLMRollout", "WindowPolicy"]
+__all__ = ["OPTIONS", "ConfigError", "RunConfig", "choices", "validate", "AlwaysPolicy", "ArithTask",
+           "CheckpointConfig", "ChunkedHead", "CispoLoss", "DapoLoss", "DeepSpeedEngine", "DenseHead", "DpoLoss",
+           "GspoLoss", "HFModel", "HFRollout", "JsonlTask", "MLflowTracking", "NoTracking", "OffOffload",
+           "OnOffload", "SingleEngine", "SkipPolicy", "TiledHead", "TinyModel", "TisConfig", "TrainConfig",
+           "VLLMRollout", "WindowPolicy"]

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import MISSING, fields, is_dataclass
-from typing import Annotated, Literal, get_args, get_origin
+from typing import Annotated, Literal, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 
-from .. import ranks
+from .. import ranks, registry
 from . import rules
 from .schema import UNIONS, Check, RunConfig
 
@@ -37,6 +37,19 @@ def group_options(tp) -> dict[str, type] | None:
 
 OPTIONS: dict[str, dict[str, type]] = {f.name: group_options(f.type) for f in fields(RunConfig)
                                        if group_options(f.type)}
+
+
+def choices(key: str) -> list:
+    """The values a dotted config key takes by the schema (`train.precision` -> ['fp32', 'bf16']); across a group's
+    options, every value one of them allows (`rollout.pipeline`)."""
+    group, _, leaf = key.partition(".")
+    tp = {f.name: f.type for f in fields(RunConfig)}[group]
+    arms = list(OPTIONS[group].values()) if group in OPTIONS else [tp]
+    found: list = []
+    for arm in arms:
+        field = {f.name: f.type for f in fields(arm)}.get(leaf)
+        found += [v for v in get_args(field) if v not in found] if get_origin(field) is Literal else []
+    return found
 
 
 class ConfigError(ValueError):
@@ -133,19 +146,20 @@ class Walk:
             if key not in names:
                 self.unknown(join(path, key), data[key], names, path, where)
         values = {}
+        hints = get_type_hints(cls, include_extras=True)  # string annotations too (an option registered from outside)
         for f in fields(cls):
-            key = join(path, f.name)
+            key, tp = join(path, f.name), hints.get(f.name, f.type)
             raw = data.get(f.name, Bad(None))
             if isinstance(raw, Bad) and f.default is not MISSING:  # optional keys of user-written list items
                 values[f.name] = f.default
             elif isinstance(raw, Bad):
-                values[f.name] = self.fail(key, None, f"{key} is missing; {where} needs it ({describe(f.type)}).")
+                values[f.name] = self.fail(key, None, f"{key} is missing; {where} needs it ({describe(tp)}).")
             elif "needs" in f.metadata and raw in (None, "", "???"):
                 values[f.name] = self.fail(key, raw, f"{where} needs {key}={f.metadata['needs']}.")
             elif raw == "???":
-                values[f.name] = self.fail(key, raw, f"{key} has no value (???); set {key}=<{describe(f.type)}>.")
+                values[f.name] = self.fail(key, raw, f"{key} has no value (???); set {key}=<{describe(tp)}>.")
             else:
-                values[f.name] = self.value(raw, f.type, key)
+                values[f.name] = self.value(raw, tp, key)
         return cls(**values)
 
     def unknown(self, key: str, raw, names: list[str], path: str, where: str) -> None:
@@ -164,8 +178,8 @@ class Walk:
                     v = self.fail(key, raw, f"{key}={raw!r} must be {check.text}{or_null}.")
             return v
         options = group_options(tp)
-        if options is not None:
-            return self.option(raw, options, key)
+        if options is not None:  # the schema's options and any registered from outside (registry.register)
+            return self.option(raw, {**options, **registry.CONFIGS.get(key, {})}, key)
         if origin in UNIONS:
             return self.union(raw, tp, key)
         if origin is Literal:

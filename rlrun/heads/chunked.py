@@ -21,6 +21,7 @@ from .common import (
     ready_for_grad,
     softmax_stats_,
     tile_logits,
+    tile_memory,
     tiles,
 )
 
@@ -57,6 +58,21 @@ class ChunkedLogprobs(torch.autograd.Function):
                 accumulate_grads(dz, hidden[sl], weight32, grad_h[sl] if need_h else None, grad_w)
                 del z, dz
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+
+EXACTNESS = "fp_tolerance"  # dense's loss and gradients up to summation order (fp32: 1e-5)
+PHASES = ("old_logprobs", "ref_logprobs", "train")
+TILED = True  # one [head.size, vocab] tile at a time
+SWEEPS_SEQUENCE_LEVEL = False  # its forward has every logprob before the loss
+
+
+def memory(size, tokens: int, vocab: int, *, grad: bool, trainable: bool, entropy_grad: bool = False) -> dict:
+    """One chunk; the entropy's block buffer in its forward, unless the backward holds the [vocab, hidden] lm-head
+    gradient instead (larger) when the lm head trains."""
+    return tile_memory("chunked", size, tokens, vocab, entropy_block=grad and not trainable)
+
+
+def freed_before_weight_grad(tokens: int, vocab: int) -> int:
+    return 0
 
 
 def _logprobs(hidden, weight, targets, temperature: float, size: int, with_entropy: bool):

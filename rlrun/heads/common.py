@@ -116,6 +116,17 @@ def tile_logits(h: torch.Tensor, weight32: torch.Tensor, temperature: float) -> 
 
 
 ROWS = 16  # rows per block of the entropy's temporaries
+FP32 = 4
+
+
+def tile_memory(name: str, size: int, tokens: int, vocab: int, entropy_block: bool) -> dict[str, int]:
+    """The working set of a head that holds one [tile, vocab] fp32 block at a time (tiled, chunked), plus the
+    entropy's block buffer where the head fills it in the pass the plan counts."""
+    row = vocab * FP32
+    parts = {f"one {name} tile ({min(size, tokens)} tokens x vocab {vocab}, fp32)": min(size, tokens) * row}
+    if entropy_block:
+        parts["entropy block buffer (16 rows x vocab, fp32)"] = min(ROWS, tokens) * row
+    return parts
 
 
 def softmax_stats_(z: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False):

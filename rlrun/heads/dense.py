@@ -3,7 +3,24 @@
 import torch
 
 from ..losses import masked_total
-from .common import ROWS, fix_sequences, fp32, full_weight, logits
+from .common import FP32, ROWS, fix_sequences, fp32, full_weight, logits
+
+EXACTNESS = "baseline"  # the head every other must match (rlrun.axes.EXACTNESS)
+PHASES = ("old_logprobs", "ref_logprobs", "train")  # the passes that go through a head
+TILED = False  # head.size means nothing to it
+SWEEPS_SEQUENCE_LEVEL = False  # a sequence-level loss costs it no extra pass (it has every logprob at once)
+
+
+def memory(size, tokens: int, vocab: int, *, grad: bool, trainable: bool, entropy_grad: bool = False) -> dict:
+    """The [tokens, vocab] fp32 tensors the pass holds at its peak: logits and log-softmax (2), in backward their
+    gradient too (3), and with an entropy gradient exp(logp) and its product (5)."""
+    k = (3 + 2 * entropy_grad) if grad else 2
+    return {f"dense logits ({k} x {tokens} tokens x vocab {vocab}, fp32)": k * tokens * vocab * FP32}
+
+
+def freed_before_weight_grad(tokens: int, vocab: int) -> int:
+    """Bytes of logits the backward has freed when the next lm-head gradient is made (two of its three)."""
+    return 2 * tokens * vocab * FP32
 
 
 def log_softmax(hidden, weight, temperature: float):

@@ -26,6 +26,7 @@ from .common import (
     ready_for_grad,
     softmax_stats_,
     tile_logits,
+    tile_memory,
     tiles,
 )
 
@@ -70,6 +71,22 @@ class TiledLoss(torch.autograd.Function):
                 if g is not None:
                     g.mul_(grad_out.to(g.dtype))
         return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+EXACTNESS = "fp_tolerance"  # dense's loss and gradients up to summation order (fp32: 1e-5)
+PHASES = ("old_logprobs", "ref_logprobs", "train")
+TILED = True  # one [head.size, vocab] tile at a time
+SWEEPS_SEQUENCE_LEVEL = True  # a sequence-level loss (gspo) adds a no-grad sweep over the tiles first
+
+
+def memory(size, tokens: int, vocab: int, *, grad: bool, trainable: bool, entropy_grad: bool = False) -> dict:
+    """One tile; in a pass with a gradient also the entropy's block buffer (filled while taking each tile's
+    gradient)."""
+    return tile_memory("tiled", size, tokens, vocab, entropy_block=grad)
+
+
+def freed_before_weight_grad(tokens: int, vocab: int) -> int:
+    return 0
 
 
 def logprobs(hidden, weight, targets, temperature: float, size: int, with_entropy: bool = False):

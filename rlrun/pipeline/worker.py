@@ -36,18 +36,14 @@ def from_payload(payload: dict, device):
 
 
 def build(cfg, state: dict, device: str):
-    """(policy, tokenizer, rollout engine) of the run's config, with the weights `state`."""
-    from .. import models, registry
+    """(policy, tokenizer, rollout engine) of the run's config, with the weights `state`: the generator's copy of
+    the policy comes from the one builder of every copy (rlrun.policy), on the trainer's precision path."""
+    from .. import models, policy, registry
 
-    policy, tokenizer = models.build(cfg.model, cfg.seed)
-    if cfg.model.lora.enabled:
-        policy = models.add_lora(policy, cfg.model.lora)
-    policy.load_state_dict(state)
-    # not requires_grad_(False): it changes which CPU kernels the linear layers take, and so the last bits of the
-    # logprobs; generation runs under no_grad anyway, and K=0 must draw what the trainer's own process draws
-    policy.to(device).eval()
-    engine = registry.get("rollout", cfg.rollout.name).build(cfg.rollout, policy, tokenizer, torch.device(device))
-    return policy, tokenizer, engine
+    base, tokenizer = models.build(cfg.model, cfg.seed)
+    generator = policy.build(cfg, "generator", base=base, state=state, device=device)
+    engine = registry.get("rollout", cfg.rollout.name).build(cfg.rollout, generator, tokenizer, torch.device(device))
+    return generator, tokenizer, engine
 
 
 def main(cfg, state, slots, inbox, outbox, threads: int, device: str, version: int, parent: int, build=build) -> None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import batching as packing
-from .. import logprobs, precision, ranks
+from .. import activations, logprobs, models, offload, precision, ranks, registry
 from ..meters import plan_growth_key, plan_peak_key
 from . import terms
 from .shapes import Shapes
@@ -55,16 +54,16 @@ def grad_accum(cfg, world: int) -> int:
 
 
 def passes(cfg, world: int) -> tuple[bool, bool, bool]:
-    """(old-policy pass, reference pass, a reference copy in memory) of a run."""
+    """(old-policy pass, reference pass, a reference copy in memory) of a run, as its logprob policy decides."""
     t, dpo = cfg.train, cfg.loss.name == "dpo"
-    policy, lora = cfg.logprob_policy.name, cfg.model.lora
+    policy = logprobs.option(cfg.logprob_policy.name)
     tis = getattr(cfg.loss, "tis", None)  # sequence-level correction reads the old logprobs before the loss
-    needs_old = not dpo and (logprobs.ever_needs_old(policy, t.rollout_batch // world // t.micro_batch
-                                                     * t.num_iterations, grad_accum(cfg, world))
-                             or (policy != "skip" and tis.enabled and tis.level == "sequence"))
-    needs_ref = dpo or logprobs.needs_reference_model(policy, getattr(cfg.loss, "kl_coef", 0.0))
-    ref_copy = needs_ref and not (lora.enabled and lora.reference == "adapters_off"
-                                  and not getattr(cfg.loss, "reference_path", None))
+    before_loss = bool(tis is not None and tis.enabled and tis.level == "sequence")
+    needs_old = not dpo and policy.ever_needs_old(t.rollout_batch // world // t.micro_batch * t.num_iterations,
+                                                  grad_accum(cfg, world), before_loss)
+    needs_ref = dpo or policy.builds_reference(getattr(cfg.loss, "kl_coef", 0.0))
+    ref_copy = needs_ref and not models.adapters_off_reference(cfg.model.lora, getattr(cfg.loss, "reference_path",
+                                                                                        None))
     return needs_old, needs_ref, ref_copy
 
 
@@ -80,10 +79,10 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
     head's backward (its working set and the next lm-head gradient) or, with checkpointing, a layer's recompute
     (its internals and weight copies again). On CPU also the heap blocks freed small tensors leave (terms.py)."""
     zero = cfg.engine.zero_stage if cfg.engine.name == "deepspeed" else 0
-    a = cfg.activations
-    n = len(range(0, s.layers, a.every)) if a.name == "checkpoint" else 0  # checkpointed layers
+    a = activations.option(cfg.activations)
+    n = a.checkpointed_layers(s.layers)
     parts = {"gradients": s.trainable * s.param_bytes // (world if zero >= 2 else 1)}
-    saved = terms.saved_activations(a.name, a.every, s, layer_tokens, kind, device_type)
+    saved = terms.saved_activations(a, s, layer_tokens, kind, device_type)
     recompute = {RECOMPUTED: saved.pop(RECOMPUTED)} if RECOMPUTED in saved else {}
     parts.update(saved)
     if kind == "autocast":  # cast once per forward of a layer; a checkpointed layer's casts live while it reruns
@@ -91,7 +90,8 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
         parts["bf16 weight copies (autocast, saved for backward)"] = copies * (s.layers - n)
         recompute = recompute and {**recompute, "its bf16 weight copies (autocast)": copies}
     parts.update(mask)
-    head = terms.head_parts(cfg.head.name, size, tokens, s, grad=True, accumulate=grad_accum(cfg, world) > 1,
+    head = terms.head_parts(registry.get("head", cfg.head.name), size, tokens, s, grad=True,
+                            accumulate=grad_accum(cfg, world) > 1,
                             entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     parts.update(terms.objective_parts(cfg, cfg.train.batch_size // world * cfg.rollout.max_new_tokens, tokens))
@@ -128,20 +128,9 @@ def generate_parts(cfg, s, seq_len: int, world: int, weights: dict) -> dict[str,
 
 
 def asynchronous(cfg, s, gen: Phase, device_type: str) -> tuple[Phase, dict[str, int]]:
-    """rollout.pipeline=async: (the generate phase re-planned on the worker process's own copy of the weights, what
-    the trainer's phases carry besides). The trainer carries, on CPU, the two shared weight slots it writes
-    (trainable parameters, double-buffered); on an accelerator shared with the worker (rollout.worker_device unset
-    or naming the trainer's kind), the worker's whole generate peak, since it runs while the trainer trains. The
-    slots are host memory on an accelerator, not the device's."""
-    if cfg.rollout.pipeline != "async":
-        return gen, {}
-    gen = Phase(gen.parts, {"generator process: its copy of the weights": s.params * s.param_bytes})
-    if device_type == "cpu":
-        return gen, {"weight slots for the generator (2 x trainable, shared memory)": 2 * s.trainable * s.param_bytes}
-    device = cfg.rollout.worker_device
-    if device is None or str(device).split(":")[0] == device_type:
-        return gen, {"generator process on this device (weights, generate peak)": gen.peak}
-    return gen, {}
+    """The generate phase as rollout.pipeline runs it and what the trainer's phases carry besides: the option's
+    memory term (recipes/sources.py: sync changes nothing; async plans its worker's own copy of the weights)."""
+    return registry.get("pipeline", cfg.rollout.pipeline).memory(cfg, s, gen, device_type)
 
 
 def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, device_type: str = "cpu",
@@ -149,15 +138,17 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
     """The plan of a validated config for a model of shapes `s`, `rows` sequences of `seq_len` positions and
     `tokens` response tokens per micro-batch, on one of `world` ranks. `head_size` overrides cfg.head.size
     (needed when it is `auto`)."""
-    b, head, path = s.param_bytes, cfg.head.name, precision.path(cfg)
+    b, head, path = s.param_bytes, registry.get("head", cfg.head.name), precision.path(cfg)
     size = head_size if head_size is not None else cfg.head.size
     kind = terms.activation_kind(b, path == "bf16-autocast")
+    layout = registry.get("batching", cfg.batching.name)(cfg.batching)
     needs_old, needs_ref, ref_copy = passes(cfg, world)
     weights, adam = terms.resident(cfg, s, world=world, device_type=device_type, ref_copy=ref_copy, path=path,
                                    device_gib=device_gib)
     layer_tokens, mask = rows * seq_len, {}
-    if cfg.batching.name != "padded":  # a forward holds at most max_tokens positions, whatever the rows
-        layer_tokens, width = packing.planned_forward(cfg, rows * grad_accum(cfg, world), seq_len, tokens // rows)
+    packed = layout.planned_forward(cfg, rows * grad_accum(cfg, world), seq_len, tokens // rows)
+    if packed is not None:  # a forward holds at most max_tokens positions, whatever the rows
+        layer_tokens, width = packed
         tokens = min(cfg.batching.max_tokens, tokens * grad_accum(cfg, world))
         mask = {f"attention mask ({layer_tokens} positions in rows of {width}, bool)": layer_tokens * width}
 
@@ -167,7 +158,7 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         if policy and kind == "autocast":  # the autocast cache keeps the casts of weights that require grad
             parts["bf16 weight copies (autocast cache)"] = s.layer_matrices * 2
         parts.update(terms.head_parts(head, size, tokens, s, grad=False))
-        offloaded = cfg.offload.enabled and device_type != "cpu"  # optimizer state on the host for these passes
+        offloaded = offload.option(cfg.offload).frees_state(device_type)  # optimizer state on the host for these
         return Phase(parts, {**weights, **({} if offloaded else adam)})
 
     phases, trainer = {}, weights  # trainer: what the trainer's phases hold resident besides optimizer state
@@ -181,7 +172,7 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         phases["ref_logprobs"] = logprob_phase(not ref_copy, trainer)
     phases["train"] = Phase(train_parts(cfg, s, layer_tokens, tokens, size, world=world, device_type=device_type,
                                         kind=kind, mask=mask), {**trainer, **adam})
-    return Plan(phases, tokens, seq_len, size if head != "dense" else None, s, world, device_type, layer_tokens, kind)
+    return Plan(phases, tokens, seq_len, size if head.TILED else None, s, world, device_type, layer_tokens, kind)
 
 
 def metrics(plan: Plan) -> dict[str, float]:
@@ -210,4 +201,4 @@ def resolve_size(cfg, s, tokens: int, device_type: str, world: int = 1, device_b
         budget = budget * MIB
     else:
         budget = device_bytes // 10 if device_bytes else terms.default_budget(device_type)
-    return terms.auto_size(budget, tokens, s, cfg.head.name, grad_accum(cfg, world) > 1)
+    return terms.auto_size(budget, tokens, s, registry.get("head", cfg.head.name), grad_accum(cfg, world) > 1)

@@ -6,8 +6,10 @@ at hidden 64-512, with and without GQA, for each precision path): they are what 
 
 from __future__ import annotations
 
+from .. import registry
 from ..config import ConfigError
 from ..heads.common import ROWS  # rows of the heads' entropy block buffer
+from ..losses.bound import sequence_level
 
 MIB = 2**20
 FP32 = 4
@@ -48,23 +50,11 @@ def layer_bytes(s, kind: str) -> int:
     return per_h * s.hidden + per_kv * s.kv_dim + per_i * s.intermediate
 
 
-def saved_activations(name: str, every: int, s, layer_tokens: int, kind: str, device_type: str) -> dict[str, int]:
-    """What the train pass keeps for its backward, per `activations` option: every layer's internals (keep); a
-    checkpointed layer's input only, plus one layer's internals while it is recomputed (checkpoint); on an
-    accelerator, host memory and one layer's tensors brought back at a time for its backward (offload). The
-    layers' inputs are the residual stream: fp32 under autocast."""
-    per_layer = layer_tokens * layer_bytes(s, kind)
-    if name == "offload" and device_type != "cpu":  # each layer's tensors come back while its backward runs
-        return {"activations saved for backward (in host memory: activations=offload)": 0,
-                "one layer's saved tensors back on the device in backward": per_layer}
-    outside = {"saved outside the layers (embedding output, final norm)": layer_tokens * OUTSIDE[kind] * s.hidden}
-    if name != "checkpoint":
-        return {"activations saved for backward": s.layers * per_layer, **outside}
-    n = len(range(0, s.layers, every))  # checkpointed layers
-    stream = 2 if kind == "bf16" else FP32
-    return {f"layer inputs kept ({n} checkpointed layers)": n * layer_tokens * s.hidden * stream,
-            f"activations saved for backward ({s.layers - n} layers kept whole)": (s.layers - n) * per_layer,
-            "one layer recomputed in backward": per_layer, **outside}
+def saved_activations(option, s, layer_tokens: int, kind: str, device_type: str) -> dict[str, int]:
+    """What the train pass keeps for its backward under the `activations` option object `option` (its `memory`
+    term, given this module's per-token bytes). The layers' inputs are the residual stream: fp32 under autocast."""
+    return option.memory(s, layer_tokens, layer_bytes(s, kind), layer_tokens * OUTSIDE[kind] * s.hidden,
+                         2 if kind == "bf16" else FP32, device_type)
 
 
 def heap_slack(s, layer_tokens: int, layers: int, kind: str) -> int:
@@ -74,32 +64,25 @@ def heap_slack(s, layer_tokens: int, layers: int, kind: str) -> int:
     return HEAP_BASE + HEAP_BLOCKS[kind] * layers * block if block < HEAP_THRESHOLD else 0
 
 
-def head_parts(name: str, size: int | None, tokens: int, s, *, grad: bool, accumulate: bool = False,
+def head_parts(head, size: int | None, tokens: int, s, *, grad: bool, accumulate: bool = False,
                entropy_grad: bool = False) -> dict[str, int]:
-    """The lm head's working set for `tokens` response tokens: the logits it materialises and, with `grad`, the
-    extra gradient buffers (the lm-head gradient itself is counted with the other gradients). Weights that are not
-    fp32 (DeepSpeed's bf16 mode) are cast to fp32 once per call: the logits are never computed in bf16."""
-    row = s.vocab * FP32
-    if name == "dense":
-        k = (3 + 2 * entropy_grad) if grad else 2  # + exp(logp) and its product when the entropy has a gradient
-        parts = {f"dense logits ({k} x {tokens} tokens x vocab {s.vocab}, fp32)": k * tokens * row}
-    else:
-        parts = {f"one {name} tile ({min(size, tokens)} tokens x vocab {s.vocab}, fp32)": min(size, tokens) * row}
-        # tiled fills it while taking each tile's gradient; chunked in its forward, before a backward that holds
-        # the [vocab, hidden] lm-head gradient instead (larger) when the lm head trains
-        if grad and (name == "tiled" or not s.head_trainable):
-            parts["entropy block buffer (16 rows x vocab, fp32)"] = min(ROWS, tokens) * row
+    """The lm head's working set for `tokens` response tokens: what `head` (a head module: its `memory` term)
+    materialises and, with `grad`, the extra gradient buffers (the lm-head gradient itself is counted with the other
+    gradients). Weights that are not fp32 (DeepSpeed's bf16 mode) are cast to fp32 once per call: the logits are
+    never computed in bf16."""
+    parts = head.memory(size, tokens, s.vocab, grad=grad, trainable=s.head_trainable, entropy_grad=entropy_grad)
     weight = s.vocab * s.hidden
     if s.param_bytes != FP32:
         parts["lm-head weight cast to fp32 (bf16 weights)"] = weight * FP32
     if grad and s.head_trainable:
-        # the next micro-batch's lm-head gradient, before it is added to the one already there; dense makes it
-        # after its log-softmax backward, when one of its three [tokens, vocab] tensors is left: the larger counts
-        if accumulate and not (name == "dense" and weight * s.param_bytes <= 2 * tokens * row):
-            label = "next lm-head gradient" + (" (beyond the 2 logits tensors freed before it)" if name == "dense"
-                                               else "")
-            parts[label] = weight * s.param_bytes - (2 * tokens * row if name == "dense" else 0)
-        if name != "dense" and s.param_bytes != FP32:  # the fp32 accumulator, cast to the weight dtype at the end
+        # the next micro-batch's lm-head gradient, before it is added to the one already there, beyond what the
+        # head's backward has freed by then (dense: two of its three [tokens, vocab] tensors): the larger counts
+        freed = head.freed_before_weight_grad(tokens, s.vocab)
+        if accumulate and weight * s.param_bytes > freed:
+            label = "next lm-head gradient" + (f" (beyond the {freed // (tokens * s.vocab * FP32)} logits tensors "
+                                               "freed before it)" if freed else "")
+            parts[label] = weight * s.param_bytes - freed
+        if head.TILED and s.param_bytes != FP32:  # the fp32 accumulator, cast to the weight dtype at the end
             parts["lm-head gradient accumulator (fp32)"] = weight * FP32
     return parts
 
@@ -108,10 +91,11 @@ def first_call(s) -> int:
     return FIRST_CALL + FIRST_CALL_PER_HIDDEN * s.hidden
 
 
-def auto_size(budget: int, tokens: int, s, name: str, accumulate: bool) -> int:
+def auto_size(budget: int, tokens: int, s, head, accumulate: bool) -> int:
     """head.size=auto: the largest tile/chunk (a multiple of 16 tokens, at most `tokens`) whose train working set,
     plus the buffers a first call keeps, stays within `budget` bytes; ConfigError when not even 16 tokens fit."""
-    fixed = sum(head_parts(name, 0, tokens, s, grad=True, accumulate=accumulate).values()) + first_call(s)
+    fixed = sum(head_parts(head, 0, tokens, s, grad=True, accumulate=accumulate).values()) + first_call(s)
+    name = head.__name__.rsplit(".", 1)[-1]
     size = (budget - fixed) // (s.vocab * FP32)
     if size < min(ROWS, tokens):
         raise ConfigError([f"head.size=auto: head.memory_budget_mib={budget / MIB:.0f} leaves room for {max(size, 0)} "
@@ -163,14 +147,15 @@ def objective_parts(cfg, step_tokens: int, tokens: int) -> dict[str, int]:
     """What the objective adds to the train phase, for the step's `step_tokens` response tokens (per rank) and a
     forward's `tokens`: loss.agg's per-token weights (fp32) and loss=gspo's sequence ids (int64), made for the
     whole step before its first forward (losses/agg.py); gspo on tiled: every token's logprob of a forward from
-    the first no-grad sweep (fp32; the sweep's tile is the size of the fused pass's, so no more)."""
-    parts, gspo = {}, cfg.loss.name == "gspo"
-    if cfg.loss.name == "dpo":
+    the first no-grad sweep (fp32; the sweep's tile is the size of the fused pass's, so no more). What a loss is
+    (sequence-level) and what a head does with it (a sweep) is said on them (losses.bound, the head's facts)."""
+    parts, name = {}, cfg.loss.name
+    if name == "dpo":
         return parts
     if cfg.loss.agg != "token_mean":
         parts[f"loss.agg={cfg.loss.agg}: per-token weights of the step (fp32)"] = step_tokens * FP32
-    if gspo:
-        parts["loss=gspo: per-token sequence ids of the step (int64)"] = step_tokens * 8
-    if gspo and cfg.head.name == "tiled":
-        parts["loss=gspo on tiled: logprobs of the first sweep (fp32)"] = tokens * FP32
+    if sequence_level(name):
+        parts[f"loss={name}: per-token sequence ids of the step (int64)"] = step_tokens * 8
+        if registry.get("head", cfg.head.name).SWEEPS_SEQUENCE_LEVEL:
+            parts[f"loss={name} on {cfg.head.name}: logprobs of the first sweep (fp32)"] = tokens * FP32
     return parts

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
-from .. import precision
+from .. import precision, registry
 from ..config import OPTIONS, rules
 from . import phases as pr
 from . import shapes as sh
@@ -58,21 +59,17 @@ def detail(plan: pr.Plan) -> str:
 
 
 # -- the activations term per option ------------------------------------------------------------------------------
-COST = {"keep": "nothing recomputed, nothing moved",
-        "checkpoint": "recompute: one more forward of {n} of {layers} layers in backward (about +1/3 of their "
-                      "train FLOPs; measured as system/time/train_s)",
-        "offload": "{mib:.0f} MiB copied to pinned host memory in forward and back in backward per micro-batch "
-                   "(on a CPU run nothing moves)"}
-
-
 def activation_lines(plan: pr.Plan) -> list[str]:
-    """The train pass's saved-activation term under keep, checkpoint (every layer) and offload, on the device
-    `plan` is for, with what each costs."""
+    """The train pass's saved-activation term under every activations option (checkpoint: every layer), on the
+    device `plan` is for, with what each costs (the option's `cost`)."""
     s, out = plan.shapes, []
-    whole = sum(terms.saved_activations("keep", 1, s, plan.layer_tokens, plan.kind, plan.device_type).values())
-    for name in ("keep", "checkpoint", "offload"):
-        kept = sum(terms.saved_activations(name, 1, s, plan.layer_tokens, plan.kind, plan.device_type).values())
-        cost = COST[name].format(n=s.layers, layers=s.layers, mib=whole / MIB)
+    every_layer = SimpleNamespace(every=1)
+    options = {name: registry.get("activations", name)(every_layer) for name in registry.REGISTRY["activations"]}
+    base = next(o for o in options.values() if o.exactness == "baseline")
+    whole = sum(terms.saved_activations(base, s, plan.layer_tokens, plan.kind, plan.device_type).values())
+    for name, o in options.items():
+        kept = sum(terms.saved_activations(o, s, plan.layer_tokens, plan.kind, plan.device_type).values())
+        cost = o.cost.format(n=s.layers, layers=s.layers, mib=whole / MIB)
         out.append(f"  activations={name:<10} {kept / MIB:12,.0f} MiB  {cost}")
     return out
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import activations, evaluate, logprobs, models, ranks, registry, tasks
 from .. import batching as packing
+from .. import evaluate, logprobs, models, ranks, registry, tasks
 from ..losses.dpo import sequence_logprobs
 from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup
 
@@ -59,22 +59,18 @@ def encode_pairs(tokenizer, pairs: list[dict], device) -> Pairs:
     )
 
 
-def pair_logprobs(model, batch: Pairs, head, size, average: bool, entropy: list | None = None, batching=None,
-                  agree=None, counts: dict | None = None):
-    """(chosen, rejected) sequence logprobs [B] each, through the head (grad if enabled). `entropy`: a list to
-    append this batch's (sum of token entropies, token count) to. `batching` packed / shared_prompt: the hidden
-    states computed without padding (each pair's prompt once), in the same order (rlrun.batching.pair_hidden).
-    `counts`: the pass's layout (positions computed, forwards, sequences: rlrun.batching.count)."""
+def pair_logprobs(model, batch: Pairs, head, layout, average: bool, entropy: list | None = None,
+                  counts: dict | None = None):
+    """(chosen, rejected) sequence logprobs [B] each, through `head` (a heads.Bound; grad if enabled), the hidden
+    states laid out by `layout` (a batching option: padded, packed, or each pair's prompt once). `entropy`: a list
+    to append this batch's (sum of token entropies, token count) to. `counts`: the pass's layout (positions
+    computed, forwards, sequences: rlrun.batching.count)."""
     backbone, weight = models.split(model)
-    if batching is None or batching.name == "padded":
-        packing.count(counts, batch.input_ids.numel(), batch.input_ids.shape[0])
-        hidden = models.hidden_states(backbone, batch.input_ids, batch.attention_mask)[:, :-1][batch.predicts]
-    else:
-        hidden = packing.pair_hidden(backbone, batch, batching.name, batching.max_tokens, agree, counts)
+    hidden = layout.pair_hidden(backbone, batch, counts)
     if entropy is None:
-        token_lp = head.logprobs(hidden, weight, batch.targets, 1.0, size)
+        token_lp = head.logprobs(hidden, weight, batch.targets)
     else:
-        token_lp, ent = head.logprobs(hidden, weight, batch.targets, 1.0, size, with_entropy=True)
+        token_lp, ent = head.logprobs(hidden, weight, batch.targets, with_entropy=True)
         entropy.append((ent.double().sum().item(), ent.numel()))
     seq = sequence_logprobs(token_lp, batch.seq_index, len(batch.lengths), batch.lengths, average)
     b = len(batch.ids)
@@ -160,15 +156,15 @@ def held_out(cfg, frame, s, pairs: list[dict]):
     rows, engine = pairs[: cfg.eval.size] if cfg.eval.size else pairs, s.engine
     return lambda: evaluate.evaluate_pairs(engine.model, lambda: models.reference(engine), s.tokenizer, rows,
                                            encode_pairs=encode_pairs, pair_logprobs=pair_logprobs,
-                                           beta=cfg.loss.beta, average=cfg.loss.average_logprobs, head=s.head,
-                                           size=s.head_size, batch_size=cfg.train.micro_batch, show=cfg.log.samples)
+                                           beta=cfg.loss.beta, average=cfg.loss.average_logprobs, head=s.axes.head,
+                                           batch_size=cfg.train.micro_batch, show=cfg.log.samples)
 
 
 def reference_logprobs(cfg, s, cache: ReferenceCache, batch: list[dict]):
     """Reference logprobs of this rank's pairs: (pair id -> (chosen, rejected)), the pass counts and the pass's
     layout (rlrun.batching.count)."""
     t, engine = cfg.train, s.engine
-    known = cache.values if cfg.logprob_policy.name == "window" else {}
+    known = cache.values if s.axes.logprobs.caches_reference else {}
     todo = [p for p in batch if p["id"] not in known]
     with s.meter.phase("offload"):
         engine.offload()
@@ -176,8 +172,8 @@ def reference_logprobs(cfg, s, cache: ReferenceCache, batch: list[dict]):
     with s.meter.phase("ref_logprobs"), torch.no_grad(), models.reference(engine) as reference:
         for i in range(0, len(todo), t.micro_batch):
             chunk = encode_pairs(s.tokenizer, todo[i : i + t.micro_batch], engine.device)
-            chosen, rejected = pair_logprobs(reference, chunk, s.head, s.head_size, cfg.loss.average_logprobs,
-                                             batching=cfg.batching, agree=packing.agree(engine), counts=layout)
+            chosen, rejected = pair_logprobs(reference, chunk, s.axes.head, s.axes.layout,
+                                             cfg.loss.average_logprobs, counts=layout)
             fresh.update({pid: (c, r) for pid, c, r in zip(chunk.ids, chosen.tolist(), rejected.tolist())})
     known.update(fresh)
     with s.meter.phase("onload"):
@@ -190,12 +186,12 @@ def train_step(cfg, s, batch: list[dict], known: dict, step: int):
     [(entropy sum, tokens)] per micro-batch of the policy pass, and its layout (rlrun.batching.metrics)."""
     t, lcfg, engine = cfg.train, cfg.loss, s.engine
     parts, tokens, entropy, layout = [], 0, [], {"real": 0}
-    with s.meter.phase("train"), activations.saving(cfg.activations, engine.device):
+    with s.meter.phase("train"), s.axes.activations.saving():
         for i in range(0, len(batch), t.micro_batch):
             chunk_pairs = batch[i : i + t.micro_batch]
             mb = encode_pairs(s.tokenizer, chunk_pairs, engine.device)
-            chosen, rejected = pair_logprobs(engine.model, mb, s.head, s.head_size, lcfg.average_logprobs, entropy,
-                                             cfg.batching, packing.agree(engine), layout)
+            chosen, rejected = pair_logprobs(engine.model, mb, s.axes.head, s.axes.layout, lcfg.average_logprobs,
+                                             entropy, layout)
             layout["real"] += int(mb.attention_mask.sum())  # tokens that are not padding
             ref = torch.tensor([known[pid] for pid in mb.ids], device=engine.device, dtype=chosen.dtype)
             nll = None

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import activations, evaluate, logprobs, losses, models, pipeline, ranks, tasks
+from .. import axes, evaluate, logprobs, losses, models, ranks, tasks
 from .. import batching as packing
-from ..losses import agg
-from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, setup, timed
+from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, setup
 from . import sampling
 from .sampling import sample_seed  # noqa: F401 (rlrun.recipes.grpo.sample_seed, as before)
 
@@ -112,13 +111,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True)
     return adv.reshape(-1)
 
 
-def response_hidden(backbone, micro: Micro):
-    """Hidden states that predict the response tokens, flattened to [N, H]."""
-    h = models.hidden_states(backbone, micro.input_ids, micro.attention_mask)
-    p = micro.prompt_len
-    return h[:, p - 1 : -1].reshape(-1, h.shape[-1])
-
-
 def split_rollout(roll, advantages: torch.Tensor, micro_batch: int) -> list[Micro]:
     out = []
     R = roll.response_mask.shape[1]
@@ -136,39 +128,7 @@ def split_rollout(roll, advantages: torch.Tensor, micro_batch: int) -> list[Micr
     return out
 
 
-@torch.no_grad()
-def logprob_pass(model, micros: list[Micro], head, size, temperature: float, batching, agree=None,
-                 counts: dict | None = None) -> list[torch.Tensor]:
-    """Per-token logprobs of each micro-batch's response under `model` (no grad, through the head); packed and
-    shared_prompt compute them in packs and put them back in each micro-batch's layout (0 where masked), as many
-    packs on every rank (`agree`: n -> the largest n over ranks). `counts`: the pass's layout (packing.count)."""
-    backbone, weight = models.split(model)
-    if batching.name == "padded":
-        for m in micros:
-            packing.count(counts, m.input_ids.numel(), m.input_ids.shape[0])
-        return [head.logprobs(response_hidden(backbone, m), weight, m.targets, temperature, size) for m in micros]
-    out = [torch.zeros_like(m.gen_logprobs) for m in micros]
-    for p in packing.packs(micros, batching.name == "shared_prompt", batching.max_tokens, agree):
-        packing.count_pack(counts, p)
-        targets = packing.gather(p, [m.targets for m in micros])
-        packing.scatter(p, head.logprobs(packing.hidden(backbone, p), weight, targets, temperature, size), out)
-    return out
-
-
 FIELDS = ("targets", "advantages", "old_logprobs", "ref_logprobs", "gen_logprobs", "is_weights", "weights", "seq")
-
-
-def forwards(backbone, micros: list[Micro], batching, counts: dict, agree=None):
-    """(hidden states, per-token tensors, mask, boundary) of each forward of a training pass: one per micro-batch
-    (padded; boundary None: the engine counts them) or one per pack (rlrun.batching; boundary True on the last);
-    `counts` gets the positions computed and the forwards made."""
-    if batching.name == "padded":
-        for mb in micros:
-            packing.count(counts, mb.input_ids.numel(), mb.input_ids.shape[0])
-            yield response_hidden(backbone, mb), {f: getattr(mb, f) for f in FIELDS}, mb.mask, None
-        return
-    for p, t, last in packing.forwards(micros, batching, FIELDS, counts, agree):
-        yield packing.hidden(backbone, p), t, torch.ones_like(t["targets"], dtype=torch.bool), last
 
 
 def mismatch(micros: list[Micro]) -> np.ndarray:
@@ -190,34 +150,28 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
         warnings = tasks.check_lengths(task, tokenizer, cfg.rollout.max_new_tokens, context)
         return Data(task, warm_rows=task.train, plan_rows=task.train, warnings=warnings)
 
-    s = setup(cfg, tracker, load=load, grad_accum=grad_accum, resume=resume,
-              with_rollout=cfg.rollout.pipeline == "sync",  # async: the generator builds its own
-              with_reference=logprobs.needs_reference_model(cfg.logprob_policy.name, cfg.loss.kl_coef))
+    a = axes.resolve(cfg)  # the options as objects; setup binds them to the engine and the plan
+    s = setup(cfg, tracker, load=load, grad_accum=grad_accum, resume=resume, temperature=cfg.rollout.temperature,
+              with_rollout=a.pipeline.generates_here, with_reference=a.logprobs.builds_reference(cfg.loss.kl_coef))
     frame, engine, task = Frame(cfg, raw, tracker, s, curve="reward_mean"), s.engine, s.data
     prompts = tasks.prompt_stream(task.train, cfg.seed)  # the same stream on every rank; each takes its slice
     buffer, passes = RolloutBuffer(window), logprobs.PassCounter()
-    stateful = {"prompts": prompts, "buffer": buffer, "passes": passes}
-    pipe = None  # rollout.pipeline=async: the generator process, ahead of the trainer (rlrun/pipeline)
-    if cfg.rollout.pipeline == "async":
-        pipe = stateful["pipeline"] = pipeline.Pipeline(cfg, window=window, grad_accum=grad_accum,
-                                                        device=engine.device)
     drawn = sampling.Totals() if t.dynamic_sampling else None  # groups generated and dropped over the run
+    # where the rollouts come from: generated here (sync) or by the generator process, ahead (async)
+    source = s.axes.pipeline(cfg, s, prompts, window=window, grad_accum=grad_accum, drawn=drawn)
+    stateful = {"prompts": prompts, "buffer": buffer, "passes": passes, **source.stateful()}
     if drawn is not None:
         stateful["sampling"] = drawn
     start = frame.restore(resume, stateful)
-    synced_at = start  # the rollout engine holds the weights after this many optimizer steps
 
     # the rewards run in a worker process: bounded, and unable to end or hold up the run (rlrun/tasks/worker.py)
     with tasks.isolated(task, cfg.task.reward_timeout_s, cfg.seed), \
             contextlib.closing(frame.steps(start, stateful, "rlrun", held_out(cfg, frame, s))) as steps, \
             contextlib.ExitStack() as cleanup:
-        if pipe is not None:
-            cleanup.callback(pipe.close)  # however the loop ends (error, Ctrl-C, SIGTERM): no process left behind
-            with timed(tracker, "generator_start"):  # its own interpreter, model and rollout engine
-                pipe.start(engine.model, start)
+        source.open(cleanup, tracker, start)
         for step in steps:
             # 1. Refill: generate (or take from the generator process), score, advantages, the logprob passes needed.
-            got, synced_at = refill(cfg, s, prompts, buffer, pipe, step, synced_at, drawn)
+            got = refill(cfg, s, source, buffer, step)
 
             # 2. Train: one optimizer step over grad_accum micro-batches, loss normalised by the step's token count.
             micros = buffer.take(grad_accum)
@@ -234,28 +188,16 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
         return frame.finish()
 
 
-def refill(cfg, s, prompts, buffer: RolloutBuffer, pipe, step: int, synced_at: int, drawn=None):
-    """Rollouts until the buffer holds this optimizer step's micro-batches: generated here with the current weights
-    (sync; with train.dynamic_sampling, as many rounds as needed), or taken in order from the generator process
-    (async). Returns what they contribute to the step's metrics, and the step whose weights the rollout engine
-    holds. `drawn`: dynamic sampling's totals over the run."""
-    got, meter = StepRollouts(), s.meter
-    if pipe is not None:  # request what the next steps train on, publishing these weights if needed
-        pipe.ahead(step, s.engine.model, lambda r: sampling.prompts_of(cfg, s, prompts, r), meter)
+def refill(cfg, s, source, buffer: RolloutBuffer, step: int) -> StepRollouts:
+    """Rollouts from `source` (recipes/sources.py: generated here with the current weights, or taken in order from
+    the generator process) until the buffer holds this optimizer step's micro-batches. Returns what they
+    contribute to the step's metrics."""
+    got = StepRollouts()
+    source.ahead(step)
     while len(buffer) < s.grad_accum:
-        if pipe is not None:
-            with meter.phase("wait"):  # the trainer idles until the generator has it
-                g = pipe.take()
-            got.worker.append((g.busy_s, g.idle_s))
-            consume(cfg, s, sampling.scored(cfg, s, g.rows, g.rollout), buffer, got, g.version)
-            continue
-        if s.rollout.needs_sync and synced_at != step and cfg.rollout.sync_weights:
-            with meter.phase("sync"), s.engine.generation():  # only when a step changed the weights
-                s.rollout.sync(s.engine.model)
-            synced_at = step
-        # generated and scored; with train.dynamic_sampling, more rounds until the rollout's groups carry a signal
-        consume(cfg, s, sampling.draw(cfg, s, prompts, buffer.rollouts, got.sampling, drawn), buffer, got, step)
-    return got, synced_at
+        d, version = source.next(step, buffer.rollouts, got)
+        consume(cfg, s, d, buffer, got, version)
+    return got
 
 
 def held_out(cfg, frame, s):
@@ -284,42 +226,35 @@ def consume(cfg, s, d, buffer: RolloutBuffer, got: StepRollouts, version: int) -
     """One generated and scored rollout (`d`: recipes/sampling.Drawn, drawn by the weights after `version` optimizer
     steps): given advantages and the logprob passes the policy needs, enqueued. Adds what it contributes to the
     step's metrics to `got`."""
-    t, engine, meter = cfg.train, s.engine, s.meter
+    t, engine, meter, ax = cfg.train, s.engine, s.meter, s.axes
     d = sampling.balanced(cfg, s, d, got.layout)  # ranks' token loads even (packed / shared_prompt)
     rows, roll, totals, by_reward = d.rows, d.roll, d.totals, d.by_reward
     reward = torch.tensor(totals, dtype=torch.float32)
     advantages = group_advantages(d.shaped, t.group_size, t.scale_advantages).to(engine.device)  # + overlong penalty
     micros = split_rollout(sampling.trained(roll, t.overlong), advantages, t.micro_batch)  # overlong=filter: masked
-    tis = cfg.loss.tis
-    need = logprobs.plan(cfg.logprob_policy.name, start=buffer.enqueued, window=buffer.window,
-                         grad_accum=s.grad_accum, ref_coef=cfg.loss.kl_coef,
-                         old_before_loss=tis.enabled and tis.level == "sequence")
-    temperature = cfg.rollout.temperature
+    need = ax.logprobs.need(start=buffer.enqueued, window=buffer.window, grad_accum=s.grad_accum,
+                            ref_coef=cfg.loss.kl_coef, old_before_loss=ax.objective.old_before_loss)
     got.counts.update({"old_run": int(need.old), "old_skipped": int(not need.old), "ref_run": int(need.ref),
                        "ref_skipped": int(not need.ref)})
     got.gen_tokens += int(roll.response_mask.sum())
     with meter.phase("offload"):
         engine.offload()
     if need.old:
-        with meter.phase("old_logprobs"):
-            for mb, lp in zip(micros, logprob_pass(engine.model, micros, s.head, s.head_size, temperature, cfg.batching,
-                                                   packing.agree(engine), got.layout.setdefault("old", {}))):
-                mb.old_logprobs = lp
+        with meter.phase("old_logprobs"), torch.no_grad():
+            old = ax.layout.logprobs(engine.model, micros, ax.head, got.layout.setdefault("old", {}))
+        for mb, lp in zip(micros, old):
+            mb.old_logprobs = lp
         got.mismatch += mismatch(micros)
     if need.ref:
-        with meter.phase("ref_logprobs"):
-            with models.reference(engine) as reference:
-                for mb, lp in zip(micros, logprob_pass(reference, micros, s.head, s.head_size, temperature,
-                                                       cfg.batching, packing.agree(engine),
-                                                       got.layout.setdefault("ref", {}))):
-                    mb.ref_logprobs = lp
+        with meter.phase("ref_logprobs"), torch.no_grad(), models.reference(engine) as reference:
+            ref = ax.layout.logprobs(reference, micros, ax.head, got.layout.setdefault("ref", {}))
+        for mb, lp in zip(micros, ref):
+            mb.ref_logprobs = lp
     with meter.phase("onload"):
         engine.onload()
     for mb in micros:
         mb.version = version
-        if tis.enabled and tis.level == "sequence":
-            mb.is_weights = losses.sequence_is_weights(mb.old_logprobs, mb.gen_logprobs, mb.mask,
-                                                       mb.input_ids.shape[0], tis.mode, tis.cap, tis.low)
+        mb.is_weights = ax.objective.is_weights(mb)  # loss.tis.level=sequence: per sequence; else None
     got.rewards.append(reward)
     if not got.samples:  # a few rows of the step's first rollout, for the samples table
         got.samples = [evaluate.sample_row(ex, c, float(r), by_reward, n)
@@ -332,25 +267,15 @@ def consume(cfg, s, d, buffer: RolloutBuffer, got: StepRollouts, version: int) -
 
 def train_step(cfg, s, micros: list[Micro], step: int):
     """Forward and backward of this rank's micro-batches of one optimizer step (the engine steps after)."""
-    lcfg, engine = cfg.loss, s.engine
+    engine, ax = s.engine, s.axes
     backbone, weight = models.split(engine.model)
-    tis = lcfg.tis
-    loss_kwargs = dict(clip_low=lcfg.clip_low, clip_high=lcfg.clip_high, kl_coef=lcfg.kl_coef,
-                       kl_estimator=lcfg.kl_estimator, entropy_coef=lcfg.entropy_coef,
-                       tis_cap=tis.cap if tis.enabled and tis.level == "token" else None, tis_mode=tis.mode,
-                       tis_low=tis.low)
     # loss.agg's weights over the step's micro-batches and ranks (token_mean: the heads divide by the token count)
-    micros, divisor, num_tokens = agg.prepare(micros, lcfg.agg, lcfg.agg_max_tokens or cfg.rollout.max_new_tokens,
-                                              engine.gather, lcfg.name == "gspo")
+    micros, divisor, num_tokens = ax.objective.prepare(micros, engine.gather)
     stats_parts, masks, loss_total = [], [], 0.0
     layout = {"real": sum(int(mb.attention_mask.sum()) for mb in micros)}  # tokens that are not padding
-    with s.meter.phase("train"), activations.saving(cfg.activations, engine.device):
-        for hidden, t, mask, boundary in forwards(backbone, micros, cfg.batching, layout, packing.agree(engine)):
-            objective = losses.objective(lcfg.name, t["advantages"], t["old_logprobs"], t["ref_logprobs"],
-                                         t["gen_logprobs"], is_weights=t["is_weights"], weights=t["weights"],
-                                         seq=t["seq"], mask=mask, **loss_kwargs)
-            loss, stats = s.head.loss(hidden, weight, t["targets"], mask, objective, divisor,
-                                      cfg.rollout.temperature, s.head_size)
+    with s.meter.phase("train"), ax.activations.saving():
+        for hidden, t, mask, boundary in ax.layout.forwards(backbone, micros, FIELDS, layout):
+            loss, stats = ax.head.loss(hidden, weight, t["targets"], mask, ax.objective.per_token(t, mask), divisor)
             check_finite(loss, step, "lower train.lr or train.grad_clip, or check the reward function.")
             engine.backward(loss, boundary)
             loss_total += loss.item()

@@ -123,7 +123,8 @@ def balanced(cfg, s, d: Drawn, layout: dict) -> Drawn:
     """This rank's share after the ranks even out their token loads (batching packed / shared_prompt on several
     ranks: rlrun/batching/exchange.py); the rewards travel with their rows."""
     extra = {"totals": d.totals, "shaped": d.shaped, **{f"reward/{k}": v for k, v in d.by_reward.items()}}
-    rows, roll, extra = packing.balance(cfg, s.engine, d.rows, d.roll, s.tokenizer.pad_token_id, layout, extra)
+    rows, roll, extra = packing.balance(cfg, s.engine, s.axes.layout, d.rows, d.roll, s.tokenizer.pad_token_id,
+                                        layout, extra)
     return Drawn(rows, roll, extra["totals"], {k[7:]: v for k, v in extra.items() if k.startswith("reward/")},
                  extra["shaped"])
 

@@ -7,8 +7,9 @@ from typing import Protocol
 from . import Rollout as Batch  # the dataclass a generate call returns
 
 
-class Rollout(Protocol):
-    """A sampler: completions for prompts, one sampling seed per prompt."""
+class Sampler(Protocol):
+    """A sampler (`rollout=hf|vllm`): completions for prompts, one sampling seed per prompt, as a
+    `rlrun.rollout.Rollout` batch."""
 
     needs_sync: bool  # False: it samples from the trainer's `model` itself, nothing to copy
 
@@ -19,6 +20,6 @@ class Rollout(Protocol):
 
 
 class RolloutModule(Protocol):
-    """What `registry.get("rollout", name)` is: a module whose `build` returns a `Rollout`."""
+    """What `registry.get("rollout", name)` is: a module whose `build` returns a `Sampler`."""
 
-    def build(self, cfg, model, tokenizer, device) -> Rollout: ...
+    def build(self, cfg, model, tokenizer, device) -> Sampler: ...

@@ -60,7 +60,7 @@ def results_hint(cfg, tracker) -> str:
     view (tracking/ui.py); and the run's output folder."""
     lines = []
     run_id = getattr(tracker, "run_id", None)
-    if run_id and cfg.tracking.name == "mlflow":
+    if run_id and getattr(cfg.tracking, "uri", None):  # a tracking option with a store
         uri = cfg.tracking.uri
         try:
             exp = tracker.client.get_run(run_id).info.experiment_id

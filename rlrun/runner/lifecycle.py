@@ -22,7 +22,7 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
     main_rank = ranks.is_main()  # data parallel: only rank 0 talks to MLflow (and draws progress)
     if main_rank:  # before the MLflow run exists: a refused folder leaves no run behind
         folders.check_export(export_dir(cfg) if cfg.export.enabled else None, cfg.checkpoint.dir,
-                             cfg.tracking.uri if cfg.tracking.name == "mlflow" else None)
+                             getattr(cfg.tracking, "uri", None))  # a store, where the tracking option has one
     with folders.own_checkpoints(cfg.checkpoint.dir if main_rank else None, resuming=bool(cfg.resume)):
         return _tracked(cfg, raw, run_name, train, state, main_rank)
 
@@ -43,8 +43,9 @@ def _tracked(cfg, raw, run_name, train, state, main_rank) -> dict:
         end(tracker, "FAILED", f"{type(e).__name__}: {e}")
         raise
     finally:
-        if cfg.engine.name == "deepspeed":
-            registry.get("engine", "deepspeed").shutdown()
+        shutdown = getattr(registry.get("engine", cfg.engine.name), "shutdown", None)
+        if shutdown is not None:  # an engine with process-wide state (DeepSpeed's process group)
+            shutdown()
     with signals.held():  # a Ctrl-C now waits until the run is marked FINISHED
         tracker.summary(summary)
         tracker.describe(tracking.headline(summary))

@@ -1,11 +1,11 @@
 """Setup in one call: `setup` builds every component a recipe trains with, once, in a fixed order, and returns a
 frozen `Setup` record. The recipes read the record and never reach back; nothing in it is changed afterwards, and
-the validated config is never rewritten (`head.size=auto` is resolved into `Setup.head_size`)."""
+the validated config is never rewritten (`head.size=auto` is resolved into the bound head, `Setup.axes.head`).
+Every option of the run is an object there (`Setup.axes`, rlrun/axes.py): the recipes call them, never name them."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import random
@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import activations, models, plan, precision, registry
+from .. import axes, batching, models, plan, policy, registry, warmstart
+from ..engine.protocol import Engine
 from ..meters import OFFLOAD_PHASES, Meter
+from ..rollout.protocol import Sampler
 
 log = logging.getLogger("rlrun")
 
@@ -39,13 +41,11 @@ class Setup:
     """Everything one run trains with. `engine.model` is the policy (wrapped, moved, maybe partitioned)."""
 
     tokenizer: Any
-    engine: Any
+    engine: Engine
     meter: Meter
-    head: Any  # the head module (rlrun.heads.Head): dense | tiled | chunked
-    head_size: int | None  # tokens per tile or chunk, head.size=auto resolved (dense: ignored)
+    axes: axes.Axes  # every option of the run as its object, bound (head size, ranks, device)
     data: Any  # Data.value: the task (GRPO) or the preference pairs (DPO)
-    rollout: Any | None  # the generator (GRPO), built on the weights the run starts from
-    plan: Any | None  # rlrun.plan.Plan, None when the run could not be planned
+    rollout: Sampler | None  # the generator (GRPO, sync), built on the weights the run starts from
     grad_accum: int  # micro-batches per rank per optimizer step
     warnings: tuple[str, ...]  # about the data and settings (the run tag rlrun.warnings)
 
@@ -57,38 +57,34 @@ def seed_everything(seed: int) -> None:
 
 
 def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: int, with_reference: bool,
-          reference_path: str | None = None, with_rollout: bool = False, resume: dict | None = None) -> Setup:
+          reference_path: str | None = None, with_rollout: bool = False, resume: dict | None = None,
+          temperature: float = 1.0) -> Setup:
     """Seed; build the policy and tokenizer; `load` the recipe's data; warm-start the policy (when `warm_start`
-    applies); copy or load the reference; add LoRA; hand both to the engine; plan the memory (resolving
-    head.size=auto); load a checkpoint's engine state (`resume`); build the rollout on those weights."""
+    applies); build the reference and the trainer's copy (rlrun.policy: LoRA, activations, precision); hand both
+    to the engine; plan the memory (resolving head.size=auto); load a checkpoint's engine state (`resume`); build
+    the rollout on those weights; bind the axes (`temperature`: of the run's logprobs)."""
     seed_everything(cfg.seed)
-    policy, tokenizer = models.build(cfg.model, cfg.seed)
-    data = load(tokenizer, models.context_size(policy))
+    base, tokenizer = models.build(cfg.model, cfg.seed)
+    data = load(tokenizer, models.context_size(base))
     warnings = list(data.warnings)
-    warm = cfg.warm_start
-    if warm_applies(cfg):
-        from ..warmstart import warm_start
-
-        if cfg.task.name != "arith":  # the user's data: asked for, so say what it trains on
-            log.warning("%s", warm_notice(cfg, len(data.warm_rows)))
-
+    if warmstart.applies(cfg):
+        notice = warmstart.notice(cfg, len(data.warm_rows))
+        if notice:  # the user's data: asked for, so say what it trains on
+            log.warning("%s", notice)
         with timed(tracker, "warm_start"):
-            warm_start(policy, tokenizer, data.warm_rows, dataclasses.asdict(warm), cfg.seed, cache=warm.cache)
-    lora = cfg.model.lora
-    # LoRA: the reference pass can run the policy with its adapters disabled (models.reference), no copy
-    adapters_off = lora.enabled and lora.reference == "adapters_off" and reference_path is None
+            warmstart.warm_start(base, tokenizer, data.warm_rows, dataclasses.asdict(cfg.warm_start), cfg.seed,
+                                 cache=cfg.warm_start.cache)
+    # LoRA's adapters_off: the reference pass runs the policy with its adapters disabled (models.reference)
     reference = None
-    if with_reference and not adapters_off:
-        reference = frozen_reference(policy, reference_path, cfg.model.dtype)
-    if lora.enabled:  # after the warm start and the reference copy: both are of the base model
-        policy = models.add_lora(policy, lora)
-    activations.apply(policy, cfg.activations)  # the policy only: the reference never runs with a gradient
-    for model in (policy, reference):  # train.precision=bf16 on engine=single: backbones under bf16 autocast
-        precision.apply(model, cfg)
-    shapes = plan.shapes_of(policy, plan.weight_dtype(cfg))  # before the engine partitions it (ZeRO-3)
-    engine = registry.get("engine", cfg.engine.name).Engine(cfg, policy, reference, grad_accum)
+    if with_reference and not models.adapters_off_reference(cfg.model.lora, reference_path):
+        reference = policy.build(cfg, "reference", base=base)  # of the base: before the trainer's LoRA
+    trainer = policy.build(cfg, "trainer", base=base)
+    shapes = plan.shapes_of(trainer, plan.weight_dtype(cfg))  # before the engine partitions it (ZeRO-3)
+    engine = registry.get("engine", cfg.engine.name).Engine(cfg, trainer, reference, grad_accum)
     head_size, memory = plan_memory(cfg, tracker, engine, tokenizer, shapes, data.plan_rows, warnings)
-    device_notes(cfg, tracker, engine)
+    bound = axes.resolve(cfg, head_size=head_size, temperature=temperature, agree=batching.agree(engine),
+                         device=engine.device)
+    device_notes(cfg, tracker, engine, bound)
     if resume is not None:
         engine.load_state_dict(resume)
     rollout = None
@@ -97,44 +93,23 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
             rollout = registry.get("rollout", cfg.rollout.name).build(cfg.rollout, engine.model, tokenizer,
                                                                       engine.device)
     skip = () if cfg.offload.enabled else OFFLOAD_PHASES  # not logged: charts of phases that never ran mislead
-    return Setup(tokenizer=tokenizer, engine=engine, meter=Meter(engine.device, skip=skip),
-                 head=registry.get("head", cfg.head.name), head_size=head_size, data=data.value, rollout=rollout,
-                 plan=memory, grad_accum=grad_accum, warnings=tuple(warnings))
+    return Setup(tokenizer=tokenizer, engine=engine, meter=Meter(engine.device, skip=skip), axes=bound,
+                 data=data.value, rollout=rollout, grad_accum=grad_accum, warnings=tuple(warnings))
 
 
-def warm_applies(cfg) -> bool:
-    """warm_start.enabled: true, or auto for the embedded random-init model on its own synthetic task (task=arith,
-    whose answers the warm start's off-by-one labels are made for); never on the user's data unless asked."""
-    enabled = cfg.warm_start.enabled
-    return enabled is True or (enabled == "auto" and cfg.model.name == "tiny" and cfg.task.name == "arith")
-
-
-def warm_notice(cfg, rows: int) -> str:
-    w = cfg.warm_start
-    return (f"warm start: {w.steps} supervised steps on {rows} training rows, prompt -> answer (DPO: the chosen "
-            f"response), {w.wrong_prob:.0%} of the labels made wrong on purpose (the answer with one of "
-            f"{list(w.offsets)} added, where it is a number); it is meant for task=arith's short numeric answers. "
-            "warm_start.enabled=false turns it off.")
-
-
-PRECISION_PATHS = {"bf16-autocast": "fp32 master weights and AdamW state, backbone forward and backward under "
-                   "torch.autocast(bfloat16), logits and softmax in fp32 (engine=single)",
-                   "bf16-deepspeed": "DeepSpeed's bf16 mode: bf16 weights and compute, fp32 master weights and "
-                   "optimizer state in the ZeRO optimizer"}
-
-
-def device_notes(cfg, tracker, engine) -> None:
+def device_notes(cfg, tracker, engine, bound: axes.Axes) -> None:
     """The device and versions as run tags, and a note for each option that moves nothing on this device."""
     tracker.tags({"rlrun.device": engine.device.type, "rlrun.torch": torch.__version__,
-                  "rlrun.world_size": str(engine.world), "rlrun.precision": precision.path(cfg)})
-    if precision.resolved(cfg) == "bf16":
-        log.info("train.precision=bf16: %s", PRECISION_PATHS[precision.path(cfg)])
+                  "rlrun.world_size": str(engine.world), "rlrun.precision": bound.precision.path})
+    if bound.precision.note:
+        log.info("train.precision=%s: %s", cfg.train.precision, bound.precision.note)
     if cfg.offload.enabled and not engine.offload_effective():
-        log.info("offload=on on a CPU-only run: optimizer state already lives in host memory, nothing moves.")
+        log.info("offload=%s on a CPU-only run: optimizer state already lives in host memory, nothing moves.",
+                 cfg.offload.name)
         tracker.tags({"offload.effective": "false"})
-    if not activations.effective(cfg.activations, engine.device):
-        log.info("activations=offload on a CPU-only run: saved activations already live in host memory, nothing "
-                 "moves.")
+    if not bound.activations.effective():
+        log.info("activations=%s on a CPU-only run: saved activations already live in host memory, nothing "
+                 "moves.", cfg.activations.name)
         tracker.tags({"activations.effective": "false"})
 
 
@@ -173,9 +148,3 @@ def timed(tracker, what: str):
     seconds = time.perf_counter() - t0
     log.info("%s: %.1f s", what.replace("_", " "), seconds)
     tracker.log(0, {f"time/{what}_s": seconds})
-
-
-def frozen_reference(policy, path: str | None, dtype: str):
-    """The reference model: a frozen copy of the initial policy, or a local checkpoint."""
-    ref = models.load_hf(path, dtype)[0] if path else copy.deepcopy(policy)
-    return ref.requires_grad_(False)

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import render
+from .. import registry, render
 
-OPTIONS = ("padded", "packed", "shared_prompt")
+OPTIONS = tuple(registry.REGISTRY["batching"])  # every batching option, the baseline first
 
 
 def lengths(n: int, median: float, cap: int, g: torch.Generator) -> list[int]:
@@ -56,7 +56,7 @@ def child(option: str, a, out_path: str) -> None:
     the loss and the gradients."""
     from omegaconf import OmegaConf
 
-    from .. import models, registry
+    from .. import axes, models
     from ..meters import MIB, Meter
     from ..recipes import grpo
 
@@ -79,15 +79,17 @@ def child(option: str, a, out_path: str) -> None:
     engine = SimpleNamespace(model=model, gather=lambda x: [x], backward=lambda t, boundary=None: t.backward(),
                              device=torch.device("cpu"),
                              world=1)
-    s = SimpleNamespace(engine=engine, meter=meter, head=registry.get("head", a.head), head_size=a.tile_size)
+    s = SimpleNamespace(engine=engine, meter=meter, axes=axes.of(a.head, a.tile_size, 1.0, option, a.max_tokens,
+                                                                  loss=cfg.loss, max_new_tokens=a.response_cap))
     times = {"old": [], "train": []}
     for _ in range(a.repeat + 1):  # the first is a warm-up
         work = copy.deepcopy(micros)
         model.zero_grad(set_to_none=True)
         meter.new_step()
-        with meter.phase("old_logprobs"):
-            for mb, lp in zip(work, grpo.logprob_pass(model, work, s.head, a.tile_size, 1.0, cfg.batching)):
-                mb.old_logprobs = lp
+        with meter.phase("old_logprobs"), torch.no_grad():
+            old = s.axes.layout.logprobs(model, work, s.axes.head)
+        for mb, lp in zip(work, old):
+            mb.old_logprobs = lp
         loss, _, _, layout = grpo.train_step(cfg, s, work, 0)
         times["old"].append(meter.seconds["old_logprobs"])
         times["train"].append(meter.seconds["train"])
@@ -196,7 +198,7 @@ def add_parser(sub, func) -> None:
     b.add_argument("--hidden", type=int, default=128)
     b.add_argument("--layers", type=int, default=2)
     b.add_argument("--vocab", type=int, default=4096)
-    b.add_argument("--head", default="chunked", choices=["dense", "tiled", "chunked"])
+    b.add_argument("--head", default="chunked", choices=list(registry.REGISTRY["head"]))
     b.add_argument("--tile-size", type=int, default=256)
     b.add_argument("--repeat", type=int, default=3, help="timed repeats after a warm-up (the fastest is reported)")
     b.add_argument("--threads", type=int, default=0)

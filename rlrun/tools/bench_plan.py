@@ -25,7 +25,7 @@ import statistics
 
 import torch
 
-from .. import render
+from .. import registry, render
 
 PHASES = ("generate", "old_logprobs", "ref_logprobs", "train")
 CHECKED = ("old_logprobs", "ref_logprobs", "train")  # the phases the target is about
@@ -81,7 +81,7 @@ def auto_child(point: dict, out_path: str) -> None:
     n, vocab, hidden, trainable = 512, point["vocab"], point["hidden"], point["trainable"]
     s = plan.Shapes(vocab=vocab, hidden=hidden, intermediate=4 * hidden, layers=1, kv_dim=hidden, params=0,
                     trainable=0, head_trainable=trainable, param_bytes=4)
-    size = plan.auto_size(point["budget"] * MIB, n, s, point["head"], accumulate=True)
+    size = plan.auto_size(point["budget"] * MIB, n, s, registry.get("head", point["head"]), accumulate=True)
     head = registry.get("head", point["head"])
     warm = torch.randn(16, 8, requires_grad=True)  # as in a run, torch has computed before (thread pools set up)
     head.loss(warm, torch.randn(64, 8), torch.zeros(16, dtype=torch.long), torch.ones(16, dtype=torch.bool),
@@ -220,7 +220,7 @@ def add_parser(sub, func, ints) -> None:
 
     m = sub.add_parser("plan", help="the memory plan (rlrun plan) vs the measured peak growth of short runs",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    m.add_argument("--heads", type=lambda t: t.split(","), default=["dense", "tiled", "chunked"])
+    m.add_argument("--heads", type=lambda t: t.split(","), default=list(registry.REGISTRY["head"]))
     m.add_argument("--vocabs", type=ints, default=[16384, 65536, 151936])
     m.add_argument("--tokens", type=ints, default=[512, 2048], help=f"per micro-batch: {sorted(TOKENS)}")
     m.add_argument("--lora", default="tiled,65536,2048", help="HEAD,VOCAB,TOKENS of a LoRA run ('' for none)")

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-# Efficiency axes -> their reference (exact baseline) option; the config key of each is "<axis>.name".
-REFERENCE = {"head": "dense", "logprob_policy": "always", "offload": "off", "batching": "padded",
-             "activations": "keep"}
+from .. import registry
+
+# Efficiency axes -> their reference (exact baseline) option, from the registry; the config key of each is
+# "<axis>.name".
+REFERENCE = {axis: registry.baseline(axis) for axis in registry.EFFICIENCY}
 # Parameters that say nothing about what is trained: never a reason to put two runs in different groups.
 IGNORED = ("run_name", "tracking.", "progress", "report.", "log.", "checkpoint.", "export.", "plan.")
 COMPARED = ("loss", "reward_mean")  # the curves compared step by step

@@ -24,14 +24,14 @@ import statistics
 import time
 import traceback
 
-from .. import render
+from .. import registry, render
 from ..meters import PHASES, growth_key, peak_key, plan_growth_key, plan_peak_key, time_key
 
 SHAPES = {  # Qwen2-0.5B (494.0M parameters) and Qwen2-1.5B (1543.7M) as model=tiny sizes
     "0.5b": dict(hidden_size=896, intermediate_size=4864, layers=24, heads=14, kv_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, layers=28, heads=12, kv_heads=2)}
 VOCAB = 151936
-HEADS, ACTIVATIONS = ("dense", "tiled", "chunked"), ("keep", "checkpoint", "offload")
+HEADS, ACTIVATIONS = tuple(registry.REGISTRY["head"]), tuple(registry.REGISTRY["activations"])
 PLAN_PHASES = ("generate", "old_logprobs", "ref_logprobs", "train")
 PREP = ("offload", "old_logprobs", "ref_logprobs", "onload")  # offload docs: the step's preparation
 BASE = ["logprob_policy=always", "batching=padded", "rollout.pipeline=sync", "loss.kl_coef=0"]

@@ -1,0 +1,102 @@
+"""The axes of a run as objects: each option found through the registry once, from the validated config.
+
+What is true of an option is said on its object, once: `exactness` (one of EXACTNESS, relative to its axis's
+baseline), `phases` (the phases of a step it changes: what a sweep should time it by), and its memory term, which
+rlrun/plan/ asks for instead of naming the option. The recipes, the runner and the planner read these objects and
+never compare an option's name (tests/test_axes.py checks the source). A new option is its module plus its YAML
+(docs/adding-an-option.md).
+
+    axis            config key            object (registry group)
+    head            head                  the head module, bound to its size and temperature (heads.Bound)
+    logprobs        logprob_policy        which extra passes a rollout needs (logprobs.Always | Window | Skip)
+    offload         offload               whether optimizer state leaves the device for them (offload.On | Off)
+    layout          batching              how a pass lays out its sequences (batching.layouts.*)
+    activations     activations           what a pass with a gradient keeps (activations.Keep | ...)
+    precision       train.precision       the arithmetic of every copy of the policy (precision.Fp32 | Bf16)
+    pipeline        rollout.pipeline      where GRPO's rollouts come from (recipes/sources.Sync | Async)
+    objective       loss (GRPO)           the loss bound to its aggregation and correction (losses.bound)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import activations, heads, logprobs, offload, precision, registry
+from .batching.layouts import Padded
+from .losses.bound import Objective
+
+# What an option's numbers are, relative to its axis's baseline (the option whose exactness is "baseline").
+EXACTNESS = {
+    "baseline": "the reference its axis is compared with",
+    "bitwise": "the baseline's numbers, bit for bit",
+    "fp_tolerance": "the baseline's numbers up to summation order (fp32: 1e-5 relative)",
+    "approximate": "close to the baseline's, not equal (lower precision, staleness); compared by what it learns",
+    "objective": "a different objective: compared by what it learns, not by its numbers",
+}
+# config key -> registry group of each axis that is not a whole config group
+KEYS = {"precision": "train.precision", "pipeline": "rollout.pipeline"}
+
+
+@dataclass(frozen=True)
+class Axes:
+    head: heads.Bound
+    logprobs: logprobs.Always
+    offload: offload.Off
+    layout: Padded
+    activations: activations.Keep
+    precision: precision.Fp32
+    pipeline: Any  # the source class of rollout.pipeline (recipes/sources.py); GRPO instantiates it
+    objective: Objective | None  # GRPO's; None for DPO (its loss is a function of sequence logprobs)
+
+
+def resolve(cfg, *, head_size: int | None = None, temperature: float = 1.0, agree=None,
+            device: torch.device | str = "cpu") -> Axes:
+    """The axis objects of a validated run config. `head_size`: the tile size (head.size=auto resolved by the
+    plan; default cfg.head.size); `temperature`: of the run's logprobs (GRPO: rollout.temperature); `agree`:
+    n -> the largest n over ranks (batching.agree(engine); None on one process); `device`: the run's."""
+    size = head_size if head_size is not None else (cfg.head.size if cfg.head.size != "auto" else None)
+    grpo = cfg.loss.name != "dpo"
+    return Axes(
+        head=heads.Bound(registry.get("head", cfg.head.name), size, temperature),
+        logprobs=registry.get("logprob_policy", cfg.logprob_policy.name)(cfg.logprob_policy),
+        offload=registry.get("offload", cfg.offload.name)(cfg.offload),
+        layout=registry.get("batching", cfg.batching.name)(cfg.batching, agree),
+        activations=registry.get("activations", cfg.activations.name)(cfg.activations, device),
+        precision=precision.option(cfg),
+        pipeline=registry.get("pipeline", cfg.rollout.pipeline),
+        objective=Objective(cfg.loss, cfg.rollout.max_new_tokens) if grpo else None)
+
+
+def of(head="dense", size=16, temperature=1.0, batching="padded", max_tokens=64, activations="keep", every=1,
+       loss=None, max_new_tokens=12, policy="always", offload="off", precision="fp32", pipeline="sync",
+       agree=None) -> Axes:
+    """The axes of a step run outside a run (benchmarks, tests), from option names and the few keys they read;
+    `loss`: a loss config node for GRPO's objective (None: none)."""
+    from types import SimpleNamespace as NS
+
+    run = NS(engine=NS(name="single", dtype="auto"), train=NS(precision=precision))  # what precision.path reads
+    return Axes(head=heads.Bound(registry.get("head", head), size, temperature),
+                logprobs=registry.get("logprob_policy", policy)(None),
+                offload=registry.get("offload", offload)(NS(enabled=offload == "on")),
+                layout=registry.get("batching", batching)(NS(max_tokens=max_tokens), agree),
+                activations=registry.get("activations", activations)(NS(every=every)),
+                precision=registry.get("precision", precision)(run),
+                pipeline=registry.get("pipeline", pipeline),
+                objective=Objective(loss, max_new_tokens) if loss is not None else None)
+
+
+def options(group: str) -> dict[str, Any]:
+    """Every option of `group` (a registry group) as its object: what tests, sweeps and --help enumerate."""
+    return {name: registry.get(group, name) for name in registry.REGISTRY[group]}
+
+
+def exactness(group: str, name: str) -> str:
+    """What `group=name`'s numbers are against its axis's baseline (a key of EXACTNESS)."""
+    obj = registry.get(group, name)
+    return getattr(obj, "exactness", None) or obj.EXACTNESS
+
+
+baseline = registry.baseline  # the option of an axis the others are compared with

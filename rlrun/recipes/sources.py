@@ -1,0 +1,120 @@
+"""rollout.pipeline=sync|async as objects (the registry's `pipeline` entries): where the GRPO recipe's rollouts
+come from. The recipe asks `next(step, rollouts, got)` for the next one and never names the option.
+
+- `Sync` (the baseline): generated in this process with the current weights when the buffer runs short
+  (train.dynamic_sampling's rounds included); a rollout engine with its own weights (vLLM) is synced first when
+  a step changed them.
+- `Async`: taken in order from the generator process (rlrun/pipeline), which runs up to rollout.max_staleness
+  optimizer steps ahead on its own copy of the policy (rlrun.policy, role generator).
+
+Each is built by the recipe as `Source(cfg, s, prompts, window=, grad_accum=, drawn=)`; `stateful()` is what it
+checkpoints, `open(cleanup, tracker, step)` starts it (after a checkpoint is restored), `ahead(step)` runs at the
+start of every optimizer step. `memory` is its term for the planner (rlrun/plan/phases.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .. import pipeline
+from ..plan.phases import Phase
+from ..runner import timed
+from . import sampling
+
+
+class Source(Protocol):
+    exactness: str  # rlrun.axes.EXACTNESS
+    phases: tuple[str, ...]
+    generates_here: bool  # setup builds a rollout engine in this process (on the trainer's own copy)
+
+    def stateful(self) -> dict: ...
+
+    def open(self, cleanup, tracker, step: int) -> None: ...
+
+    def ahead(self, step: int) -> None: ...
+
+    def next(self, step: int, rollouts: int, got) -> tuple:
+        """(the next rollout, drawn and scored: sampling.Drawn; the optimizer steps of the weights that drew it)."""
+
+    def memory(self, cfg, s, gen, device_type: str) -> tuple:
+        """(the generate phase as this option runs it, what the trainer's phases carry besides: {part: bytes})."""
+
+
+class Sync:
+    exactness = "baseline"
+    phases = ("generate", "sync")
+    generates_here = True
+
+    def __init__(self, cfg, s, prompts, *, window: int, grad_accum: int, drawn=None):
+        self.cfg, self.s, self.prompts, self.drawn = cfg, s, prompts, drawn  # drawn: dynamic sampling's totals
+        self.synced_at = 0  # the rollout engine holds the weights after this many optimizer steps
+
+    def stateful(self) -> dict:
+        return {}
+
+    def open(self, cleanup, tracker, step: int) -> None:
+        self.synced_at = step
+
+    def ahead(self, step: int) -> None:
+        pass
+
+    def next(self, step: int, rollouts: int, got):
+        s, cfg = self.s, self.cfg
+        if s.rollout.needs_sync and self.synced_at != step and cfg.rollout.sync_weights:
+            with s.meter.phase("sync"), s.engine.generation():  # only when a step changed the weights
+                s.rollout.sync(s.engine.model)
+            self.synced_at = step
+        # generated and scored; with train.dynamic_sampling, more rounds until the rollout's groups carry a signal
+        return sampling.draw(cfg, s, self.prompts, rollouts, got.sampling, self.drawn), step
+
+    @staticmethod
+    def memory(cfg, s, gen: Phase, device_type: str) -> tuple[Phase, dict[str, int]]:
+        return gen, {}
+
+
+class Async(Sync):
+    """Not the baseline's numbers: rollouts drawn by weights up to K steps old (compared by what it learns, with
+    the staleness and the generator-trainer mismatch logged beside its speed)."""
+
+    exactness = "approximate"
+    phases = ("generate", "wait", "sync", "step")  # the whole step: generation overlaps training
+    generates_here = False  # the generator process builds its own (rlrun/pipeline/worker.py)
+
+    def __init__(self, cfg, s, prompts, *, window: int, grad_accum: int, drawn=None):
+        super().__init__(cfg, s, prompts, window=window, grad_accum=grad_accum, drawn=drawn)
+        self.pipe = pipeline.Pipeline(cfg, window=window, grad_accum=grad_accum, device=s.engine.device)
+
+    def stateful(self) -> dict:
+        return {"pipeline": self.pipe}
+
+    def open(self, cleanup, tracker, step: int) -> None:
+        cleanup.callback(self.pipe.close)  # however the loop ends (error, Ctrl-C, SIGTERM): no process left behind
+        with timed(tracker, "generator_start"):  # its own interpreter, model and rollout engine
+            self.pipe.start(self.s.engine.model, step)
+
+    def ahead(self, step: int) -> None:
+        """Request what the next steps train on, publishing these weights if needed."""
+        self.pipe.ahead(step, self.s.engine.model, lambda r: sampling.prompts_of(self.cfg, self.s, self.prompts, r),
+                        self.s.meter)
+
+    def next(self, step: int, rollouts: int, got):
+        with self.s.meter.phase("wait"):  # the trainer idles until the generator has it
+            g = self.pipe.take()
+        got.worker.append((g.busy_s, g.idle_s))
+        return sampling.scored(self.cfg, self.s, g.rows, g.rollout), g.version
+
+    @staticmethod
+    def memory(cfg, s, gen: Phase, device_type: str) -> tuple[Phase, dict[str, int]]:
+        """The generate phase re-planned on the worker process's own copy of the weights, and what the trainer's
+        phases carry besides: on CPU, the two shared weight slots it writes (trainable parameters, double-buffered);
+        on an accelerator shared with the worker (rollout.worker_device unset or naming the trainer's kind), the
+        worker's whole generate peak, since it runs while the trainer trains. The slots are host memory on an
+        accelerator, not the device's."""
+        gen = Phase(gen.parts, {"generator process: its copy of the weights": s.params * s.param_bytes})
+        if device_type == "cpu":
+            return gen, {"weight slots for the generator (2 x trainable, shared memory)":
+                         2 * s.trainable * s.param_bytes}
+        device = cfg.rollout.worker_device
+        if device is None or str(device).split(":")[0] == device_type:
+            return gen, {"generator process on this device (weights, generate peak)": gen.peak}
+        return gen, {}

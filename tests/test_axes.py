@@ -1,0 +1,178 @@
+"""The axes as objects (rlrun/axes.py): the recipes and the runner never compare an option's name; every option says
+its exactness, the phases it changes and its memory term once, on itself; and a new option is its module plus its
+YAML: a toy head and a toy layout registered from this test module only are validated, planned, grouped by the
+sweep's equivalence check and computed like their baselines, with no other file changed."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+from conftest import CONF, ROOT
+from hydra import compose, initialize_config_dir
+
+from rlrun import axes, registry
+from rlrun.config import choices, validate
+from rlrun.meters import PHASES
+
+CHECKED = [ROOT / "rlrun" / "recipes", ROOT / "rlrun" / "runner"]
+
+
+def option_names() -> set[str]:
+    """Every value that names an option: the registry's names and the values of the axes keyed by a config key."""
+    names = {n for group in registry.REGISTRY.values() for n in group}
+    return names | {v for k in registry.KEYED_BY.values() if "." in k for v in choices(k)} | {"sequence", "token"}
+
+
+def name_comparisons(source: str, where: str) -> list[str]:
+    """Each comparison in `source` (==, !=, in, not in) with a string that names an option."""
+    names, found = option_names(), []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        texts = [c.value for c in sides if isinstance(c, ast.Constant)]
+        texts += [e.value for c in sides if isinstance(c, (ast.Tuple, ast.List, ast.Set)) for e in c.elts
+                  if isinstance(e, ast.Constant)]
+        if any(isinstance(t, str) and t in names for t in texts):
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_recipes_and_runner_never_compare_an_option_name():
+    found = [hit for folder in CHECKED for path in sorted(folder.glob("*.py"))
+             for hit in name_comparisons(path.read_text(), str(path.relative_to(ROOT)))]
+    assert found == [], "branch on the option's object (rlrun/axes.py), not its name:\n" + "\n".join(found)
+
+
+def test_the_check_finds_a_comparison_of_each_kind():
+    code = ('if cfg.batching.name == "padded": pass\nif tis.level != "sequence": pass\n'
+            'if cfg.rollout.pipeline in ("async",): pass\nif key == "loss": pass\n')
+    assert [line.split(": ", 1)[1] for line in name_comparisons(code, "x")] == [
+        "cfg.batching.name == 'padded'", "tis.level != 'sequence'", "cfg.rollout.pipeline in ('async',)"]
+
+
+AXIS_OPTIONS = [(g, n) for g in registry.AXES for n in registry.REGISTRY[g]]
+
+
+@pytest.mark.parametrize("group,name", AXIS_OPTIONS, ids=[f"{g}={n}" for g, n in AXIS_OPTIONS])
+def test_every_option_says_its_exactness_and_the_phases_it_changes(group, name):
+    obj = registry.get(group, name)
+    exactness = getattr(obj, "exactness", None) or getattr(obj, "EXACTNESS", None)
+    phases = getattr(obj, "phases", None) or getattr(obj, "PHASES", None)
+    assert exactness in axes.EXACTNESS
+    assert (exactness == "baseline") == (name == registry.baseline(group))  # one baseline: the first listed
+    assert phases and set(phases) <= set(PHASES) | {"step"}, phases
+
+
+def test_resolve_gives_every_axis_its_object(cfg_factory):
+    cfg = validate(cfg_factory("head=tiled", "head.size=32", "batching=shared_prompt", "activations=checkpoint",
+                               "logprob_policy=window", "train.precision=bf16", "loss=gspo"))
+    a = axes.resolve(cfg, temperature=0.7)
+    assert a.head.impl is registry.get("head", "tiled") and (a.head.size, a.head.temperature) == (32, 0.7)
+    assert a.layout.shares_prompt and a.layout.exchanges and a.layout.max_tokens == cfg.batching.max_tokens
+    assert a.activations.checkpointed_layers(8) == 8 and a.logprobs.caches_reference
+    assert a.precision.path == "bf16-autocast" and a.pipeline.generates_here
+    assert a.objective.sequence_level and not a.objective.old_before_loss
+
+
+# -- a new option in one place ------------------------------------------------------------------------------------
+
+def toy_head() -> types.ModuleType:
+    """A head module of this test only: dense's arithmetic under another name, with its own facts."""
+    from rlrun.heads import dense
+
+    toy = types.ModuleType("toy_head")
+    toy.logprobs, toy.loss = dense.logprobs, dense.loss
+    toy.EXACTNESS, toy.PHASES, toy.TILED, toy.SWEEPS_SEQUENCE_LEVEL = "fp_tolerance", dense.PHASES, False, False
+
+    def memory(size, tokens, vocab, *, grad, trainable, entropy_grad=False):
+        return {f"toy logits ({tokens} tokens)": 3 * tokens * vocab * 4}
+
+    toy.memory, toy.freed_before_weight_grad = memory, dense.freed_before_weight_grad
+    return toy
+
+
+@dataclass
+class ToyHeadConfig:
+    name: Literal["toy"]
+    size: int | None
+
+
+@dataclass
+class ToyLayoutConfig:
+    name: Literal["toy_layout"]
+    max_tokens: int
+
+
+@pytest.fixture
+def toys(tmp_path):
+    """head=toy and batching=toy_layout registered, their YAMLs in a config folder of this test on Hydra's search
+    path; unregistered after."""
+    from rlrun.batching.layouts import Packed
+
+    class ToyLayout(Packed):  # packed's passes under another name
+        exactness = "fp_tolerance"
+
+    for group, name, text in (("head", "toy", "name: toy\nsize: null\n"),
+                              ("batching", "toy_layout", "name: toy_layout\nmax_tokens: 4096\n")):
+        (tmp_path / group).mkdir()
+        (tmp_path / group / f"{name}.yaml").write_text(text)
+    registry.register("head", "toy", toy_head(), ToyHeadConfig)
+    registry.register("batching", "toy_layout", ToyLayout, ToyLayoutConfig)
+    yield tmp_path
+    registry.unregister("head", "toy")
+    registry.unregister("batching", "toy_layout")
+
+
+def compose_with(folder, *overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=[f"hydra.searchpath=[file://{folder}]", "tracking=none", *overrides])
+
+
+def test_a_toy_head_and_layout_are_validated_planned_and_grouped_with_their_baselines(toys):
+    from rlrun import plan
+    from rlrun.tools import equivalence
+
+    cfg = validate(compose_with(toys, "experiment=smoke", "head=toy", "batching=toy_layout"))
+    assert (cfg.head.name, cfg.batching.name) == ("toy", "toy_layout")
+    with pytest.raises(Exception, match=r"head.name='toyy' is not supported; supported: \[.*'toy'"):
+        validate(compose_with(toys, "experiment=smoke", "head.name=toyy"))
+    planned = plan.predict(cfg, *plan.inputs(cfg))
+    assert any(k.startswith("toy logits") for k in planned.phases["train"].parts)  # its own memory term
+    assert any(k.startswith("attention mask") for k in planned.phases["train"].parts)  # packed's layout term
+    a = axes.resolve(cfg)
+    assert a.head.name == "toy_head" and a.layout.exchanges
+    params = [{"head.name": h, "batching.name": b, "seed": "0"} for h, b in
+              (("dense", "padded"), ("toy", "padded"), ("dense", "toy_layout"))]
+    assert equivalence.baselines(params, ["base", "toy", "toy_layout"]) == ({1: 0, 2: 0}, [])
+
+
+def test_a_toy_head_and_layout_compute_their_baselines_numbers(toys):
+    """The equivalence checks of tests/test_heads.py and tests/test_batching.py, run on the toys."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_batching
+    import test_heads
+
+    hidden, weight, targets, mask, adv, noise = test_heads.inputs(masked_tile=True)
+    from rlrun.losses import objective
+
+    def make():
+        return objective("dapo", adv, None, clip_low=0.2, clip_high=0.28)
+
+    base = test_heads.run_head("dense", hidden, weight, targets, mask, make, 0.9, 8)
+    toy = test_heads.run_head("toy", hidden, weight, targets, mask, make, 0.9, 8)
+    for got, want, what in zip(toy, base, ("loss", "grad hidden", "grad weight")):
+        test_heads.assert_close(got, want, what)
+    model, tok = test_batching.tiny_model()
+    micros = test_batching.micros_of(tok)
+    padded = test_batching.step(model, micros, "dense", "padded")
+    laid = test_batching.step(model, micros, "toy", "toy_layout")
+    assert laid[0] == pytest.approx(padded[0], rel=1e-5)
+    assert all(torch.allclose(laid[2][n], g, rtol=1e-4, atol=1e-6) for n, g in padded[2].items())
