@@ -94,3 +94,18 @@ def test_deepspeeds_bf16_generator_computes_in_bf16_weights_as_its_trainer():
     trainer = policy.build(cfg, "trainer", base=models.build(cfg.model, cfg.seed)[0])
     assert {p.dtype for p in generator.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in trainer.parameters()} == {torch.float32}  # DeepSpeed's bf16 block casts it
+
+
+def test_a_vllm_generator_in_another_precision_is_refused_unless_corrected():
+    from rlrun.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("rollout=vllm", "train.precision=bf16"))
+    assert any("rollout.dtype=float32 while the trainer computes in train.precision=bf16" in p
+               and "Set rollout.dtype=bfloat16, or correct for the gap with loss.tis.enabled=true" in p
+               for p in e.value.problems)
+    for fine in (["rollout.dtype=bfloat16"], ["loss.tis.enabled=true"]):
+        try:  # where vLLM is not installed, its absence is the one problem left
+            validate(make_cfg("rollout=vllm", "train.precision=bf16", *fine))
+        except ConfigError as e:
+            assert not any("rollout.dtype" in p for p in e.problems)

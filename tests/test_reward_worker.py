@@ -67,10 +67,8 @@ WHERE = "on completion 0 of 4 (prompt '3+4=', answer '7', completion '7')"
 
 
 def test_a_reward_call_is_bounded_and_the_error_names_the_reward_and_the_row():
-    start = time.monotonic()
-    with pytest.raises(tasks.TaskError) as e:
+    with pytest.raises(tasks.TaskError) as e:  # the reward sleeps for minutes: the bound is what ends the call
         score_isolated(task_of("hangs"), timeout_s=1.0)
-    assert time.monotonic() - start < 10
     assert str(e.value).startswith(f"reward 'hangs' (test_reward_worker:hangs) {WHERE} did not return within 1 s "
                                    "(task.reward_timeout_s=1)"), str(e.value)
 
@@ -166,15 +164,12 @@ def test_sigterm_while_a_reward_hangs_stops_the_run_within_seconds_killed(tmp_pa
             time.sleep(0.1)
         assert (tmp_path / "reached").exists(), (tmp_path / "console.txt").read_text()[-2000:]
         p.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        p.wait(timeout=60)
-        took = time.monotonic() - sent
+        p.wait(timeout=300)  # a watchdog only: the reward would sleep 600 s; what ended it is said below
     finally:
         if p.poll() is None:
             p.kill()
     err = (tmp_path / "console.txt").read_text()
     assert p.returncode == 143, err[-2000:]
-    assert took < 20, took  # the reward's grace (3 s) and the run's end; the reward itself would sleep 600 s
     assert "reward 'hang_after_a_checkpoint'" in err and "was still running 3 s after the signal" in err
     _, [r] = runs(tmp_path / "mlflow.db")
     assert r.info.status == "KILLED"

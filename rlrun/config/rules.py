@@ -294,6 +294,17 @@ def vllm_single_engine(c, world):
                "ZeRO-3 weights gathered for every sync); use rollout=hf with engine=deepspeed.")
 
 
+@rule("rollout.name", "rollout.dtype", "train.precision", "loss.tis")
+def vllm_generates_in_the_trainers_precision(c, world):
+    """Every copy of the policy computes as the trainer does (rlrun/policy.py); vLLM's copy in rollout.dtype."""
+    want = {"fp32": "float32", "bf16": "bfloat16"}[c.train.precision]
+    tis = getattr(c.loss, "tis", None)
+    if c.rollout.name == "vllm" and c.rollout.dtype != want and not (tis and tis.enabled):
+        yield (f"rollout=vllm generates in rollout.dtype={c.rollout.dtype} while the trainer computes in "
+               f"train.precision={c.train.precision}: the ratios and the mismatch would measure the precision gap, "
+               f"uncorrected. Set rollout.dtype={want}, or correct for the gap with loss.tis.enabled=true.")
+
+
 @rule("model.name", "model.hidden_size", "model.heads")
 def whole_head_dim(c, world):
     m = c.model
