@@ -52,15 +52,16 @@ class Axes:
     objective: Objective | None  # GRPO's; None for DPO (its loss is a function of sequence logprobs)
 
 
-def resolve(cfg, *, head_size: int | None = None, temperature: float = 1.0, agree=None,
+def resolve(cfg, *, head_size: int | None = None, temperature: float = 1.0, top_p: float = 1.0, agree=None,
             device: torch.device | str = "cpu") -> Axes:
     """The axis objects of a validated run config. `head_size`: the tile size (head.size=auto resolved by the
-    plan; default cfg.head.size); `temperature`: of the run's logprobs (GRPO: rollout.temperature); `agree`:
+    plan; default cfg.head.size); `temperature`, `top_p`: the distribution of the run's logprobs (GRPO: the
+    sampler's, rollout.temperature and rollout.top_p; DPO: 1, 1); `agree`:
     n -> the largest n over ranks (batching.agree(engine); None on one process); `device`: the run's."""
     size = head_size if head_size is not None else (cfg.head.size if cfg.head.size != "auto" else None)
     grpo = cfg.loss.name != "dpo"
     return Axes(
-        head=heads.Bound(registry.get("head", cfg.head.name), size, temperature),
+        head=heads.Bound(registry.get("head", cfg.head.name), size, temperature, top_p),
         logprobs=registry.get("logprob_policy", cfg.logprob_policy.name)(cfg.logprob_policy),
         offload=registry.get("offload", cfg.offload.name)(cfg.offload),
         layout=registry.get("batching", cfg.batching.name)(cfg.batching, agree),
@@ -72,13 +73,13 @@ def resolve(cfg, *, head_size: int | None = None, temperature: float = 1.0, agre
 
 def of(head="dense", size=16, temperature=1.0, batching="padded", max_tokens=64, activations="keep", every=1,
        loss=None, max_new_tokens=12, policy="always", offload="off", precision="fp32", pipeline="sync",
-       agree=None) -> Axes:
+       agree=None, top_p=1.0) -> Axes:
     """The axes of a step run outside a run (benchmarks, tests), from option names and the few keys they read;
     `loss`: a loss config node for GRPO's objective (None: none)."""
     from types import SimpleNamespace as NS
 
     run = NS(engine=NS(name="single", dtype="auto"), train=NS(precision=precision))  # what precision.path reads
-    return Axes(head=heads.Bound(registry.get("head", head), size, temperature),
+    return Axes(head=heads.Bound(registry.get("head", head), size, temperature, top_p),
                 logprobs=registry.get("logprob_policy", policy)(None),
                 offload=registry.get("offload", offload)(NS(enabled=offload == "on")),
                 layout=registry.get("batching", batching)(NS(max_tokens=max_tokens), agree),

@@ -131,7 +131,7 @@ def test_a_broken_implementation_is_caught():
     from rlrun.rollout.protocol import RolloutModule
     from rlrun.tasks.protocol import TaskReader
 
-    def loss(hidden, weight, targets, objective, mask, num_tokens, temperature, size):  # mask / objective swapped
+    def loss(hidden, weight, targets, objective, mask, num_tokens, temperature, size, top_p=1.0):  # mask/objective
         return None
 
     facts = {k: getattr(dense, k) for k in ("EXACTNESS", "PHASES", "TILED", "SWEEPS_SEQUENCE_LEVEL", "memory",
@@ -144,7 +144,7 @@ def test_a_broken_implementation_is_caught():
     no_facts = problems(types.SimpleNamespace(logprobs=dense.logprobs, loss=dense.loss), Head, "h")
     assert "h.EXACTNESS is missing" in no_facts and "h.memory is missing or not callable" in no_facts
 
-    def logprobs(hidden, weight, targets, temperature, size, with_entropy):  # no default: callers leave it out
+    def logprobs(hidden, weight, targets, temperature, size, with_entropy, top_p=1.0):  # no default: callers omit it
         return None
 
     assert problems(types.SimpleNamespace(logprobs=logprobs, loss=dense.loss, **facts), Head, "h") == [

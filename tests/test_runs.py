@@ -279,3 +279,17 @@ def test_tracking_none_runs_without_a_store(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert progress_shown(r.stderr), r.stderr[-2000:]  # what test_unusable_tracking_uri_... relies on
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
+
+
+@pytest.mark.slow  # three short runs in this process
+@pytest.mark.parametrize("top_p", [0.8, 0.5])
+def test_at_top_p_an_on_policy_run_has_importance_weight_one_and_no_mismatch(tmp_path, top_p):
+    """rollout.top_p < 1: the sampler draws from the tempered distribution renormalised over its top-p set; the
+    trainer's logprobs are of that same distribution, so on-policy the importance weight is 1 and the generation
+    vs trainer mismatch 0. (Before: every weight was the kept mass, 0.81 at top_p=0.8, and the mismatch 0.21.)"""
+    _, client, r = run_in(tmp_path, SMOKE, f"rollout.top_p={top_p}", "logprob_policy=always", "loss.tis.enabled=true",
+                          "train.steps=3")
+    weights = history(client, r.info.run_id, "is_weight_mean")
+    mismatch = history(client, r.info.run_id, "mismatch/gen_vs_train_abs")
+    assert len(weights) == 3 and all(abs(w - 1.0) <= 1e-4 for w in weights), weights
+    assert max(mismatch) <= 1e-4, mismatch

@@ -28,13 +28,16 @@ class Bound:
     impl: Any  # the head module (protocol.Head)
     size: int | None
     temperature: float = 1.0
+    top_p: float = 1.0  # < 1: logprobs of the sampler's renormalised top-p distribution (GRPO: rollout.top_p)
 
     @property
     def name(self) -> str:
         return self.impl.__name__.rsplit(".", 1)[-1]
 
     def logprobs(self, hidden, weight, targets, with_entropy: bool = False):
-        return self.impl.logprobs(hidden, weight, targets, self.temperature, self.size, with_entropy=with_entropy)
+        return self.impl.logprobs(hidden, weight, targets, self.temperature, self.size, with_entropy=with_entropy,
+                                  top_p=self.top_p)
 
     def loss(self, hidden, weight, targets, mask, objective, num_tokens):
-        return self.impl.loss(hidden, weight, targets, mask, objective, num_tokens, self.temperature, self.size)
+        return self.impl.loss(hidden, weight, targets, mask, objective, num_tokens, self.temperature, self.size,
+                              top_p=self.top_p)

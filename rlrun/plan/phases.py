@@ -67,6 +67,11 @@ def passes(cfg, world: int) -> tuple[bool, bool, bool]:
     return needs_old, needs_ref, ref_copy
 
 
+def sampled_top_p(cfg) -> float:
+    """The top-p of the distribution the heads compute logprobs of: GRPO's sampler's (rollout.top_p); DPO's 1."""
+    return 1.0 if cfg.loss.name == "dpo" else cfg.rollout.top_p
+
+
 RECOMPUTED = "one layer recomputed in backward"
 # the train parts that are the saved-activation term (plan/train_activations_mib)
 ACTIVATIONS = ("activations saved", "layer inputs kept", RECOMPUTED, "one layer's saved tensors", "saved outside")
@@ -92,7 +97,7 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
     parts.update(mask)
     head = terms.head_parts(registry.get("head", cfg.head.name), size, tokens, s, grad=True,
                             accumulate=grad_accum(cfg, world) > 1,
-                            entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)))
+                            entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)), top_p=sampled_top_p(cfg))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     parts.update(terms.objective_parts(cfg, cfg.train.batch_size // world * cfg.rollout.max_new_tokens, tokens))
     # the blocks the micro-batch before the peak's left; a step of one micro-batch reuses the last step's heap
@@ -157,7 +162,7 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
                  "final hidden states": 2 * layer_tokens * s.hidden * b, **mask}
         if policy and kind == "autocast":  # the autocast cache keeps the casts of weights that require grad
             parts["bf16 weight copies (autocast cache)"] = s.layer_matrices * 2
-        parts.update(terms.head_parts(head, size, tokens, s, grad=False))
+        parts.update(terms.head_parts(head, size, tokens, s, grad=False, top_p=sampled_top_p(cfg)))
         offloaded = offload.option(cfg.offload).frees_state(device_type)  # optimizer state on the host for these
         return Phase(parts, {**weights, **({} if offloaded else adam)})
 

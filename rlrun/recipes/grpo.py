@@ -151,8 +151,10 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
         return Data(task, warm_rows=task.train, plan_rows=task.train, warnings=warnings)
 
     a = axes.resolve(cfg)  # the options as objects; setup binds them to the engine and the plan
+    # the trainer's logprobs are the sampler's distribution (temperature, top-p renormalised): ratios compare alike
     s = setup(cfg, tracker, load=load, grad_accum=grad_accum, resume=resume, temperature=cfg.rollout.temperature,
-              with_rollout=a.pipeline.generates_here, with_reference=a.logprobs.builds_reference(cfg.loss.kl_coef))
+              top_p=cfg.rollout.top_p, with_rollout=a.pipeline.generates_here,
+              with_reference=a.logprobs.builds_reference(cfg.loss.kl_coef))
     frame, engine, task = Frame(cfg, raw, tracker, s, curve="reward_mean"), s.engine, s.data
     prompts = tasks.prompt_stream(task.train, cfg.seed)  # the same stream on every rank; each takes its slice
     buffer, passes = RolloutBuffer(window), logprobs.PassCounter()
