@@ -118,7 +118,24 @@ def plan_main(cfg: DictConfig):
     print(text)
 
 
-# a plan writes nothing: no output folder or logs, and no sweep (a sweep config's hydra.mode: MULTIRUN included)
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def check_main(cfg: DictConfig):
+    """`rlrun check <overrides>`: validate, then prove the configuration on a probe rollout (rlrun/check/); exit 1
+    when a probe fails."""
+    try:
+        typed = validate(cfg)
+        from . import check
+
+        text, ok = check.report(typed)
+    except USER_ERRORS as e:
+        print(f"rlrun check: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(text)
+    if not ok:
+        sys.exit(1)
+
+
+# a plan or a check writes nothing: no output folder or logs, and no sweep (a sweep config's hydra.mode included)
 PLAN_ARGS = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
              "hydra/hydra_logging=disabled", "hydra.mode=RUN"]
 
@@ -131,12 +148,13 @@ def entry():
 
     targets.guard()  # no code from a config: checked before Hydra instantiates a callback, launcher or sweeper
     try:
-        if sys.argv[1:2] == ["plan"]:
+        if sys.argv[1:2] in (["plan"], ["check"]):
+            verb = sys.argv[1]
             if {"-m", "--multirun"} & set(sys.argv):
-                sys.exit("rlrun plan: error: plan one configuration at a time (no -m / --multirun).")
+                sys.exit(f"rlrun {verb}: error: {verb} one configuration at a time (no -m / --multirun).")
             sys.argv[1:2] = []
             sys.argv += PLAN_ARGS
-            return plan_main()
+            return plan_main() if verb == "plan" else check_main()
         main()
     except KeyboardInterrupt:
         print("rlrun: interrupted", file=sys.stderr)

@@ -17,7 +17,8 @@ LAYERS = [
      "tracking", "rollout", "engine", "plan", "pipeline", "precision", "policy", "axes"},
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},
-    {"cli", "sweep", "tools", "bench", "__main__"},  # bench: the `python -m rlrun.bench` name of tools/bench.py
+    # bench: the `python -m rlrun.bench` name of tools/bench.py; check: `rlrun check`, it runs the recipes' steps
+    {"cli", "sweep", "tools", "bench", "__main__", "check"},
 ]
 
 

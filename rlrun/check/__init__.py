@@ -1,0 +1,153 @@
+"""`rlrun check <overrides>`: the user's own configuration proven on a probe rollout, beside its baseline.
+
+Each axis is proven equal to its baseline alone by rlrun's tests; a user runs a combination, on their model and
+data, and the worst bugs of this field are silent (the curves look fine). `check` builds the configuration as a
+run would (its model, its data, every copy of the policy through rlrun.policy, its axes through rlrun.axes), draws
+one probe rollout with its own generator, and runs one probe per failure class (rlrun/check/probes.py), plus the
+memory plan against the probe's measured peak. The baseline is the same configuration with every axis at its
+baseline option (the registry's first: dense, always, off, padded, keep, fp32, sync). It prints one table (probe,
+what it expects, what it measured, the verdict, the public report of the failure class) and exits 1 when a probe
+fails. Nothing is trained or written; the rewards are not called (the probe's advantages are seeded noise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import axes, models, plan, policy, registry, render, tasks
+from ..meters import MIB, Meter
+from ..recipes import grpo
+from . import probes
+from .probes import Row
+
+PROBE_ROWS = 16  # sequences of the probe rollout at most (whole groups): seconds on the embedded default
+AXIS_KEYS = {"precision": ("train", "precision"), "pipeline": ("rollout", "pipeline")}  # the non-group axes
+
+
+@dataclass
+class Context:
+    cfg: Any
+    trainer: Any  # the configuration's trainer copy
+    baseline: Any  # the baseline's trainer copy, the same weights
+    copies: dict  # role -> the copy of the policy a run of this configuration computes with
+    axes: axes.Axes
+    base_axes: axes.Axes
+    roll: Any  # the probe rollout, drawn by the configuration's generator
+    micros: list  # it split as the recipe splits it (train.micro_batch)
+    advantages: torch.Tensor
+    meter: Meter
+    exactness: set  # what the options that differ from the baseline's are
+
+
+def option_of(cfg, group: str) -> str:
+    if group in AXIS_KEYS:
+        node, key = AXIS_KEYS[group]
+        return getattr(getattr(cfg, node), key)
+    return getattr(cfg, group).name
+
+
+def baseline_config(cfg):
+    """`cfg` with every axis at its baseline option (the shipped YAML's keys; batching keeps its max_tokens)."""
+    from ..plan.text import option
+
+    changes = {g: option(g, registry.baseline(g)) for g in registry.EFFICIENCY if g != "batching"}
+    changes["batching"] = option("batching", registry.baseline("batching"), max_tokens=cfg.batching.max_tokens)
+    base = dataclasses.replace(cfg, **changes)
+    for group, (node, key) in AXIS_KEYS.items():
+        base = dataclasses.replace(base, **{node: dataclasses.replace(getattr(base, node),
+                                                                      **{key: registry.baseline(group)})})
+    return base
+
+
+def probe_prompts(cfg, task, tokenizer) -> list[str]:
+    """Whole groups, at most PROBE_ROWS sequences (at least one group), of the task's shortest and longest prompts
+    in turn: where the data's prompts differ in length, the probe's rows are left-padded as a run's are."""
+    t = cfg.train
+    groups = max(1, min(t.rollout_batch, PROBE_ROWS) // t.group_size)
+    prompts = sorted(dict.fromkeys(r["prompt"] for r in task.train), key=lambda p: len(tokenizer(p).input_ids))
+    ends = [prompts[i // 2] if i % 2 == 0 else prompts[-1 - i // 2] for i in range(groups)]
+    return [p for p in ends for _ in range(t.group_size)]
+
+
+def build(cfg) -> Context:
+    """Every object the probes need, built as a run builds them."""
+    torch.manual_seed(cfg.seed)
+    base_model, tokenizer = models.build(cfg.model, cfg.seed)
+    device = registry.get("engine", "single").device(cfg.engine) if cfg.engine.name == "single" else "cpu"
+    task = tasks.load(cfg.task, cfg.seed, tokenizer)
+    base_cfg = baseline_config(cfg)
+    reference = policy.build(cfg, "reference", base=base_model)
+    trainer = policy.build(cfg, "trainer", base=probes.copy_model(base_model)).to(device)
+    baseline = policy.build(base_cfg, "trainer", base=probes.copy_model(base_model)).to(device)
+    baseline.load_state_dict(trainer.state_dict())  # the same weights, LoRA's random adapters included
+    source = registry.get("pipeline", cfg.rollout.pipeline)
+    generator = trainer if source.generates_here else policy.build(
+        cfg, "generator", base=models.build(cfg.model, cfg.seed)[0], state=trainer.state_dict(), device=device)
+    prompts = probe_prompts(cfg, task, tokenizer)
+    sampler = registry.get("rollout", cfg.rollout.name).build(cfg.rollout, generator, tokenizer, torch.device(device))
+    with torch.no_grad():
+        roll = sampler.generate(generator, prompts, list(range(len(prompts))))
+    advantages = torch.randn(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).to(device)
+    micros = grpo.split_rollout(roll, advantages, min(cfg.train.micro_batch, len(prompts)))
+    size = plan.resolve_size(cfg, plan.shapes_of(trainer, plan.weight_dtype(cfg)), micros[0].targets.numel(),
+                             torch.device(device).type)
+    bound = axes.resolve(cfg, head_size=size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                         device=device)
+    base_axes = axes.resolve(base_cfg, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, device=device)
+    changed = {axes.exactness(g, option_of(cfg, g)) for g in registry.AXES
+               if option_of(cfg, g) != registry.baseline(g)}
+    copies = {"trainer": trainer, "reference": reference.to(device), "generator": generator}
+    return Context(cfg, trainer, baseline, copies, bound, base_axes, roll, micros, advantages,
+                   Meter(torch.device(device)), changed)
+
+
+def plan_probe(ctx: Context) -> Row:
+    """8. The memory plan of the probe's step (its sizes) against the step's measured growth: 15% or 32 MiB, the
+    target of `python -m rlrun.bench plan`."""
+    from ..tools.bench_plan import within
+
+    rows, t = sum(m.input_ids.shape[0] for m in ctx.micros), ctx.cfg.train
+    cfg = dataclasses.replace(ctx.cfg, train=dataclasses.replace(t, batch_size=rows, rollout_batch=rows,
+                                                                 micro_batch=ctx.micros[0].input_ids.shape[0]))
+    first = ctx.micros[0]
+    predicted = plan.predict(cfg, plan.shapes_of(ctx.trainer, plan.weight_dtype(cfg)), first.input_ids.shape[0],
+                             first.input_ids.shape[1], first.targets.numel(), device_type=ctx.meter.device.type,
+                             head_size=ctx.axes.head.size)
+    ctx.meter.new_step()
+    with ctx.meter.phase("train"):
+        probes.train_step(ctx.trainer, ctx.micros, ctx.axes, ctx.meter)
+    want, got = predicted.phases["train"].growth / MIB, ctx.meter.growth["train"] / MIB
+    return Row("memory plan", "train growth within 15% or 32 MiB of the plan", f"plan {want:.1f}, measured "
+               f"{got:.1f} MiB", within(want, got), "rlrun #38 (combinations the planner's tests do not use)")
+
+
+def run_probes(ctx: Context) -> list[Row]:
+    rows = [probes.on_policy_ratio(ctx), *probes.generator_vs_trainer(ctx), probes.accumulation(ctx),
+            probes.sequences_alone(ctx), probes.policy_copies(ctx), probes.no_full_logits(ctx), plan_probe(ctx),
+            probes.against_baseline(ctx)]
+    return rows
+
+
+VERDICT = {True: "pass", False: "FAIL", None: "-"}
+
+
+def table(rows: list[Row]) -> str:
+    return render.table(["probe", "expects", "measured", "verdict", "failure class"],
+                        [[r.probe, r.expects, r.measured, VERDICT[r.ok], r.source] for r in rows], left=5)
+
+
+def report(cfg) -> tuple[str, bool]:
+    """The check of a validated GRPO config: (the table with its summary line, whether every probe passed)."""
+    if cfg.loss.name == "dpo":
+        return "rlrun check: loss=dpo is not probed yet (the probes are GRPO's: a rollout, ratios, a generator).", True
+    with torch.random.fork_rng():
+        ctx = build(cfg)
+        rows = run_probes(ctx)
+    failed = [r.probe for r in rows if r.ok is False]
+    summary = (f"{sum(r.ok is True for r in rows)} of {sum(r.ok is not None for r in rows)} probes pass"
+               + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return f"{table(rows)}\n{summary}", not failed

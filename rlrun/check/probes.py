@@ -1,0 +1,232 @@
+"""The probes of `rlrun check`: each runs the user's configuration on one probe rollout and tests one class of
+failure the field has met silently. A probe returns a `Row`: what it expects, what it measured, whether that
+passed, and the public report of the failure class it exists for.
+
+The probe rollout is drawn by the configuration's own generator copy (rlrun.policy) from its own data, and given
+seeded random advantages: the probes check arithmetic, not learning, and a group of equal rewards would give a
+zero gradient that every comparison passes.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import models, precision
+from ..recipes import grpo
+from ..rollout import Rollout
+
+RATIO_TOL = 1e-5  # |ratio - 1| on-policy, and a logprob computed two ways, in fp32
+GEN_TOL = 1e-4  # generator vs trainer logprobs at the same weights (another kernel path: generate's KV cache)
+FP_TOL = 1e-5  # relative: gradients under another summation order (the exact axes' fp tolerance)
+BF16_TOL = 5e-2  # relative: bf16 vs fp32 loss and gradients (an approximate option: reported, judged loosely)
+# A logprob computed two ways under bf16 compute (another batch layout, the generator's KV cache) differs by bf16's
+# rounding (8 bits of mantissa: a few 1e-3 in a logprob), not by a bug: the same probes, judged at that scale.
+BF16_LOGPROB_TOL = 2e-2
+
+
+def logprob_tol(ctx, fp32: float) -> float:
+    """`fp32`, or bf16's rounding where the policy computes in bf16."""
+    return BF16_LOGPROB_TOL if ctx.axes.precision.exactness == "approximate" else fp32
+
+
+@dataclass
+class Row:
+    probe: str
+    expects: str
+    measured: str
+    ok: bool | None  # None: does not apply to this configuration
+    source: str  # the public report of the failure class
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def grad_diff(got: dict, want: dict) -> float:
+    """The largest relative difference of any parameter's gradient (inf where the two differ in which exist)."""
+    if got.keys() != want.keys() or not want:
+        return float("inf")
+    return max(rel(got[n], want[n]) for n in want)
+
+
+# -- the probe batch ----------------------------------------------------------------------------------------------
+
+def alone(roll: Rollout, b: int) -> Rollout:
+    """Row `b` of a rollout as a rollout of its own: its prompt without left padding, its response as it is."""
+    p = roll.prompt_len
+    pad = int((roll.attention_mask[b, :p] == 0).sum())
+    ids = roll.input_ids[b : b + 1, pad:]
+    return Rollout(input_ids=ids, attention_mask=roll.attention_mask[b : b + 1, pad:], prompt_len=p - pad,
+                   response_mask=roll.response_mask[b : b + 1], gen_logprobs=roll.gen_logprobs[b : b + 1],
+                   completions=roll.completions[b : b + 1], finished=roll.finished[b : b + 1])
+
+
+def engine_of(model, device):
+    """What grpo.train_step uses of an engine, on one process: backward, gather, the model."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model=model, device=device, world=1, gather=lambda obj: [obj],
+                           backward=lambda loss, boundary=None: loss.backward())
+
+
+def old_logprobs(model, micros, ax) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return ax.layout.logprobs(model, micros, ax.head)
+
+
+def train_step(model, micros, ax, meter, old=None):
+    """(loss, metric partials, gradients) of one optimizer step of `model` on copies of `micros` under axes `ax`;
+    `old`: the old-policy logprobs the micro-batches carry (None: the pass skipped)."""
+    from types import SimpleNamespace
+
+    micros = [dataclasses.replace(m, old_logprobs=None if old is None else o.clone())
+              for m, o in zip(micros, old if old is not None else [None] * len(micros))]
+    for m in micros:
+        m.is_weights = ax.objective.is_weights(m) if m.old_logprobs is not None else None
+    model.zero_grad(set_to_none=True)
+    s = SimpleNamespace(engine=engine_of(model, next(model.parameters()).device), meter=meter, axes=ax)
+    loss, _, parts, _ = grpo.train_step(None, s, micros, 0)
+    return loss, parts, grads_of(model)
+
+
+# -- the probes ---------------------------------------------------------------------------------------------------
+
+def on_policy_ratio(ctx) -> Row:
+    """1. The importance ratio is exactly 1 where the schedule says the step is on-policy: the old pass and the
+    train pass compute the same logprobs at the same weights."""
+    old = old_logprobs(ctx.trainer, ctx.micros, ctx.axes)
+    _, parts, _ = train_step(ctx.trainer, ctx.micros, ctx.axes, ctx.meter, old)
+    low, high = parts["ratio"][2], parts["ratio"][3]
+    worst, tol = max(abs(low - 1), abs(high - 1)), logprob_tol(ctx, RATIO_TOL)
+    return Row("on-policy ratio", f"|ratio - 1| <= {tol:.0e}", f"ratio in [{low:.7f}, {high:.7f}]",
+               worst <= tol, "verl/TRL: old logprobs recomputed under another path than the loss's")
+
+
+def generator_vs_trainer(ctx) -> list[Row]:
+    """2. The generator's logprobs of what it drew equal the trainer's at the same weights (weights synced), and
+    3. they are of the same distribution (the sampler's top-p filter renormalised on both sides)."""
+    old = torch.cat([lp[m.mask] for lp, m in zip(old_logprobs(ctx.trainer, ctx.micros, ctx.axes), ctx.micros)])
+    gen = torch.cat([m.gen_logprobs[m.mask] for m in ctx.micros])
+    diff = (gen - old).abs()
+    weight = torch.exp(old - gen).mean().item()
+    top_p, tol = ctx.cfg.rollout.top_p, logprob_tol(ctx, GEN_TOL)
+    weight_tol = 5e-3 if tol > GEN_TOL else GEN_TOL  # a mean: bf16's noise averages out, a kept mass does not
+    return [Row("generator = trainer", f"max |gen - old| <= {tol:.0e} at one weights version",
+                f"max {diff.max().item():.1e}, mean {diff.mean().item():.1e}", diff.max().item() <= tol,
+                "huggingface/trl#5312 (generator weights dropped: ratio mean 0.019)"),
+            Row("sampler filter", f"importance weight mean 1 +- {weight_tol:.0e} (top_p={top_p})",
+                f"{weight:.6f}", abs(weight - 1) <= weight_tol,
+                "huggingface/trl#6789 (top_p=0.8: every weight scaled by the kept mass)")]
+
+
+def accumulation(ctx) -> Row:
+    """4. Gradients do not depend on how the step is split into micro-batches (accumulation normalises once):
+    train.micro_batch's split (at least two micro-batches of the probe) against one micro-batch of all of it."""
+    rows = ctx.roll.input_ids.shape[0]
+    micros = ctx.micros if len(ctx.micros) > 1 else grpo.split_rollout(ctx.roll, ctx.advantages, max(1, rows // 2))
+    whole = grpo.split_rollout(ctx.roll, ctx.advantages, rows)
+    _, _, split = train_step(ctx.trainer, micros, ctx.axes, ctx.meter)
+    _, _, one = train_step(ctx.trainer, whole, ctx.axes, ctx.meter)
+    d, tol = grad_diff(split, one), BF16_TOL if ctx.axes.precision.exactness == "approximate" else FP_TOL
+    n = len(micros)  # a loss normalised twice is off by a factor of n: far outside bf16's rounding too
+    return Row("accumulation", f"{n} micro-batches = 1: gradients within {tol:.0e}", f"max rel diff {d:.1e}",
+               d <= tol, "modelscope/ms-swift#10117 (gradient accumulation normalised twice)")
+
+
+def sequences_alone(ctx) -> Row:
+    """5. Each sequence's logprobs in its padded batch or pack equal its logprobs computed alone (positions and
+    masks are the sequence's, whatever sits beside it)."""
+    batched = old_logprobs(ctx.trainer, ctx.micros, ctx.axes)
+    flat, worst = torch.cat(batched), 0.0
+    width = ctx.roll.response_mask.shape[1]
+    for b in range(ctx.roll.input_ids.shape[0]):
+        one = grpo.split_rollout(alone(ctx.roll, b), ctx.advantages[b : b + 1], 1)
+        with torch.no_grad():
+            single = ctx.base_axes.layout.logprobs(ctx.trainer, one, ctx.axes.head)[0]
+        valid = ctx.roll.response_mask[b]
+        worst = max(worst, (flat[b * width : (b + 1) * width][valid] - single[valid]).abs().max().item())
+    tol = logprob_tol(ctx, RATIO_TOL)
+    return Row("sequence alone", f"max |in batch - alone| <= {tol:.0e}", f"max {worst:.1e}",
+               worst <= tol, "unslothai/unsloth-zoo#840 (left padding shifted RoPE positions)")
+
+
+def policy_copies(ctx) -> Row:
+    """6. Every copy of the policy (trainer, reference, generator) is on the same precision path, with the same
+    adapters, and computes the same logprobs at the same weights."""
+    paths = {role: precision.autocasting(m) for role, m in ctx.copies.items()}
+    adapters = {role: sorted(n for n, _ in m.named_parameters() if "lora_" in n) for role, m in ctx.copies.items()}
+    lp = {role: torch.cat(old_logprobs(m, ctx.micros, ctx.axes)) for role, m in ctx.copies.items()}
+    worst = max((lp[r] - lp["trainer"]).abs().max().item() for r in lp)
+    same = len(set(paths.values())) == 1 and adapters.get("generator", adapters["trainer"]) == adapters["trainer"]
+    shown = ", ".join(f"{r}: {'bf16 autocast' if v else 'as built'}" for r, v in paths.items())
+    tol = logprob_tol(ctx, GEN_TOL)
+    return Row("policy copies", f"one precision path and adapters; logprobs within {tol:.0e}",
+               f"{shown}; max diff {worst:.1e}", same and worst <= tol,
+               "rlrun #36 (bf16 with async generated in fp32: a second policy builder)")
+
+
+class LargestVocabTensor(TorchDispatchMode):
+    """The most rows of any newly made tensor whose last dim is the vocabulary (a logits-like tensor)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab
+                    and t.untyped_storage().data_ptr() not in inputs):
+                self.rows = max(self.rows, t.numel() // self.vocab)
+        return out
+
+
+def no_full_logits(ctx) -> Row:
+    """7. A head that promises no [tokens, vocab] tensor makes none, in the logprob passes and in training."""
+    head = ctx.axes.head
+    if not head.impl.TILED:
+        return Row("no full logits", "n/a: this head builds the [tokens, vocab] logits by design", "-", None,
+                   "NVIDIA-NeMo/RL#2871, THUDM/slime#2253")
+    vocab = models.split(ctx.trainer)[1].shape[0]
+    tokens = min(m.targets.numel() for m in ctx.micros)
+    # a tile smaller than the probe's micro-batch, so that a [tokens, vocab] tensor would stand out
+    size = min(head.size or tokens, max(16, tokens // 4))
+    ax = dataclasses.replace(ctx.axes, head=dataclasses.replace(head, size=size))
+    watch = LargestVocabTensor(vocab)
+    with watch:
+        old = old_logprobs(ctx.trainer, ctx.micros, ax)
+        train_step(ctx.trainer, ctx.micros, ax, ctx.meter, old)
+    return Row("no full logits", f"at most {size} rows (the tile) x vocab in any pass",
+               f"largest {watch.rows} rows x vocab {vocab} ({tokens} tokens a micro-batch)", watch.rows <= size,
+               "NVIDIA-NeMo/RL#2871, THUDM/slime#2253 (chunking not applied in every pass)")
+
+
+def against_baseline(ctx) -> Row:
+    """9. Loss and gradients equal the baseline's (every axis at its baseline option) within what the options'
+    exactness allows: fp tolerance for exact options, bf16's for an approximate precision."""
+    old = old_logprobs(ctx.baseline, ctx.micros, ctx.base_axes)
+    want_loss, _, want = train_step(ctx.baseline, ctx.micros, ctx.base_axes, ctx.meter, old)
+    got_loss, _, got = train_step(ctx.trainer, ctx.micros, ctx.axes, ctx.meter, old)
+    if "objective" in ctx.exactness:
+        return Row("vs baseline", "n/a: an option changes the objective", "-", None, "")
+    tol = BF16_TOL if "approximate" in ctx.exactness else FP_TOL
+    d_loss = abs(got_loss - want_loss) / max(abs(want_loss), 1e-12)
+    d_grad = grad_diff(got, want)
+    return Row("vs baseline", f"loss and gradients within {tol:.0e} ({', '.join(sorted(ctx.exactness))})",
+               f"loss {d_loss:.1e}, gradients {d_grad:.1e}", max(d_loss, d_grad) <= tol,
+               "every exact option: its equivalence tests, here on your configuration")
+
+
+def copy_model(model):
+    return copy.deepcopy(model)

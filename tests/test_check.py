@@ -1,0 +1,173 @@
+"""`rlrun check` (rlrun/check/): the user's combination proven on a probe rollout. The default and the issue's
+combination pass every probe; each failure class the field has met silently, injected, makes its own probe fail
+(and the check exit 1)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_cfg
+
+from rlrun import check, policy, precision
+from rlrun.config import validate
+
+COMBINATION = ["loss=cispo", "head=tiled", "batching=shared_prompt", "activations=checkpoint", "train.precision=bf16",
+               "rollout.pipeline=async"]
+
+
+def verdicts(*overrides) -> dict:
+    """probe -> True / False / None (does not apply) of `rlrun check` on the smoke config with `overrides`."""
+    cfg = validate(make_cfg("experiment=smoke", *overrides))
+    with torch.random.fork_rng():
+        ctx = check.build(cfg)
+        return {r.probe: r.ok for r in check.run_probes(ctx)}
+
+
+@pytest.mark.slow  # builds the configuration and its baseline, draws a rollout (~10 s each)
+@pytest.mark.parametrize("overrides", [[], COMBINATION, ["head=chunked", "rollout.top_p=0.8", "batching=packed",
+                                                         "model.lora.enabled=true"]],
+                         ids=["default", "issue-combination", "top_p-lora-packed"])
+def test_every_probe_passes_on_configurations_that_are_right(overrides):
+    got = verdicts(*overrides)
+    assert set(got) == {"on-policy ratio", "generator = trainer", "sampler filter", "accumulation", "sequence alone",
+                        "policy copies", "no full logits", "memory plan", "vs baseline"}
+    assert all(ok is not False for ok in got.values()), got
+
+
+@pytest.mark.slow  # a subprocess: the command, its table and its exit code
+def test_the_command_prints_one_table_and_exits_0(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "rlrun", "check", "experiment=smoke", "head=tiled"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].split()[:2] == ["probe", "expects"] and lines[-1] == "9 of 9 probes pass"
+    assert not list(tmp_path.iterdir())  # a check writes nothing
+
+
+# -- each failure class, injected, fails its probe -------------------------------------------------------------------
+
+def generator_off_by_a_step(monkeypatch):
+    """The generator's weights not synced: a copy that missed an update (trl#5312's class)."""
+    build = policy.build
+
+    def stale(cfg, role, **kw):
+        model = build(cfg, role, **kw)
+        if role == "generator":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-2 * torch.randn_like(p))
+        return model
+
+    monkeypatch.setattr(policy, "build", stale)
+
+
+def padding_attended(monkeypatch):
+    """Left padding leaks into a sequence: its pad positions attended to (the class of unsloth-zoo#840, where
+    padding moved what a sequence computes; a uniform shift of RoPE positions alone cancels out, a mask does not)."""
+    from rlrun import models
+
+    def leaky(backbone, input_ids, attention_mask):
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return backbone(input_ids=input_ids, attention_mask=torch.ones_like(attention_mask), position_ids=positions,
+                        use_cache=False).last_hidden_state
+
+    monkeypatch.setattr(models, "hidden_states", leaky)
+
+
+def normalised_twice(monkeypatch):
+    """Each micro-batch's loss divided by the number of micro-batches again (ms-swift#10117)."""
+    from rlrun.losses.bound import Objective
+
+    prepare = Objective.prepare
+
+    def twice(self, micros, gather):
+        out, divisor, tokens = prepare(self, micros, gather)
+        return out, divisor * len(out), tokens
+
+    monkeypatch.setattr(Objective, "prepare", twice)
+
+
+def full_distribution(monkeypatch):
+    """The trainer's logprobs over the whole vocabulary while the sampler's are top-p renormalised (trl#6789)."""
+    from rlrun.heads import common, dense
+
+    monkeypatch.setattr(common, "top_p_", lambda z, targets, top_p: z)
+    monkeypatch.setattr(dense, "top_p_drop", lambda z, targets, top_p: torch.zeros_like(z, dtype=torch.bool))
+
+
+def generator_in_fp32(monkeypatch):
+    """One copy of the policy outside bf16: the generator built without the trainer's precision (rlrun #36)."""
+    apply = precision.apply
+    monkeypatch.setattr(precision, "apply", lambda model, cfg, role="trainer": None if role == "generator" else
+                        apply(model, cfg, role))
+
+
+def tiled_builds_the_logits(monkeypatch):
+    """A tiled head that computes the dense logits after all (NeMo-RL#2871, slime#2253)."""
+    from rlrun.heads import dense, tiled
+
+    monkeypatch.setattr(tiled, "loss", dense.loss)
+
+
+INJECTED = [(generator_off_by_a_step, ["rollout.pipeline=async"], "generator = trainer"),
+            (padding_attended, ["task.max_terms=4"], "sequence alone"),  # prompts of several lengths
+            (normalised_twice, [], "accumulation"),
+            (full_distribution, ["rollout.top_p=0.8", "logprob_policy=always"], "sampler filter"),
+            (generator_in_fp32, ["train.precision=bf16", "rollout.pipeline=async"], "policy copies"),
+            (tiled_builds_the_logits, ["head=tiled"], "no full logits")]
+
+
+@pytest.mark.slow  # a check per class (~10 s each)
+@pytest.mark.parametrize("inject,overrides,probe", INJECTED, ids=[p for _, _, p in INJECTED])
+def test_each_injected_failure_fails_its_probe(monkeypatch, inject, overrides, probe):
+    inject(monkeypatch)
+    got = verdicts(*overrides)
+    assert got[probe] is False, got
+
+
+# -- the exact axes' options, every pair of them checked (an all-pairs covering array) -----------------------------
+
+AXES = {"head": ["dense", "tiled", "chunked"], "batching": ["padded", "packed", "shared_prompt"],
+        "activations": ["keep", "checkpoint", "offload"], "logprob_policy": ["always", "window", "skip"],
+        "offload": ["off", "on"], "train.precision": ["fp32", "bf16"]}
+
+
+def all_pairs(axes: dict[str, list[str]]) -> list[dict[str, str]]:
+    """A small set of configurations in which every pair of options of two axes appears at least once (greedy:
+    each new configuration takes, axis by axis, the option in the most missing pairs it can still complete)."""
+    keys = list(axes)
+    missing = {(a, x, b, y) for i, a in enumerate(keys) for b in keys[i + 1:] for x in axes[a] for y in axes[b]}
+    out = []
+    while missing:
+        row: dict[str, str] = {}
+
+        def gain(k, v, row=row, missing=missing):
+            return sum(1 for a, x, b, y in missing if (a, x) == (k, v) and row.get(b, y) == y
+                       or (b, y) == (k, v) and row.get(a, x) == x)
+
+        for k in keys:
+            row[k] = max(axes[k], key=lambda v, k=k: gain(k, v))
+        missing -= {(a, row[a], b, row[b]) for i, a in enumerate(keys) for b in keys[i + 1:]}
+        out.append(row)
+    return out
+
+
+def test_the_covering_array_covers_every_pair():
+    rows = all_pairs(AXES)
+    keys = list(AXES)
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            assert {(r[a], r[b]) for r in rows} == {(x, y) for x in AXES[a] for y in AXES[b]}, (a, b)
+    assert len(rows) <= 15  # 9 at the least (3 x 3 options): a covering array, not the 972 combinations
+
+
+@pytest.mark.slow  # ~10 checks of ~10 s
+def test_every_probe_passes_on_an_all_pairs_covering_array_of_the_exact_axes():
+    failed = {}
+    for row in all_pairs(AXES):
+        got = verdicts(*(f"{k}={v}" for k, v in row.items()))
+        bad = [p for p, ok in got.items() if ok is False]
+        if bad:
+            failed[" ".join(f"{k}={v}" for k, v in row.items())] = bad
+    assert not failed, failed
