@@ -157,7 +157,7 @@ class SweepCallback(Callback):
                                                 baseline)
         report.write(figs, (rows, problems), out)
         tracking.log_figures(self.client, self.parent_id, figs)
-        self.describe(report, runs)
+        self.describe(report, runs, baseline)
         if rows or problems:
             self.client.log_artifact(self.parent_id, os.path.join(out, "equivalence.txt"))
         if rows:
@@ -171,7 +171,7 @@ class SweepCallback(Callback):
                             f"{len(rows)} run(s) compared with their baseline" if rows else "nothing to compare")
         log.info("figures: %s", out)
 
-    def describe(self, report, runs):
+    def describe(self, report, runs, baseline=None):
         """The comparison as the parent's description (`comparison_note`) and as the table `comparison.json`; the
         children renamed to the overrides that tell them apart (already so where the sweep's jobs were known)."""
         names = report.labels(runs)
@@ -181,10 +181,16 @@ class SweepCallback(Callback):
                 self.client.set_tag(run.info.run_id, "mlflow.runName", name)
         note = self.client.get_run(self.parent_id).data.tags.get("mlflow.note.content", "").split(" (the ")[0]
         rows = report.rows_of(names, data)
-        text = (f"{comparison_note(rows, report.SPECS)}\n\n{note.rstrip('.')}. Reward / acc: the last step's mean "
-                "reward (GRPO) or reward accuracy (DPO); s/step: the job console's step time (evaluation and "
-                "checkpoints left out); tokens/s: trained tokens over that time; growth: the step's largest phase "
-                "at the median step. Figures and the table comparison.json: Artifacts.\n")
+        from .tools import verdict
+
+        params = [r.data.params for r in runs]
+        answer = verdict.answer(names, data, params, report.eq.baselines(params, names, baseline)[0])
+        text = (f"{comparison_note(rows, report.SPECS, answer)}\n\n{note.rstrip('.')}. Cost: the median seconds per "
+                f"step, after the first {verdict.WARMUP}, of the phases the varying options change, with their "
+                "interquartile range; runs whose ranges overlap: no difference measured. Reward / acc: the last "
+                "step's mean reward (GRPO) or reward accuracy (DPO); s/step: the job console's step time (evaluation "
+                "and checkpoints left out); tokens/s: trained tokens over that time; growth: the step's largest "
+                "phase at the median step. Figures and the table comparison.json: Artifacts.\n")
         self.client.set_tag(self.parent_id, "mlflow.note.content", text)
         self.client.log_table(self.parent_id, {c: [None if isinstance(r[c], float) and r[c] != r[c] else r[c]
                                                    for r in rows] for c in report.COLUMNS}, "comparison.json")
@@ -198,29 +204,34 @@ PHRASES = {STEP: "{} s/step", "tokens/s (step)": "{} tokens/s", "reward / acc": 
            "growth MiB": "growth {} MiB"}
 
 
-def comparison_note(rows: list[dict], specs: dict[str, str]) -> str:
+def comparison_note(rows: list[dict], specs: dict[str, str], answer=None) -> str:
     """The sweep's comparison as markdown that MLflow's run page shows legibly: it folds a description after a few
-    lines and draws tables without borders or padding, so a line naming the fastest step, then one short line per
-    job, fastest first (`rows`: report.rows_of, `specs`: their number formats)."""
+    lines and draws tables without borders or padding, so the answer in one bold line, then one short line per
+    job, cheapest first. `answer`: tools/verdict.answer's (headline, {run: its cost on the changed phases, its
+    spread and its same-result verdict}); without it (a bare table), the runs by step time."""
     from .render import num, short
 
     def esc(text):  # run names hold `_` and `*`, which markdown reads as emphasis
         return str(text).replace("\\", "\\\\").replace("_", "\\_").replace("*", "\\*")
 
-    def step(r):
-        return r.get(STEP, float("nan"))
+    headline, verdicts = answer or (None, {})
 
-    timed = [r for r in rows if step(r) == step(r)]  # NaN: no step time
-    rows = sorted(timed, key=step) + [r for r in rows if r not in timed]
-    lines = []
-    if len(timed) > 1:
-        slow = max(timed, key=step)
-        lines.append(f"**Fastest step: {esc(rows[0]['run'])}**, {num(step(rows[0]))} s (slowest: {esc(slow['run'])}, "
-                     f"{num(step(slow))} s).\n")
+    def cost(r):
+        v = verdicts.get(r["run"], {}).get("phase_s", r.get(STEP, float("nan")))
+        return v if v == v else float("inf")  # NaN: no time, last
+
+    rows = sorted(rows, key=cost)
+    lines = [f"**{esc(headline)}**\n"] if headline else []
     shown = [c for c in LINE if c in specs] or list(specs)
     for r in rows:
         cells = [PHRASES.get(c, c + " {}").format(num(r.get(c), specs[c]) if specs[c] else short(r.get(c)))
                  for c in shown]
+        v = verdicts.get(r["run"])
+        if v:
+            cells.insert(0, f"changed phases {num(v['phase_s'], '.4f')} s [{num(v['phase_low'], '.4f')}, "
+                            f"{num(v['phase_high'], '.4f')}]")
+            same = {True: "yes", False: "NO", None: "–"}[v["same"]]
+            cells.append(f"same result: {same} ({esc(v['same_text'])})")
         lines.append(f"- **{esc(r['run'])}**: " + " · ".join(cells))
     return "\n".join(lines)
 

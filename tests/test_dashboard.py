@@ -94,15 +94,25 @@ def test_results_open_on_model_training_and_mlflow_prints_no_genai_link(tmp_path
     assert "runs?workflowType=machine_learning&viewStateShareKey=rlrun" in text and "runs/abc?workflowType" in text
 
 
-def test_the_parent_description_names_the_fastest_step_then_one_line_per_job():
+def test_the_parent_description_leads_with_the_answer_then_one_line_per_job():
     nan = float("nan")
     step = sweep.STEP  # the report's step-time column (the console's, without evaluation)
     rows = [{"run": "head=dense", "reward / acc": 0.5, step: 0.9, "growth MiB": 12.0},
             {"run": "log_samples=*", "reward / acc": 0.5, step: 0.3, "growth MiB": 1.0},
             {"run": "failed", "reward / acc": nan, step: nan, "growth MiB": nan}]
-    note = sweep.comparison_note(rows, {"reward / acc": ".3f", step: ".4f", "growth MiB": ".0f"})
+    specs = {"reward / acc": ".3f", step: ".4f", "growth MiB": ".0f"}
+    verdicts = {"head=dense": {"phase_s": 0.2, "phase_low": 0.19, "phase_high": 0.21, "same": None,
+                               "same_text": "the baseline"},
+                "log_samples=*": {"phase_s": 0.25, "phase_low": 0.2, "phase_high": 0.3, "same": True,
+                                  "same_text": "max |dloss| 1e-08"}}
+    note = sweep.comparison_note(rows, specs, ("Cost of train against head=dense (head): no difference measured.",
+                                               verdicts))
     lines = note.splitlines()
-    assert lines[0] == r"**Fastest step: log\_samples=\***, 0.3 s (slowest: head=dense, 0.9 s)."
-    assert lines[2] == r"- **log\_samples=\***: 0.3000 s/step · reward / acc 0.500 · growth 1 MiB"
-    assert lines[3].startswith("- **head=dense**: 0.9000 s/step") and lines[4].startswith("- **failed**: – s/step")
+    assert lines[0] == "**Cost of train against head=dense (head): no difference measured.**"
+    assert lines[2] == ("- **head=dense**: changed phases 0.2000 s [0.1900, 0.2100] · 0.9000 s/step · reward / acc "
+                        "0.500 · growth 12 MiB · same result: – (the baseline)")  # cheapest on the changed phases
+    assert lines[3].startswith(r"- **log\_samples=\***: changed phases 0.2500 s") and "same result: yes" in lines[3]
+    assert lines[4].startswith("- **failed**: – s/step")
+    bare = sweep.comparison_note(rows, specs).splitlines()  # no answer: no ranking line, the jobs by step time
+    assert bare[0].startswith(r"- **log\_samples=\***: 0.3000 s/step")
     assert "|" not in note  # no table: MLflow's run page draws it without borders and folds it after a row

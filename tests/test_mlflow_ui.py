@@ -102,7 +102,8 @@ def test_metrics_are_namespaced_learning_apart_from_the_machine(swept):
 def test_sweep_parent_description_holds_the_comparison_table(swept):
     client, _, parent, children, *_ = swept
     note = parent.data.tags["mlflow.note.content"]
-    assert note.startswith("**Fastest step: logprob\\_policy=") and note.count("\n- **logprob\\_policy=") == 3
+    assert note.startswith("**Cost of old\\_logprobs + ref\\_logprobs against ") and "Same result:" in note
+    assert note.count("\n- **logprob\\_policy=") == 3 and "changed phases" in note
     for c in children:
         assert f"- **{c.data.tags['mlflow.runName'].replace('_', chr(92) + '_')}**: " in note
     assert "comparison.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}

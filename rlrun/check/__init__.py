@@ -108,8 +108,6 @@ def build(cfg) -> Context:
 def plan_probe(ctx: Context) -> Row:
     """8. The memory plan of the probe's step (its sizes) against the step's measured growth: 15% or 32 MiB, the
     target of `python -m rlrun.bench plan`."""
-    from ..tools.bench_plan import within
-
     rows, t = sum(m.input_ids.shape[0] for m in ctx.micros), ctx.cfg.train
     cfg = dataclasses.replace(ctx.cfg, train=dataclasses.replace(t, batch_size=rows, rollout_batch=rows,
                                                                  micro_batch=ctx.micros[0].input_ids.shape[0]))
@@ -122,7 +120,7 @@ def plan_probe(ctx: Context) -> Row:
         probes.train_step(ctx.trainer, ctx.micros, ctx.axes, ctx.meter)
     want, got = predicted.phases["train"].growth / MIB, ctx.meter.growth["train"] / MIB
     return Row("memory plan", "train growth within 15% or 32 MiB of the plan", f"plan {want:.1f}, measured "
-               f"{got:.1f} MiB", within(want, got), "rlrun #38 (combinations the planner's tests do not use)")
+               f"{got:.1f} MiB", plan.within(want, got), "rlrun #38 (combinations the planner's tests do not use)")
 
 
 def run_probes(ctx: Context) -> list[Row]:

@@ -180,6 +180,14 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
     return Plan(phases, tokens, seq_len, size if head.TILED else None, s, world, device_type, layer_tokens, kind)
 
 
+TOLERANCE, FLOOR_MIB = 0.15, 32.0  # the plan's target: within 15% or 32 MiB of what is measured, the larger
+
+
+def within(predicted_mib: float, measured_mib: float) -> bool:
+    """Whether a predicted phase (MiB) is within the plan's target of the measured one."""
+    return abs(predicted_mib - measured_mib) <= max(TOLERANCE * measured_mib, FLOOR_MIB)
+
+
 def metrics(plan: Plan) -> dict[str, float]:
     """plan/<phase>_growth_mib and plan/<phase>_peak_mib (resident + growth), beside the measured mem/*."""
     out = {}

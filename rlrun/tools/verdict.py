@@ -1,0 +1,157 @@
+"""A sweep's answer in words, that a busy machine cannot turn around: what the options cost where they act, with
+the noise of the measurement, and whether they train the same.
+
+- **Cost from the phases an option changes.** Each option says which phases of a step it changes (`phases` on its
+  object: rlrun/axes.py). A job is timed on the phases its sweep's varying axes change (a head or a batching
+  layout: the logprob passes and train; a logprob policy: the passes; offload: its phases and the passes between;
+  activations: train; precision: every pass; the pipeline: the whole step), not on the whole step, most of which
+  (generation) such an option does not touch, so that load on the machine does not decide the ranking. The whole
+  step is shown beside it, labelled.
+- **Noise.** Each job's per-step times, after its first `WARMUP` steps, give a median and a spread (the
+  interquartile range). Two jobs differ only where their ranges do not overlap; otherwise the answer is "no
+  difference measured", never a ranking.
+- **Same result.** An option's exactness (rlrun/axes.py: EXACTNESS) sets what its equivalence with the baseline
+  must show: an exact option (bitwise, fp_tolerance) the baseline's loss to `FP_TOL` (relative) over the steps
+  before the runs part (the first step whose rewards differ: a sampled token flipped by rounding, after which the
+  runs draw other samples and only their learning can be compared); an approximate option or another objective is
+  shown, not judged.
+
+Pure functions of run parameters (MLflow's flattened params) and metric histories ({key: (steps, values)}); the
+options' facts come from the registry.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from .. import registry
+from ..meters import time_key
+
+WARMUP = 2  # first steps left out of the timings: the process's and the job's warm-up
+FP_TOL = 1e-4  # relative to the baseline's largest |loss|: an exact option's loss before the runs part
+PARAM = {g: "train.precision" if g == "precision" else "rollout.pipeline" if g == "pipeline" else f"{g}.name"
+         for g in registry.AXES}
+EXACT = ("baseline", "bitwise", "fp_tolerance")
+
+
+def options(params: dict[str, str]) -> dict[str, str]:
+    """{axis group: its option} of one run."""
+    return {g: params[k] for g, k in PARAM.items() if k in params}
+
+
+def varying(all_params: list[dict[str, str]]) -> list[str]:
+    """The axes whose option differs between the runs."""
+    return [g for g in registry.AXES if len({options(p).get(g) for p in all_params}) > 1]
+
+
+def fact(group: str, name: str, what: str):
+    obj = registry.get(group, name)
+    return getattr(obj, what, None) or getattr(obj, what.upper())
+
+
+def changed_phases(groups: list[str], all_params: list[dict[str, str]]) -> tuple[str, ...]:
+    """The phases any option of the varying axes changes ("step": the whole step)."""
+    names = {(g, options(p)[g]) for p in all_params for g in groups if g in options(p)}
+    return tuple(dict.fromkeys(ph for g, n in sorted(names) for ph in fact(g, n, "phases")))
+
+
+def series(h: dict, phases: tuple[str, ...]) -> list[float]:
+    """Per step from WARMUP on: the seconds of `phases` (the whole step's where "step" is one of them, or where the
+    run logged none of them)."""
+    keys = [k for k in ([] if "step" in phases else [time_key(p) for p in phases]) if k in h] or ["time/step_s"]
+    by_key = {k: dict(zip(*h[k])) for k in keys if k in h}
+    steps = sorted({s for v in by_key.values() for s in v})
+    return [sum(v.get(s, 0.0) for v in by_key.values()) for s in steps if s >= WARMUP]
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, lower quartile, upper quartile); NaN for no values."""
+    if not values:
+        return (float("nan"),) * 3
+    if len(values) < 4:
+        return statistics.median(values), min(values), max(values)
+    q = statistics.quantiles(values, n=4)
+    return statistics.median(values), q[0], q[2]
+
+
+def differ(a: tuple[float, float, float], b: tuple[float, float, float]) -> int:
+    """-1 where `a` is faster than `b` beyond both their spreads, 1 where slower, 0: no difference measured."""
+    if a[2] < b[1]:
+        return -1
+    if a[1] > b[2]:
+        return 1
+    return 0
+
+
+def parted_at(h: dict, base: dict) -> int | None:
+    """The first step at which the run's reward differs from its baseline's (their samples part), None if never."""
+    key = next((k for k in ("reward_mean", "rewards/accuracy") if k in h and k in base), None)
+    if key is None:
+        return None
+    got, want = dict(zip(*h[key])), dict(zip(*base[key]))
+    return next((s for s in sorted(want) if s in got and got[s] != want[s]), None)
+
+
+def same_result(h: dict, base: dict, exactness: str) -> tuple[bool | None, str]:
+    """(pass / fail / None: not judged, in words) of a run against its baseline under its options' exactness."""
+    if exactness not in EXACT:
+        return None, f"{exactness}: compared by what it learns, not judged"
+    if "loss" not in h or "loss" not in base:
+        return None, "no loss curve to compare"
+    stop = parted_at(h, base)
+    got, want = dict(zip(*h["loss"])), dict(zip(*base["loss"]))
+    steps = [s for s in sorted(want) if s in got and (stop is None or s < stop)]
+    if not steps:
+        return None, "the runs part at their first step: compare what they learn"
+    scale = max(abs(want[s]) for s in steps) or 1.0
+    worst = max(abs(got[s] - want[s]) for s in steps) / scale
+    window = f"the {len(steps)} steps before sampling parts" if stop is not None else f"all {len(steps)} steps"
+    return worst <= FP_TOL, f"max |dloss| {worst:.1e} of the loss over {window} (tolerance {FP_TOL:.0e})"
+
+
+def exactness_of(params: dict[str, str], base: dict[str, str]) -> str:
+    """The loosest exactness of the options in which a run differs from its baseline."""
+    order = ["baseline", "bitwise", "fp_tolerance", "approximate", "objective"]
+    found = [fact(g, n, "exactness") for g, n in options(params).items() if options(base).get(g) != n]
+    return max(found, key=order.index, default="baseline")
+
+
+def answer(names: list[str], data: list[dict], all_params: list[dict[str, str]], base_of: dict[int, int]):
+    """(the sweep's answer in one line, {name: {phase cost, spread, whole step, verdict}}) for its runs."""
+    groups = varying(all_params)
+    phases = changed_phases(groups, all_params)
+    cost = {n: spread(series(h, phases)) for n, h in zip(names, data)}
+    whole = {n: spread(series(h, ("step",))) for n, h in zip(names, data)}
+    rows = {n: {"phase_s": cost[n][0], "phase_low": cost[n][1], "phase_high": cost[n][2], "step_s": whole[n][0],
+                "same": None, "same_text": "the baseline"} for n in names}
+    for i, b in base_of.items():
+        ok, text = same_result(data[i], data[b], exactness_of(all_params[i], all_params[b]))
+        rows[names[i]].update(same=ok, same_text=text)
+    return headline(names, groups, phases, cost, base_of, rows), rows
+
+
+def label_of(phases: tuple[str, ...]) -> str:
+    return "the whole step" if "step" in phases or not phases else " + ".join(phases)
+
+
+def headline(names, groups, phases, cost, base_of, rows) -> str:
+    """One sentence: each run's cost on the changed phases against its baseline's (or 'no difference measured'),
+    and whether the exact ones train the same; without a baseline, the fastest run where it is beyond the others'
+    spread."""
+    label = label_of(phases)
+    if not base_of:
+        timed = sorted((n for n in names if cost[n][0] == cost[n][0]), key=lambda n: cost[n][0])
+        if len(timed) < 2:
+            return f"Cost of {label}: one timed run."
+        if all(differ(cost[timed[0]], cost[n]) < 0 for n in timed[1:]):
+            return f"Fastest on {label}: {timed[0]}, beyond every other run's spread."
+        return f"Cost of {label}: no difference measured between the fastest runs ({timed[0]}, {timed[1]})."
+    parts = []
+    for i, b in sorted(base_of.items()):
+        d = differ(cost[names[i]], cost[names[b]])
+        ratio = cost[names[i]][0] / cost[names[b]][0] if cost[names[b]][0] else float("nan")
+        parts.append(f"{names[i]}: " + ("no difference measured" if d == 0 else f"{ratio:.2f}x"))
+    judged = [rows[names[i]]["same"] for i in base_of if rows[names[i]]["same"] is not None]
+    same = ("yes" if all(judged) else "NO") if judged else "not judged (approximate options)"
+    base = names[next(iter(base_of.values()))]
+    return f"Cost of {label} against {base} ({', '.join(groups)}): {'; '.join(parts)}. Same result: {same}."

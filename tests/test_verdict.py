@@ -1,0 +1,77 @@
+"""A sweep's answer (rlrun/tools/verdict.py): timed on the phases the varying options change, with their noise, and
+a same-result verdict set by the options' exactness. Made-up histories: what a busy machine does to them is the
+point (a slow generation phase must not rank a head)."""
+
+import pytest
+
+from rlrun.tools import verdict
+
+
+def run(train, generate=None, loss=None, reward=None, old=None):
+    """A made-up history: per-step seconds of train (and generate, old_logprobs), loss and reward curves."""
+    n = len(train)
+    h = {"time/train_s": (list(range(n)), train),
+         "time/step_s": (list(range(n)), [t + (generate[i] if generate else 0.0) for i, t in enumerate(train)])}
+    if generate:
+        h["time/generate_s"] = (list(range(n)), generate)
+    if old:
+        h["time/old_logprobs_s"] = (list(range(n)), old)
+    h["loss"] = (list(range(n)), loss or [0.1] * n)
+    h["reward_mean"] = (list(range(n)), reward or [0.5] * n)
+    return h
+
+
+def params(**axes):
+    return {f"{k}.name": v for k, v in axes.items()} | {"seed": "0"}
+
+
+def test_a_busy_machine_slowing_one_jobs_generation_does_not_rank_the_heads():
+    """The batching sweep that ranked padded fastest: the whole step is generation, which a head does not change."""
+    same = [0.010, 0.011, 0.010, 0.012, 0.011, 0.010, 0.011, 0.012]
+    data = [run(same, generate=[0.5] * 8), run(same[::-1], generate=[2.0] * 8)]  # the second ran while loaded
+    headline, rows = verdict.answer(["dense", "tiled"], data, [params(head="dense"), params(head="tiled")], {1: 0})
+    assert headline.startswith("Cost of old_logprobs + ref_logprobs + train against dense (head): "
+                               "tiled: no difference measured.")
+    assert rows["tiled"]["step_s"] > 3 * rows["dense"]["step_s"]  # the whole step, shown beside: 4x
+    assert rows["tiled"]["phase_s"] == pytest.approx(rows["dense"]["phase_s"], rel=0.1)
+
+
+def test_a_difference_beyond_both_spreads_is_a_ratio():
+    data = [run([1.0, 1.1, 0.9, 1.0, 1.05, 0.95]), run([0.5, 0.52, 0.48, 0.5, 0.51, 0.49])]
+    headline, _ = verdict.answer(["padded", "packed"], data, [params(batching="padded"), params(batching="packed")],
+                                 {1: 0})
+    assert "packed: 0.51x" in headline  # medians after the warm-up steps: 0.495 / 0.975
+
+
+def test_without_a_baseline_the_fastest_is_named_only_beyond_the_others_spread():
+    data = [run([1.0, 1.1, 0.9, 1.0]), run([0.99, 1.12, 0.92, 1.01]), run([0.4, 0.41, 0.4, 0.42])]
+    names = ["loss=dapo", "loss=cispo", "loss=dpo"]
+    headline, _ = verdict.answer(names, data, [{"loss.name": n[5:]} for n in names], {})
+    assert headline == "Fastest on the whole step: loss=dpo, beyond every other run's spread."
+    headline, _ = verdict.answer(names[:2], data[:2], [{"loss.name": "dapo"}, {"loss.name": "cispo"}], {})
+    assert headline.startswith("Cost of the whole step: no difference measured")
+
+
+def test_an_exact_option_must_match_the_loss_until_the_samples_part():
+    base = run([0.01] * 6, loss=[0.5, 0.4, 0.3, 0.2, 0.1, 0.05], reward=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    rounding = run([0.01] * 6, loss=[0.5, 0.4, 0.3 + 1e-7, 0.7, 0.9, 0.2], reward=[0.1, 0.2, 0.3, 0.45, 0.5, 0.7])
+    wrong = run([0.01] * 6, loss=[0.5, 0.45, 0.3, 0.2, 0.1, 0.05], reward=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    assert verdict.parted_at(rounding, base) == 3 and verdict.parted_at(wrong, base) is None
+    ok, text = verdict.same_result(rounding, base, "fp_tolerance")
+    assert ok and "the 3 steps before sampling parts" in text  # step 3 on differs: other samples, not judged
+    ok, text = verdict.same_result(wrong, base, "fp_tolerance")
+    assert ok is False and "all 6 steps" in text
+    assert verdict.same_result(wrong, base, "approximate")[0] is None
+
+
+def test_the_verdict_takes_the_loosest_exactness_of_what_changed_and_a_pipeline_is_timed_on_the_whole_step():
+    sync, bf16 = {"train.precision": "fp32", "rollout.pipeline": "sync"}, {"train.precision": "bf16"}
+    assert verdict.exactness_of({**sync, **bf16, "head.name": "tiled"}, {**sync, "head.name": "dense"}) == \
+        "approximate"
+    assert verdict.exactness_of({"head.name": "tiled"}, {"head.name": "dense"}) == "fp_tolerance"
+    runs = [{"rollout.pipeline": "sync"}, {"rollout.pipeline": "async"}]
+    assert verdict.varying(runs) == ["pipeline"]
+    assert "step" in verdict.changed_phases(["pipeline"], runs)
+    data = [run([0.1] * 5, generate=[1.0] * 5), run([0.1] * 5, generate=[0.5] * 5)]
+    headline, _ = verdict.answer(["sync", "async"], data, runs, {})
+    assert headline == "Fastest on the whole step: async, beyond every other run's spread."
