@@ -111,7 +111,7 @@ def deciding(totals: list[float], per_reward: dict | None, name: str | None) -> 
     """The values `eval/accuracy` thresholds: the weighted totals, or the named reward's (eval.accuracy_reward)."""
     if name is None:
         return totals
-    if name not in (per_reward or {}):
+    if per_reward is None or name not in per_reward:
         raise TaskError(f"eval.accuracy_reward={name!r} is not a reward of this task; its rewards: "
                         f"{sorted(per_reward or {})}. Name one of them, or null for the weighted total.")
     return per_reward[name]

@@ -125,7 +125,7 @@ def export(model, tokenizer, folder: str, *, engine=None, lora: str = "merged") 
     return folder if rank == 0 else None
 
 
-def _write(lm, wrapped, state, tokenizer, folder: str, lora: str, base) -> str:
+def _write(lm, wrapped, state, tokenizer, folder: str, lora: str, base: tuple[torch.nn.Module, dict] | None) -> str:
     """Into `<folder>.tmp` (marked as rlrun's first), then renamed over `folder` (rlrun.folders.replace_export);
     a write that fails leaves no `.tmp` and names the path, the bytes and the fix."""
     tmp = f"{folder}.tmp"

@@ -9,7 +9,7 @@ weights that train on it, and the ratio can be taken against the detached curren
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -119,18 +119,20 @@ class PassCounter:
 
     def __init__(self, kinds: tuple[str, ...] = ("old", "ref")):
         self.kinds = kinds
-        self.totals: Counter = Counter()
-        self.seconds: Counter = Counter()
+        self.totals: Counter[str] = Counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
 
-    def metrics(self, counts: Counter, phase_seconds: dict[str, float] | None = None) -> dict[str, float]:
+    def metrics(self, counts: Counter[str], phase_seconds: dict[str, float] | None = None) -> dict[str, float]:
         """`passes/<kind>_run|skipped` this step and in total; with `phase_seconds` (the meter's seconds per
         phase) also `passes/<kind>_saved_s_est`."""
         self.totals.update(counts)
-        m = {}
+        m: dict[str, float] = {}
         for key in (f"{kind}_{what}" for kind in self.kinds for what in ("run", "skipped")):
             m[f"passes/{key}"] = counts[key]
             m[f"passes/{key}_total"] = self.totals[key]
-        for kind in self.kinds if phase_seconds is not None else ():
+        if phase_seconds is None:
+            return m
+        for kind in self.kinds:
             self.seconds[kind] += phase_seconds.get(f"{kind}_logprobs", 0.0)
             if counts[f"{kind}_skipped"] and self.totals[f"{kind}_run"]:
                 # estimated from this run's own passes of that kind; a run that never ran one (skip) has no
@@ -143,4 +145,4 @@ class PassCounter:
         return {"totals": dict(self.totals), "seconds": dict(self.seconds)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.totals, self.seconds = Counter(state["totals"]), Counter(state["seconds"])
+        self.totals, self.seconds = Counter(state["totals"]), defaultdict(float, state["seconds"])

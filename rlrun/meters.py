@@ -125,7 +125,7 @@ class Meter:
         self.peak_resets = True if self.cuda else _reset_rss_peak()
         self.new_step()
 
-    def new_step(self):
+    def new_step(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.peak: dict[str, int] = {}
         self.growth: dict[str, int] = {}  # peak minus memory in use when the phase started

@@ -155,7 +155,8 @@ def rows_of(found: list[Unit]) -> list[list[Unit]]:
     for x in sorted(found, key=len, reverse=True):
         b = next((i for i, f in enumerate(free) if f >= len(x)), len(rows))
         if b == len(rows):
-            rows.append([]), free.append(width)
+            rows.append([])
+            free.append(width)
         rows[b].append(x)
         free[b] -= len(x)
     return rows
@@ -246,11 +247,12 @@ def metrics(by_rank: list[dict], logprob: list[dict] | None = None) -> dict[str,
     if len(by_rank) > 1:
         out["batching/rank_positions_ratio"] = max(positions) / max(min(positions), 1)
         out.update({f"batching/rank{r}/train_positions": float(n) for r, n in enumerate(positions)})
-    for name in dict.fromkeys(k for r in logprob or [] for k in r):  # a pass this step skipped logs nothing
+    passes = logprob or []
+    for name in dict.fromkeys(k for r in passes for k in r):  # a pass this step skipped logs nothing
         if name == "exchange":  # data parallel: the same plan on every rank (exchange.balance)
-            out["batching/groups_moved"] = float(logprob[0][name]["groups_moved"])
+            out["batching/groups_moved"] = float(passes[0][name]["groups_moved"])
         else:
-            out.update(pass_metrics(name, [r.get(name, {}) for r in logprob]))
+            out.update(pass_metrics(name, [r.get(name, {}) for r in passes]))
     return out
 
 

@@ -57,7 +57,8 @@ def assign(by_rank: list[list[int]], per_block: int) -> list[list[tuple[int, int
     units of every rank, heaviest first, go to the rank with the least load so far that has room in this block
     (a tie keeps a unit at home): the greedy longest-processing-time rule, within each block."""
     world = len(by_rank)
-    total, out = [0] * world, [[] for _ in range(world)]
+    total = [0] * world
+    out: list[list[tuple[int, int]]] = [[] for _ in range(world)]
     for start in range(0, len(by_rank[0]), per_block):
         pool = sorted(((by_rank[r][u], r, u) for r in range(world) for u in range(start, start + per_block)),
                       key=lambda x: (-x[0], x[1], x[2]))

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import axes, models, plan, policy, registry, render, tasks
+from ..axes import Axes
 from ..meters import MIB, Meter
 from ..recipes import grpo
 from . import probes
@@ -34,8 +35,8 @@ class Context:
     trainer: Any  # the configuration's trainer copy
     baseline: Any  # the baseline's trainer copy, the same weights
     copies: dict  # role -> the copy of the policy a run of this configuration computes with
-    axes: axes.Axes
-    base_axes: axes.Axes
+    axes: Axes  # (not `axes.Axes`: in the class body, `axes` is this field, not the module)
+    base_axes: Axes
     roll: Any  # the probe rollout, drawn by the configuration's generator
     micros: list  # it split as the recipe splits it (train.micro_batch)
     advantages: torch.Tensor

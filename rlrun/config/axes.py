@@ -25,8 +25,10 @@ class TiledHead:
 
 
 @dataclass
-class ChunkedHead(TiledHead):  # the same keys
+class ChunkedHead:  # TiledHead's keys
     name: Literal["chunked"]
+    size: TileSize
+    memory_budget_mib: PosInt | None
 
 
 # -- logprob_policy, offload --------------------------------------------------------------------------------------
@@ -52,8 +54,9 @@ class OffOffload:
 
 
 @dataclass
-class OnOffload(OffOffload):
+class OnOffload:
     name: Literal["on"]
+    enabled: bool
 
 
 # -- batching -----------------------------------------------------------------------------------------------------
@@ -64,13 +67,15 @@ class PaddedBatching:
 
 
 @dataclass
-class PackedBatching(PaddedBatching):
+class PackedBatching:
     name: Literal["packed"]
+    max_tokens: PosInt  # positions per forward
 
 
 @dataclass
-class SharedPromptBatching(PaddedBatching):
+class SharedPromptBatching:
     name: Literal["shared_prompt"]
+    max_tokens: PosInt  # positions per forward
 
 
 # -- activations --------------------------------------------------------------------------------------------------
@@ -81,10 +86,12 @@ class KeepActivations:
 
 
 @dataclass
-class CheckpointActivations(KeepActivations):
-    name: Literal["checkpoint"]  # every: checkpoint every N-th decoder layer (1: all of them)
+class CheckpointActivations:
+    name: Literal["checkpoint"]
+    every: PosInt  # checkpoint every N-th decoder layer (1: all of them)
 
 
 @dataclass
-class OffloadActivations(KeepActivations):
+class OffloadActivations:
     name: Literal["offload"]
+    every: PosInt  # unused by offload

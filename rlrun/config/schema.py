@@ -8,7 +8,7 @@ adding an option is adding its dataclass to the union (and its YAML file; a test
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from .axes import (  # noqa: F401 (the efficiency axes' options, part of this schema)
@@ -70,14 +70,29 @@ class DapoLoss:
 
 
 @dataclass
-class CispoLoss(DapoLoss):  # the same keys; clip_low may be null
+class CispoLoss:  # DapoLoss's keys, in its order; clip_low may be null
     name: Literal["cispo"]
     clip_low: NonNeg | None  # null: no lower bound on the weight
+    clip_high: NonNeg
+    kl_coef: NonNeg
+    kl_estimator: KlEstimator
+    tis: TisConfig
+    entropy_coef: float
+    agg: Agg
+    agg_max_tokens: PosInt | None
 
 
 @dataclass
-class GspoLoss(DapoLoss):  # the same keys, on the sequence's ratio (losses/gspo.py)
+class GspoLoss:  # DapoLoss's keys, in its order, on the sequence's ratio (losses/gspo.py)
     name: Literal["gspo"]
+    clip_low: NonNeg
+    clip_high: NonNeg
+    kl_coef: NonNeg
+    kl_estimator: KlEstimator
+    tis: TisConfig
+    entropy_coef: float
+    agg: Agg
+    agg_max_tokens: PosInt | None
 
 
 @dataclass
@@ -125,7 +140,7 @@ class TinyModel:
 @dataclass
 class HFModel:
     name: Literal["hf"]
-    path: PathStr = needs("DIR (a local transformers checkpoint folder)")
+    path: PathStr = field(metadata=needs("DIR (a local transformers checkpoint folder)"))
     dtype: Dtype
     lora: LoraConfig
 
@@ -166,7 +181,7 @@ class ArithTask:
 @dataclass
 class JsonlTask:
     name: Literal["jsonl"]
-    path: PathStr = needs("FILE (JSONL with 'prompt' and 'answer' fields)")
+    path: PathStr = field(metadata=needs("FILE (JSONL with 'prompt' and 'answer' fields)"))
     reward: ImportPath | None
     rewards: list[RewardEntry] | None
     eval_size: EvalSize
@@ -180,7 +195,8 @@ class JsonlTask:
 @dataclass
 class DatasetTask:
     name: Literal["dataset"]
-    path: PathStr = needs("FILE_OR_FOLDER (local jsonl/json/parquet/csv/arrow, or a save_to_disk folder)")
+    path: PathStr = field(metadata=needs(
+        "FILE_OR_FOLDER (local jsonl/json/parquet/csv/arrow, or a save_to_disk folder)"))
     split: Annotated[str, Check(lambda v: v != "", "a split name")]
     eval_split: str | None
     eval_size: EvalSize
@@ -268,8 +284,8 @@ class DeepSpeedEngine:
 @dataclass
 class MLflowTracking:
     name: Literal["mlflow"]
-    uri: Annotated[str, Check(lambda v: v != "", "a non-empty URI")] = needs(
-        "URI (sqlite:///mlflow.db or http(s)://HOST:PORT), or use tracking=none")
+    uri: Annotated[str, Check(lambda v: v != "", "a non-empty URI")] = field(metadata=needs(
+        "URI (sqlite:///mlflow.db or http(s)://HOST:PORT), or use tracking=none"))
     experiment: Annotated[str, Check(lambda v: v != "", "a non-empty experiment name")]
     parent_run_id: str | None  # set by the sweep callback through RLRUN_PARENT_RUN_ID
 

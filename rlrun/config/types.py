@@ -4,7 +4,7 @@ option dataclasses use."""
 import re
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 UNIONS = (Union, types.UnionType)  # typing.Optional[X] / Union[X, Y], and X | Y of plain classes
@@ -19,9 +19,11 @@ class Check:
     text: str
 
 
-def needs(hint: str):
-    """A required field whose unset value (???, null or '') is reported as "<group>=<option> needs KEY=<hint>"."""
-    return field(metadata={"needs": hint})
+def needs(hint: str) -> dict[str, str]:
+    """The metadata of a required field, `key: T = field(metadata=needs(hint))`, whose unset value (???, null or
+    '') is reported as "<group>=<option> needs KEY=<hint>". The `field(...)` call is written at the field itself:
+    a type checker knows it as a field with no default (behind a helper it would read as a default)."""
+    return {"needs": hint}
 
 
 PosInt = Annotated[int, Check(lambda v: v >= 1, "a positive integer")]

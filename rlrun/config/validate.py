@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import MISSING, fields, is_dataclass
-from typing import Annotated, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, cast, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 
@@ -30,13 +30,14 @@ def option_name(cls) -> str | None:
 def group_options(tp) -> dict[str, type] | None:
     """{name: dataclass} when `tp` is a union of group options, else None."""
     arms = get_args(tp) if get_origin(tp) in UNIONS else ()
-    if arms and all(option_name(a) for a in arms):
-        return {option_name(a): a for a in arms}
+    named = {a: option_name(a) for a in arms}
+    if arms and all(named.values()):
+        return {name: a for a, name in named.items() if name is not None}
     return None
 
 
-OPTIONS: dict[str, dict[str, type]] = {f.name: group_options(f.type) for f in fields(RunConfig)
-                                       if group_options(f.type)}
+OPTIONS: dict[str, dict[str, type]] = {f.name: options for f in fields(RunConfig)
+                                       if (options := group_options(f.type)) is not None}
 
 
 def choices(key: str) -> list:
@@ -44,7 +45,7 @@ def choices(key: str) -> list:
     options, every value one of them allows (`rollout.pipeline`)."""
     group, _, leaf = key.partition(".")
     tp = {f.name: f.type for f in fields(RunConfig)}[group]
-    arms = list(OPTIONS[group].values()) if group in OPTIONS else [tp]
+    arms: list[Any] = list(OPTIONS[group].values()) if group in OPTIONS else [tp]  # dataclasses
     found: list = []
     for arm in arms:
         field = {f.name: f.type for f in fields(arm)}.get(leaf)
@@ -81,7 +82,7 @@ def validate(cfg) -> RunConfig:
         data = dict(cfg)
     else:
         try:
-            data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+            data = cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
         except Exception as e:  # noqa: BLE001 - an interpolation that cannot be resolved (e.g. ${oc.env:...})
             raise ConfigError([f"the configuration cannot be resolved: {e}"]) from None
     data.pop("hydra", None)  # present when composed with return_hydra_config=True
@@ -128,7 +129,7 @@ def join(path: str, key) -> str:
 class Walk:
     """One pass over the plain-container config; `problems` in key order, `bad` the keys that failed."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.problems: list[str] = []
         self.bad: set[str] = set()
 

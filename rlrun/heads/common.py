@@ -41,7 +41,7 @@ def ready_for_grad(weight: torch.Tensor) -> None:
     gradients are summed in the head, so no per-tile reductions happen and ds_grad_is_ready is not needed."""
     if not partitioned(weight):
         return
-    weight.all_gather()
+    weight.all_gather()  # type: ignore[attr-defined]  # deepspeed adds it to a ZeRO-3 parameter at runtime
 
     def release(param):
         handle.remove()
@@ -205,6 +205,8 @@ def logit_grad_(e: torch.Tensor, sums: torch.Tensor, targets: torch.Tensor, g: t
     if g_ent is None:
         e.mul_((-scale / sums)[:, None])
     else:  # -p * (g + g_ent (log p + H)) with log p = log e - log s: a per-row factor of e, and one of e log e
+        if ent is None:
+            raise ValueError("logit_grad_: the entropy's gradient (g_ent) needs the entropy (ent)")
         g_ent = g_ent.float() / temperature
         factor, factor_log = -(scale + g_ent * (ent - sums.log())) / sums, -g_ent / sums
         for r in range(0, e.shape[0], ROWS):
@@ -235,7 +237,7 @@ def chunked_logprobs_nograd(hidden, weight, targets, temperature: float, size: i
         weight32 = fp32(weight)
         for sl in tiles(targets.shape[0], size):
             z = tile_logits(hidden[sl], weight32, temperature, targets[sl], top_p)
-            if with_entropy:
+            if ent is not None:  # with_entropy
                 out[sl], _, ent[sl] = softmax_stats_(z, targets[sl], with_entropy=True)
             else:
                 out[sl] = softmax_stats_(z, targets[sl])[0]

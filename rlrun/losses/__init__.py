@@ -19,6 +19,8 @@ are as for any loss. `f.fix` is None for per-token losses and without an old-pol
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import registry
@@ -47,9 +49,12 @@ def objective(name: str, advantages: torch.Tensor, old_logprobs: torch.Tensor | 
     token_loss = registry.get("loss", name)  # the per-token term of loss=name (dapo.py, cispo.py, gspo.py)
     sequence_level = getattr(token_loss, "sequence_level", False)
     fixed: dict[str, torch.Tensor] = {}
+    fix: Callable[[torch.Tensor], None] | None = None
+    if sequence_level and old_logprobs is not None:
+        def fix_ratios(logprobs: torch.Tensor) -> None:
+            fixed["log_ratio"] = sequence_mean(logprobs.detach() - old_logprobs, seq, mask)
 
-    def fix(logprobs: torch.Tensor) -> None:
-        fixed["log_ratio"] = sequence_mean(logprobs.detach() - old_logprobs, seq, mask)
+        fix = fix_ratios
 
     def f(logprobs: torch.Tensor, sl=slice(None), entropy: torch.Tensor | None = None):
         old = logprobs.detach() if old_logprobs is None else old_logprobs[sl]
@@ -61,8 +66,7 @@ def objective(name: str, advantages: torch.Tensor, old_logprobs: torch.Tensor | 
             extra["seq_log_ratio"] = 0.0 if old_logprobs is None else fixed["log_ratio"][sl]
         loss, stats = token_loss(logprobs, old, advantages[sl], clip_low=clip_low, clip_high=clip_high, **extra)
         stats["pg_loss"] = loss.detach()
-        weight = is_weights[sl] if is_weights is not None else None if tis_cap is None else \
-            tis_weight(old - gen_logprobs[sl], tis_mode, tis_cap, tis_low).detach()
+        weight = importance_weight(old, gen_logprobs, sl, is_weights, tis_cap, tis_mode, tis_low)
         if weight is not None:
             loss = loss * weight
             stats["is_weight"] = weight
@@ -81,9 +85,36 @@ def objective(name: str, advantages: torch.Tensor, old_logprobs: torch.Tensor | 
             loss = loss * weights[sl]
         return loss, stats
 
-    f.entropy_coef = entropy_coef
-    f.fix = fix if sequence_level and old_logprobs is not None else None
-    return f
+    return PerToken(f, entropy_coef, fix)
+
+
+class PerToken:
+    """What `objective` returns: called as `f(logprobs, sl=slice(None), entropy=None) -> (loss_tokens, stats)`;
+    `entropy_coef` (the loss depends on the entropy when non-zero) and `fix` (a sequence-level loss's ratios, or
+    None) as `objective` says."""
+
+    __slots__ = ("per_token", "entropy_coef", "fix")
+
+    def __init__(self, per_token: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]], entropy_coef: float,
+                 fix: Callable[[torch.Tensor], None] | None):
+        self.per_token, self.entropy_coef, self.fix = per_token, entropy_coef, fix
+
+    def __call__(self, logprobs: torch.Tensor, sl=slice(None),
+                 entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.per_token(logprobs, sl, entropy)
+
+
+def importance_weight(old: torch.Tensor, gen_logprobs: torch.Tensor | None, sl, is_weights: torch.Tensor | None,
+                      tis_cap: float | None, tis_mode: str, tis_low: float | None) -> torch.Tensor | None:
+    """The tokens' (`sl`) importance weight in `objective`: `is_weights` as given, else TIS's from the old and the
+    generator's logprobs when `tis_cap` is set (detached), else None."""
+    if is_weights is not None:
+        return is_weights[sl]
+    if tis_cap is None:
+        return None
+    if gen_logprobs is None:
+        raise ValueError("tis_cap: the importance weight needs the generator's logprobs (gen_logprobs)")
+    return tis_weight(old - gen_logprobs[sl], tis_mode, tis_cap, tis_low).detach()
 
 
 def tis_weight(log_ratio: torch.Tensor, mode: str, cap: float, low: float | None) -> torch.Tensor:
@@ -92,6 +123,8 @@ def tis_weight(log_ratio: torch.Tensor, mode: str, cap: float, low: float | None
     ratio = torch.exp(log_ratio)
     if mode == "truncate":
         return torch.clamp(ratio, max=cap)
+    if low is None:
+        raise ValueError("tis mode=mask needs its lowest ratio kept (low)")
     return torch.where((ratio >= low) & (ratio <= cap), ratio, torch.zeros_like(ratio))
 
 
@@ -105,7 +138,7 @@ def sequence_is_weights(old: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor
     return weight.expand(rows, mask.numel() // rows).reshape(-1).detach()
 
 
-def sequence_mean(values: torch.Tensor, seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def sequence_mean(values: torch.Tensor, seq: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
     """Each token's mean of `values` over the valid tokens (`mask`) of its sequence (ids in `seq`); 0 for a
     sequence without a valid token."""
     if seq is None or mask is None:
@@ -193,4 +226,4 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, seq, num_tokens=None, **
 
 
 __all__ = ["ESTIMATORS", "objective", "tis_weight", "sequence_is_weights", "sequence_mean", "partials", "combine",
-           "summarize", "masked_total", "dapo_loss", "cispo_loss", "gspo_loss", "kl"]
+           "summarize", "masked_total", "PerToken", "dapo_loss", "cispo_loss", "gspo_loss", "kl"]

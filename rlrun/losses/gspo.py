@@ -17,11 +17,15 @@ from .dapo import token_loss as clipped_token_loss
 CLIP_LOW, CLIP_HIGH = 3e-4, 4e-4  # GSPO's clipping range (section 5.1); conf/loss/gspo.yaml's defaults
 
 
-def token_loss(logprobs, old_logprobs, advantages, *, clip_low: float, clip_high: float, seq_log_ratio, **_):
+class TokenLoss:
     """Per-token GSPO-token loss: DAPO's clipped term on the ratio exp(logprob - (sg[logprob] - log s_i)) = s_i.
-    `old_logprobs` enters through `seq_log_ratio` only."""
-    return clipped_token_loss(logprobs, logprobs.detach() - seq_log_ratio, advantages, clip_low=clip_low,
-                              clip_high=clip_high)
+    `old_logprobs` enters through `seq_log_ratio` only. A class for its flag: a function's attribute has no type."""
+
+    sequence_level = True  # rlrun.losses.objective fixes seq_log_ratio before the per-token calls
+
+    def __call__(self, logprobs, old_logprobs, advantages, *, clip_low: float, clip_high: float, seq_log_ratio, **_):
+        return clipped_token_loss(logprobs, logprobs.detach() - seq_log_ratio, advantages, clip_low=clip_low,
+                                  clip_high=clip_high)
 
 
-token_loss.sequence_level = True  # rlrun.losses.objective fixes seq_log_ratio before the per-token calls
+token_loss = TokenLoss()  # the loss group's object for gspo (rlrun.registry)

@@ -19,9 +19,11 @@ import logging
 import os
 import queue
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 
 import torch
 
+from ..rollout import Rollout
 from . import worker
 
 log = logging.getLogger("rlrun")
@@ -49,7 +51,7 @@ class Generated:
     index: int
     version: int
     rows: list[dict]
-    rollout: object  # rlrun.rollout.Rollout
+    rollout: Rollout
     busy_s: float  # the worker's seconds generating it
     idle_s: float  # the worker's seconds waiting before it (for a request or for weights)
 
@@ -81,7 +83,7 @@ class Pipeline:
         self.loaded: int | None = None  # the newest version the worker has copied into its model
         self.slot_versions: list[int | None] = [None, None]  # the version each weight slot holds
         self.next_slot = 0
-        self.proc = None
+        self.proc: BaseProcess | None = None
 
     # -- the worker -----------------------------------------------------------------------------------------------
     def start(self, model, step: int) -> None:
@@ -152,6 +154,7 @@ class Pipeline:
         worker has copied out the version it held (it loads versions in order)."""
         slot = self.next_slot
         held = self.slot_versions[slot]
+        assert self.loaded is not None, "start() the pipeline first"
         while held is not None and self.loaded < held:
             self._receive()
         with torch.no_grad():

@@ -32,7 +32,8 @@ def to_payload(roll) -> dict:
 def from_payload(payload: dict, device):
     from ..rollout import Rollout
 
-    return Rollout(**{k: (torch.from_numpy(v).to(device) if hasattr(v, "dtype") else v) for k, v in payload.items()})
+    fields: dict = {k: (torch.from_numpy(v).to(device) if hasattr(v, "dtype") else v) for k, v in payload.items()}
+    return Rollout(**fields)
 
 
 def build(cfg, state: dict, device: str):

@@ -27,7 +27,7 @@ class Phase:
         return self.growth + sum(self.resident.values())
 
     def dominant(self) -> str:
-        return max(self.parts, key=self.parts.get) if self.parts else "-"
+        return max(self.parts, key=lambda part: self.parts[part]) if self.parts else "-"
 
 
 @dataclass

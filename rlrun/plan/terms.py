@@ -150,7 +150,8 @@ def objective_parts(cfg, step_tokens: int, tokens: int) -> dict[str, int]:
     whole step before its first forward (losses/agg.py); gspo on tiled: every token's logprob of a forward from
     the first no-grad sweep (fp32; the sweep's tile is the size of the fused pass's, so no more). What a loss is
     (sequence-level) and what a head does with it (a sweep) is said on them (losses.bound, the head's facts)."""
-    parts, name = {}, cfg.loss.name
+    parts: dict[str, int] = {}
+    name = cfg.loss.name
     if name == "dpo":
         return parts
     if cfg.loss.agg != "token_mean":

@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, cast
 
 from .. import precision, registry
 from ..config import OPTIONS, rules
@@ -79,7 +80,8 @@ def option(group: str, name: str, **changes):
     """The option `group=name` as shipped (its YAML), with `changes`."""
     from omegaconf import OmegaConf
 
-    data = {**OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml")), **changes}
+    shipped = cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml")))  # a mapping
+    data = {**shipped, **changes}
     return OPTIONS[group][name](**data)
 
 

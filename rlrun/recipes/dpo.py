@@ -80,7 +80,7 @@ def pair_logprobs(model, batch: Pairs, head, layout, average: bool, entropy: lis
 class ReferenceCache:
     """Reference (chosen, rejected) logprobs per pair id of this rank's pairs (`window`: computed once per pair)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.values: dict[int, tuple[float, float]] = {}
 
     def state_dict(self) -> dict:
@@ -168,7 +168,8 @@ def reference_logprobs(cfg, s, cache: ReferenceCache, batch: list[dict]):
     todo = [p for p in batch if p["id"] not in known]
     with s.meter.phase("offload"):
         engine.offload()
-    fresh, layout = {}, {}
+    fresh: dict[int, tuple[float, float]] = {}
+    layout: dict[str, int] = {}
     with s.meter.phase("ref_logprobs"), torch.no_grad(), models.reference(engine) as reference:
         for i in range(0, len(todo), t.micro_batch):
             chunk = encode_pairs(s.tokenizer, todo[i : i + t.micro_batch], engine.device)
@@ -185,7 +186,8 @@ def train_step(cfg, s, batch: list[dict], known: dict, step: int):
     """Forward and backward of this rank's micro-batches: [(pairs, metrics)] per micro-batch, the token count,
     [(entropy sum, tokens)] per micro-batch of the policy pass, and its layout (rlrun.batching.metrics)."""
     t, lcfg, engine = cfg.train, cfg.loss, s.engine
-    parts, tokens, entropy, layout = [], 0, [], {"real": 0}
+    parts, tokens, layout = [], 0, {"real": 0}
+    entropy: list[tuple[float, int]] = []
     with s.meter.phase("train"), s.axes.activations.saving():
         for i in range(0, len(batch), t.micro_batch):
             chunk_pairs = batch[i : i + t.micro_batch]

@@ -131,10 +131,11 @@ def split_rollout(roll, advantages: torch.Tensor, micro_batch: int) -> list[Micr
 FIELDS = ("targets", "advantages", "old_logprobs", "ref_logprobs", "gen_logprobs", "is_weights", "weights", "seq")
 
 
-def mismatch(micros: list[Micro]) -> np.ndarray:
-    """Generation vs trainer old-policy logprobs: sums of |diff| and exp|diff| and the token count, to be summed
-    over rollouts and ranks; their means are `mismatch/gen_vs_train_abs` and NeMo-RL's token_mult_prob_error."""
-    diff = torch.cat([(m.gen_logprobs - m.old_logprobs)[m.mask] for m in micros]).abs().double()
+def mismatch(micros: list[Micro], old: list[torch.Tensor]) -> np.ndarray:
+    """Generation vs trainer old-policy logprobs (`old`, one per micro-batch): sums of |diff| and exp|diff| and the
+    token count, to be summed over rollouts and ranks; their means are `mismatch/gen_vs_train_abs` and NeMo-RL's
+    token_mult_prob_error."""
+    diff = torch.cat([(m.gen_logprobs - lp)[m.mask] for m, lp in zip(micros, old)]).abs().double()
     return np.array([diff.sum().item(), diff.exp().sum().item(), diff.numel()])
 
 
@@ -246,7 +247,7 @@ def consume(cfg, s, d, buffer: RolloutBuffer, got: StepRollouts, version: int) -
             old = ax.layout.logprobs(engine.model, micros, ax.head, got.layout.setdefault("old", {}))
         for mb, lp in zip(micros, old):
             mb.old_logprobs = lp
-        got.mismatch += mismatch(micros)
+        got.mismatch += mismatch(micros, old)
     if need.ref:
         with meter.phase("ref_logprobs"), torch.no_grad(), models.reference(engine) as reference:
             ref = ax.layout.logprobs(reference, micros, ax.head, got.layout.setdefault("ref", {}))

@@ -42,7 +42,7 @@ class Source(Protocol):
 
 class Sync:
     exactness = "baseline"
-    phases = ("generate", "sync")
+    phases: tuple[str, ...] = ("generate", "sync")
     generates_here = True
 
     def __init__(self, cfg, s, prompts, *, window: int, grad_accum: int, drawn=None):

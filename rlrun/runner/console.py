@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
+from typing import Protocol
 
 from tqdm import tqdm
 
@@ -92,12 +94,12 @@ class PlainProgress:
         self.every = every or max(1, round(total / 40))  # ~40 lines per run
         self.enabled, self.out = enabled, out or sys.stderr
         self.postfix: dict = {}
-        self.t0 = None
+        self.t0: float | None = None  # set when iteration starts
 
     def set_postfix(self, **postfix) -> None:
         self.postfix = postfix
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         self.t0 = time.perf_counter()
         for step in range(self.start, self.total):
             yield step
@@ -112,7 +114,17 @@ class PlainProgress:
         pass
 
 
-def progress(start: int, total: int, desc: str, enabled: bool, every: int | None = None):
+class Progress(Protocol):
+    """What `progress` returns (tqdm's bar or a PlainProgress): the steps, and the numbers shown beside them."""
+
+    def __iter__(self) -> Iterator[int]: ...
+
+    def set_postfix(self, **postfix) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def progress(start: int, total: int, desc: str, enabled: bool, every: int | None = None) -> Progress:
     """The step iterator of `Frame.steps`: tqdm's bar on a terminal, `PlainProgress` lines otherwise."""
     if enabled and not sys.stderr.isatty():
         return PlainProgress(start, total, desc, every)

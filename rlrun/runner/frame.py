@@ -19,7 +19,7 @@ import torch
 
 from .. import checkpoint, folders, signals
 from ..meters import Meter
-from .console import format_rows, progress
+from .console import Progress, format_rows, progress
 from .lifecycle import cfg_flat, export_dir
 from .summary import DEAD_GRADIENTS_TAG, Summary, watch_gradients
 
@@ -84,7 +84,7 @@ class Frame:
         self.cfg, self.raw, self.tracker, self.s = cfg, raw, tracker, s
         self.engine, self.meter = s.engine, s.meter
         self.summary = Summary(curve)
-        self.bar = None
+        self.bar: Progress | None = None  # set by `steps`
         self.last_samples: list[dict] = []  # the last samples table, printed at the end of the run
         self.exported: str | None = None
         # who owns the checkpoints this run writes: rotation removes only the owner's (kept across resumes: restore)
@@ -206,4 +206,5 @@ class Frame:
             self.tracker.tags({DEAD_GRADIENTS_TAG: text})
         self.summary.add(m)
         self.tracker.log(step, m)
-        self.bar.set_postfix(**postfix)
+        if self.bar is not None:  # within `steps`
+            self.bar.set_postfix(**postfix)

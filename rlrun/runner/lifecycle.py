@@ -30,7 +30,7 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
 def _tracked(cfg, raw, run_name, train, state, main_rank) -> dict:
     """`run` from the MLflow run's creation to its end."""
     resume_id = state and state["run_id"]
-    tracker = tracking.Null()
+    tracker: tracking.Tracker = tracking.Null()
     try:
         if main_rank:  # inside the try: a signal just after the run is created still ends it (tracking.MLflow)
             tracker = tracking.start(cfg.tracking, raw, run_name, resume_run_id=resume_id,

@@ -10,12 +10,16 @@ import contextlib
 import logging
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .. import registry
 from . import scoring
 from .base import TaskError, plain
 from .chat import Formatter
 from .lengths import cut_prompts
+
+if TYPE_CHECKING:
+    from .worker import RewardWorker
 
 log = logging.getLogger("rlrun")
 
@@ -29,7 +33,7 @@ class Task:
     eval: list[dict]
     rewards: list[scoring.Reward] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # from loading; check_lengths returns them too
-    worker: object = None  # a RewardWorker while `isolated` (a run); None: rewards are called in this process
+    worker: RewardWorker | None = None  # while `isolated` (a run); None: rewards are called in this process
 
     def score(self, completions: list[str], rows: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
         if self.worker is None:
@@ -65,8 +69,8 @@ def _held_out(rows: list[dict], eval_rows: list[dict] | None, eval_size, seed: i
     if eval_rows is None and not eval_size:
         return rows, [], []
     warnings, from_split = [], eval_rows is not None
-    if not from_split:
-        first = {}
+    if eval_rows is None:  # not from_split
+        first: dict[str, dict] = {}
         for r in rows:
             first.setdefault(r["prompt"], r)
         prompts, n = list(first.values()), len(first)

@@ -12,8 +12,10 @@ import lzma
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from .base import MISSING, TaskError
 
@@ -173,7 +175,8 @@ def _open_text(path: Path):
         except ImportError:
             raise TaskError(f"{path}: reading .zst files needs the zstandard package: pip install zstandard.") from None
         return io.TextIOWrapper(zstandard.open(path, "rb"), encoding="utf-8", newline="")
-    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(kind)
+    openers: dict[str, Callable[..., IO[str]]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+    opener = openers.get(kind)
     if opener is None:
         return open(path, encoding="utf-8", newline="")
     return opener(path, "rt", encoding="utf-8", newline="")
@@ -194,11 +197,10 @@ def _text_columns(files: list[Path], datasets):
 def _json_records(path: Path) -> list | None:
     """The records of a JSON / JSON-lines file with every number kept as the text written in the file; None for a
     file that is not a list of objects (datasets read it some other way: nothing to recover)."""
-    hooks = {"parse_float": str, "parse_int": str}
     with _open_text(path) as f:
         if ".jsonl" in [x.lower() for x in path.suffixes]:
-            return [json.loads(line, **hooks) for line in f if line.strip()]
-        records = json.load(f, **hooks)
+            return [json.loads(line, parse_float=str, parse_int=str) for line in f if line.strip()]
+        records = json.load(f, parse_float=str, parse_int=str)
     return records if isinstance(records, list) else None
 
 
@@ -324,6 +326,6 @@ def _unreadable(p: Path, e: BaseException) -> str:
 
 def _cause(e: BaseException) -> str:
     """The innermost message of a chained exception (datasets wraps pyarrow's), on one line."""
-    while e.__cause__ is not None or e.__context__ is not None:
-        e = e.__cause__ or e.__context__
+    while (inner := e.__cause__ or e.__context__) is not None:
+        e = inner
     return re.sub(r"\s+", " ", str(e)).strip()[:300]

@@ -15,8 +15,10 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .base import TaskError, short
 
@@ -26,12 +28,12 @@ _NAME = re.compile(r"[\w\-. /]+")  # what MLflow accepts in a metric name (logge
 
 @dataclass
 class Reward:
-    fn: object  # the callable
+    fn: Callable[..., Any]
     spec: str  # "module:function" or "path.py:function", as configured
     weight: float = 1.0
     name: str = ""
     kwargs: dict = field(default_factory=dict)
-    call: object = None  # (completion, row) -> value, from `bind`
+    call: Callable[[str, dict], Any] | None = None  # (completion, row) -> value, from `bind`
     key: str = "task.reward"  # the config key it came from (for messages; the worker re-imports and re-binds)
     fields: tuple = ()  # the row fields it was bound against
 
@@ -63,6 +65,8 @@ def _import_file(key: str, spec: str, file: str):
     if name in sys.modules:
         return sys.modules[name], str(path)
     loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or loader_spec.loader is None:  # a file Python has no loader for
+        raise TaskError(f"{key}={spec!r}: {str(path)!r} cannot be imported; give a path to a .py file.")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[name] = module
     try:
@@ -164,7 +168,8 @@ def load_rewards(reward, rewards, fields: set[str]) -> list[Reward]:
     if not specs:
         raise TaskError("no reward is set (task.reward and task.rewards are empty); give at least one, e.g. "
                         "task.rewards='[{fn: rlrun.tasks.rewards:exact_match, weight: 1.0}]'.")
-    out, seen = [], {}
+    out: list[Reward] = []
+    seen: dict[str, str] = {}  # reward name -> the key that named it
     for s in specs:
         fn = import_reward(s["fn"], s["key"] + (".fn" if s["key"] != "task.reward" else ""))
         name = s["name"] or getattr(fn, "__name__", None)
@@ -274,6 +279,8 @@ def call_one(r: Reward, i: int, n: int, completion: str, row: dict, home: str, i
     """Reward `r` of completion `i` of `n` as a float; any failure is a TaskError naming the reward and the row.
     `isolated` (in the worker process, where a signal never raises): KeyboardInterrupt is the reward's own too."""
     caught = BaseException if isolated else (Exception, SystemExit)
+    if r.call is None:
+        raise RuntimeError(f"{r.key}: {r.spec} is called before it is bound (scoring.bind)")
     try:
         value = r.call(completion, _own(row))
     except caught as e:
@@ -290,7 +297,7 @@ def weigh(rewards: list[Reward], per: dict[str, list[float]], completions: list[
     """The weighted totals; the first weighted term is the start of the sum, so a single reward of weight 1.0
     gives its values bit for bit. A total that is not finite (finite values times weights that overflow) is a
     TaskError naming the reward whose term is largest, and the row."""
-    totals = None
+    totals: list[float] | None = None
     for r in rewards:
         terms = [r.weight * v for v in per[r.name]]
         totals = terms if totals is None else [t + x for t, x in zip(totals, terms)]
@@ -298,9 +305,9 @@ def weigh(rewards: list[Reward], per: dict[str, list[float]], completions: list[
         if not math.isfinite(total):
             worst = max(rewards, key=lambda r: abs(r.weight * per[r.name][i]))
             v = per[worst.name][i]
-            terms = ", ".join(f"{r.name}={per[r.name][i]!r} x {r.weight!r}" for r in rewards)
+            each = ", ".join(f"{r.name}={per[r.name][i]!r} x {r.weight!r}" for r in rewards)
             raise TaskError(f"{_context(worst, i, len(rows), completions[i], rows[i])} returned {v!r} with weight "
-                            f"{worst.weight!r}: the weighted total is {total!r} ({terms}); keep values times weights "
+                            f"{worst.weight!r}: the weighted total is {total!r} ({each}); keep values times weights "
                             "well inside the float range: scale the reward or lower its weight.")
     return totals
 

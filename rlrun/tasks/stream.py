@@ -9,7 +9,8 @@ class PromptStream:
     """Endless epochs over `examples`, reshuffled each epoch from `seed`; its position can be saved (resume)."""
 
     def __init__(self, examples: list[dict], seed: int):
-        self.examples, self.rng, self.order, self.pos = examples, random.Random(seed), [], 0
+        self.examples, self.rng, self.pos = examples, random.Random(seed), 0
+        self.order: list[int] = []  # this epoch's order of the examples' indices
 
     def __iter__(self):
         return self

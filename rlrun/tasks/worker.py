@@ -64,7 +64,8 @@ class RewardWorker:
 
     def __init__(self, rewards: list, timeout_s: float, seed: int = 0):
         self.rewards, self.timeout_s, self.seed = rewards, float(timeout_s), seed
-        self.proc, self.requests = None, 0
+        self.proc: subprocess.Popen | None = None
+        self.requests = 0
         self.start()
 
     def start(self) -> None:
@@ -103,6 +104,7 @@ class RewardWorker:
 
     def _abandon(self) -> str:
         """Kill the worker (a reward hangs or a signal stops the run); the next `score` starts a new one."""
+        assert self.proc is not None, "no worker to abandon"
         _kill(self.proc)
         code = self.proc.returncode
         self._closer()
@@ -252,7 +254,7 @@ def _serve(requests, fd: int, progress, rewards: list, home: str) -> None:
         number, completions, rows = request
         n = len(rows)
         try:
-            values = []
+            values: list[list[float]] = []
             for j, r in enumerate(rewards):
                 values.append([])
                 for i, (c, row) in enumerate(zip(completions, rows)):

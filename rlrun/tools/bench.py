@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TypedDict
 
 import torch
 
@@ -48,8 +49,15 @@ from ..tracking import MLflow, TrackingError, check_uri, log_metrics
 from . import bench_batching, bench_gpu, bench_pipeline, bench_plan, bench_trl
 
 PEERS = ("deepspeed", "liger")
-CLIP = dict(clip_low=0.2, clip_high=0.28)
-GSPO_CLIP = dict(clip_low=3e-4, clip_high=4e-4)
+
+
+class Clip(TypedDict):  # typed keys, so `**CLIP` is checked against the loss's parameters
+    clip_low: float
+    clip_high: float
+
+
+CLIP: Clip = {"clip_low": 0.2, "clip_high": 0.28}
+GSPO_CLIP: Clip = {"clip_low": 3e-4, "clip_high": 4e-4}
 BENCH_EXPERIMENT = "rlrun-bench"
 CALL = "call"  # the one phase a benchmark meters: the whole measured call, not the loop's PHASES
 

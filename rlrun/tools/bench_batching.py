@@ -81,7 +81,7 @@ def child(option: str, a, out_path: str) -> None:
                              world=1)
     s = SimpleNamespace(engine=engine, meter=meter, axes=axes.of(a.head, a.tile_size, 1.0, option, a.max_tokens,
                                                                   loss=cfg.loss, max_new_tokens=a.response_cap))
-    times = {"old": [], "train": []}
+    times: dict[str, list[float]] = {"old": [], "train": []}
     for _ in range(a.repeat + 1):  # the first is a warm-up
         work = copy.deepcopy(micros)
         model.zero_grad(set_to_none=True)

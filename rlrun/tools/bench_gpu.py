@@ -26,6 +26,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from .. import render
@@ -116,7 +117,7 @@ def summary(rows: list[dict]) -> str:
         f"; not run: {', '.join(skipped)}" if skipped else "")
 
 
-def table(rows: list[dict], env: dict, notes: list[str] = ()) -> str:
+def table(rows: list[dict], env: dict, notes: Sequence[str] = ()) -> str:
     """The one table the command prints, under the device it ran on, with the summary and notes below."""
     head = f"rlrun on {env['device']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}"
     return "\n".join([head, render.table(HEAD, [cells(r) for r in rows], left=2), summary(rows), *notes])

@@ -17,6 +17,7 @@ FONT = 11
 def colors(n: int) -> list:
     """One distinct colour per run, the same in every panel and figure."""
     get = render.pyplot().get_cmap
+    xs: range | np.ndarray  # indices into a listed colormap, or positions along a continuous one
     if n <= 10:
         cmap, xs = get("tab10"), range(n)
     elif n <= 20:

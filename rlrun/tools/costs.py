@@ -16,6 +16,7 @@ histories: no MLflow, no matplotlib.
 from __future__ import annotations
 
 import math
+from typing import TypedDict
 
 import numpy as np
 
@@ -78,7 +79,18 @@ def absolute_peak(h: dict) -> float:
     return max((max(values(h, peak_key(p))) for p in PHASES if peak_key(p) in h), default=NAN)
 
 
-def job(h: dict) -> dict[str, float]:
+class Job(TypedDict):
+    step_s: float
+    median_step_s: float
+    tokens_per_s: float
+    growth_mib: float
+    growth_phase: str | None
+    peak_mib: float
+    gen_tokens_per_s: float
+    train_tokens_per_s: float
+
+
+def job(h: dict) -> Job:
     """The numbers of one job in the table and the cost chart."""
     grown, phase = largest_growth(h)
     steps = values(h, STEP)

@@ -97,6 +97,7 @@ def run_child(overrides: list[str], name: str, log_path: str, out_path: str) -> 
     from .bench_trl import rlrun_run
 
     render.quiet(log_path)
+    out: dict[str, list | str]  # metric key -> (step, value, seconds) history; or "error" -> why
     try:
         with rlrun_run(lambda uri: [*overrides, f"tracking.uri={uri}"], name) as history:
             out = {k: [(m.step, m.value, m.timestamp / 1000) for m in history(k)] for k in KEYS}
@@ -178,7 +179,7 @@ def plan_rows(point: str, h: dict) -> list[dict]:
     rows = []
     for p in PLAN_PHASES:
         pp, mp, pg, mg = (median(h, k(p)) for k in (plan_peak_key, peak_key, plan_growth_key, growth_key))
-        if None in (pp, mp, pg, mg):
+        if pp is None or mp is None or pg is None or mg is None:
             continue  # a phase this run does not have
         rows.append({"part": "plan", "case": f"{point} / {p}", "mem_mib": mp, "mem_what": "peak",
                      "plan_peak_mib": pp, "peak_mib": mp, "plan_growth_mib": pg, "growth_mib": mg,
@@ -253,13 +254,13 @@ def runs_rows(results: dict[str, dict], skip: int) -> list[dict]:
     """Steps/s, peak and the step-0 grad norm of each variant against `always` (the baseline)."""
     base = results.get("always", {"error": "not run"})
     base_sps = None if missing(base) else steps_per_s(base, skip)
-    base_g0 = None if missing(base) else (values(base, "grad_norm") or [None])[0]
+    base_g0 = None if missing(base) else next(iter(values(base, "grad_norm")), None)
     rows = []
     for name, h in results.items():
         if missing(h):
             rows.append(error_row("runs", name, h))
             continue
-        sps, g0 = steps_per_s(h, skip), (values(h, "grad_norm") or [None])[0]
+        sps, g0 = steps_per_s(h, skip), next(iter(values(h, "grad_norm")), None)
         row = {"part": "runs", "case": name, "speed": sps, "speed_unit": "steps/s", "mem_mib": peak(h),
                "mem_what": "peak"}
         if name == "always":

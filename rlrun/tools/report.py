@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Literal
 
 import numpy as np
 
@@ -127,8 +128,8 @@ def equivalence_figure(rows):
 # The table: step time and tokens/s are the console's (no evaluation, no checkpoints); growth is the largest phase's
 # peak growth (median step); peak is the absolute peak, context only (CPU: the process's RSS).
 COLUMNS = ("run", "reward / acc", "step s (no eval)", "tokens/s (step)", "growth MiB", "peak MiB")
-KEYS = {"step s (no eval)": "step_s", "tokens/s (step)": "tokens_per_s", "growth MiB": "growth_mib",
-        "peak MiB": "peak_mib"}
+KEYS: dict[str, Literal["step_s", "tokens_per_s", "growth_mib", "peak_mib"]] = {  # column -> costs.Job key
+    "step s (no eval)": "step_s", "tokens/s (step)": "tokens_per_s", "growth MiB": "growth_mib", "peak MiB": "peak_mib"}
 
 
 def rows_of(names, data) -> list[dict]:
@@ -148,7 +149,7 @@ SPECS = {"reward / acc": ".3f", "step s (no eval)": ".4f", "tokens/s (step)": ".
 
 
 def _cells(names, data) -> list[list[str]]:
-    return [[r["run"]] + [num(r[c], SPECS[c]) if SPECS[c] else render.short(r[c]) for c in COLUMNS[1:]]
+    return [[r["run"]] + [num(r[c], spec) if (spec := SPECS[c]) else render.short(r[c]) for c in COLUMNS[1:]]
             for r in rows_of(names, data)]
 
 

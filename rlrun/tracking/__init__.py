@@ -16,6 +16,8 @@ logprob mismatch, the run's performance summary) as `system/...`, which MLflow s
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from omegaconf import OmegaConf
 
 from .. import registry
@@ -70,6 +72,7 @@ def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | Non
 
 def record_failure(config_obj, run_name: str, error: Exception) -> None:
     """A FAILED run for a job that was refused before training, so a sweep lists every job."""
-    tracker = MLflow(config_obj.tracking, OmegaConf.to_container(config_obj, resolve=True), run_name)
+    config = cast("dict[str, Any]", OmegaConf.to_container(config_obj, resolve=True))  # a run config: a mapping
+    tracker = MLflow(config_obj.tracking, config, run_name)
     tracker.tags({"error": f"{type(error).__name__}: {error}"})
     tracker.finish("FAILED")

@@ -32,8 +32,10 @@ class MLflow:
                  previous_spill: str | None = None):
         self.client, exp_id = connect(cfg.uri, cfg.experiment)
         self.first_step = 0  # steps below this were logged before a resume: recomputed, not logged twice
-        self.run_id, self.uri, self.spill = None, cfg.uri, None
-        self.held = []  # metrics logged before the first learning curve value (None once it is sent)
+        self.run_id: str | None = None
+        self.uri = cfg.uri
+        self.spill: Spill | None = None
+        self.held: list[list] | None = []  # metrics logged before the first learning curve value (None once sent)
         self.spill_path = os.path.join(output_dir(), SPILL_FILE)
         try:
             self._open(cfg, exp_id, config, run_name, resume_run_id, previous_spill)
@@ -111,9 +113,13 @@ class MLflow:
     def _send(self, op: str, args) -> None:
         """Every write once the run exists: queued for the sender, kept in the spill file while the store is
         unreachable (the record names the store absolutely, for `rlrun-report --sync` from any folder)."""
+        self._spill().write({"op": op, "run_id": self.run_id, "uri": absolute_uri(self.uri), "args": args})
+
+    def _spill(self) -> Spill:
+        """The spill file's sender, made by the first write."""
         if self.spill is None:
             self.spill = Spill(self.client, self.spill_path, self.uri)
-        self.spill.write({"op": op, "run_id": self.run_id, "uri": absolute_uri(self.uri), "args": args})
+        return self.spill
 
     def log(self, step: int, metrics: dict[str, float]):
         """The learning curve goes first: what is logged before it (the plan, the warm start, the first
@@ -170,7 +176,7 @@ class MLflow:
         wait for an unreachable store (what is left is kept in the spill file)."""
         self._release()
         self._send("status", status)
-        self.spill.close(wait=status == "FINISHED")
+        self._spill().close(wait=status == "FINISHED")  # _send made it
 
     def describe(self, text: str):
         """Append `text` (e.g. `headline(summary)`) to the run's description (`mlflow.note.content`)."""

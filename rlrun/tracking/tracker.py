@@ -42,7 +42,7 @@ class Tracker(Protocol):
 class Null:
     """tracking=none: records nothing."""
 
-    run_id = None
+    run_id: str | None = None  # nothing is stored
 
     def __init__(self, *_args, **_kwargs):  # takes what MLflow takes, so `start` builds either the same way
         pass
