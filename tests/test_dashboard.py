@@ -104,7 +104,7 @@ def test_the_parent_description_leads_with_the_answer_then_one_line_per_job():
     verdicts = {"head=dense": {"phase_s": 0.2, "phase_low": 0.19, "phase_high": 0.21, "same": None,
                                "same_text": "the baseline"},
                 "log_samples=*": {"phase_s": 0.25, "phase_low": 0.2, "phase_high": 0.3, "same": True,
-                                  "same_text": "max |dloss| 1e-08"}}
+                                  "same_text": "loss off by 1e-08"}}
     note = sweep.comparison_note(rows, specs, ("Cost of train against head=dense (head): no difference measured.",
                                                verdicts))
     lines = note.splitlines()

@@ -106,7 +106,7 @@ def same_result(h: dict, base: dict, exactness: str) -> tuple[bool | None, str]:
     scale = max(abs(want[s]) for s in steps) or 1.0
     worst = max(abs(got[s] - want[s]) for s in steps) / scale
     window = f"the {len(steps)} steps before sampling parts" if stop is not None else f"all {len(steps)} steps"
-    return worst <= FP_TOL, f"max |dloss| {worst:.1e} of the loss over {window} (tolerance {FP_TOL:.0e})"
+    return worst <= FP_TOL, f"loss off by {worst:.1e} of its scale at most, over {window} (tolerance {FP_TOL:.0e})"
 
 
 def exactness_of(params: dict[str, str], base: dict[str, str]) -> str:
