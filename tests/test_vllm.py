@@ -15,12 +15,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(
 
 
 def trainer_logprobs(policy, roll, temperature):
-    from rlrun import registry
-    from rlrun.recipes.grpo import group_advantages, logprob_pass, split_rollout
+    from rlrun import axes
+    from rlrun.recipes.grpo import group_advantages, split_rollout
 
     micros = split_rollout(roll, group_advantages(torch.zeros(len(roll.completions)), 4), 64)
-    padded = make_cfg().batching  # the trainer's pass as the default run makes it
-    (lp,) = logprob_pass(policy, micros, registry.get("head", "dense"), None, temperature, padded)
+    ax = axes.of("dense", None, temperature)  # the trainer's pass as the default run makes it: dense, padded
+    with torch.no_grad():
+        (lp,) = ax.layout.logprobs(policy, micros, ax.head)
     return lp, micros[0].mask
 
 

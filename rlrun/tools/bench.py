@@ -241,12 +241,14 @@ def dpo_child(head_name, length, a, out_path):
     text = lambda: "".join(rng.choice(models.CHARS[:36]) for _ in range(length - 1))  # noqa: E731
     pairs = [{"id": i, "prompt": "1+2=", "chosen": text(), "rejected": text()} for i in range(a.pairs)]
     batch = encode_pairs(tok, pairs, device)
-    head = registry.get("head", head_name)
+    from .. import axes
+
+    ax = axes.of(head_name, a.tile_size)  # the head bound to its tile, the pairs padded (the DPO bench's layout)
 
     def step():
         with torch.no_grad():
-            rc, rr = pair_logprobs(reference, batch, head, a.tile_size, False)
-        pc, pr = pair_logprobs(policy, batch, head, a.tile_size, False)
+            rc, rr = pair_logprobs(reference, batch, ax.head, ax.layout, False)
+        pc, pr = pair_logprobs(policy, batch, ax.head, ax.layout, False)
         loss, _ = dpo_loss(pc, pr, rc, rr, beta=0.1)
         loss.backward()
         return loss
