@@ -12,16 +12,17 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from . import ranks, registry, signals
 from .config import ConfigError, validate
-from .errors import CheckpointError, ExportError, ModelError, RolloutError, TaskError, TrackingError
+from .errors import CheckError, CheckpointError, ExportError, ModelError, RolloutError, TaskError, TrackingError
 
 log = logging.getLogger("rlrun")
 
 # Errors that are the user's input, not a bug: shown as one clear message, no traceback.
-USER_ERRORS = (ConfigError, ModelError, TaskError, TrackingError, CheckpointError, ExportError, RolloutError)
+USER_ERRORS = (ConfigError, ModelError, TaskError, TrackingError, CheckpointError, ExportError, RolloutError,
+               CheckError)
 # conf/ sits beside the package in the repository (install with `pip install -e .`).
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -47,13 +48,38 @@ def restored(cfg: DictConfig) -> DictConfig:
     return saved
 
 
-def run(cfg: DictConfig, run_name: str | None = None) -> dict:
-    """Validate (no torch import), then hand over to the runner with the recipe that trains `loss`."""
+def run(cfg: DictConfig, run_name: str | None = None, check_first: bool = False) -> dict:
+    """Validate (no torch import), then hand over to the runner with the recipe that trains `loss`. `check_first`:
+    run `rlrun check` on the configuration before it trains (a sweep's job: report.check_jobs): a failed probe is a
+    CheckError naming it; the probes' results are logged to the run (check/*, check.txt)."""
     cfg = restored(cfg)
     typed = validate(cfg)
     from .runner import run as run_training
 
-    return run_training(typed, cfg, run_name, registry.get("recipe", typed.loss.name).train)  # heavy: after validation
+    on_start = checked(typed) if check_first else None
+    return run_training(typed, cfg, run_name, registry.get("recipe", typed.loss.name).train,  # heavy: after validation
+                        on_start=on_start)
+
+
+def checked(typed):
+    """The probes of `rlrun check` on a validated config, before its run exists: a CheckError naming the failed
+    probes, or what logs their results to the run once it starts (None: nothing probed, DPO)."""
+    from . import check
+
+    rows = check.rows_of(typed)
+    if not rows:
+        return None
+    if any(r.ok is False for r in rows):
+        raise CheckError(f"rlrun check: {check.summary(rows)} (run `rlrun check` with this job's overrides for the "
+                         "table; docs/check.md)")
+    log.info("rlrun check: %s", check.summary(rows))
+
+    def log_check(tracker) -> None:
+        tracker.log(0, check.metrics(rows))
+        tracker.tags({"rlrun.check": check.summary(rows)})
+        tracker.text(check.table(rows) + "\n" + check.summary(rows), "check.txt")
+
+    return log_check
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -86,9 +112,10 @@ def _main(cfg: DictConfig):
 
 
 def sweep_job(cfg: DictConfig, run_name: str):
-    """One job of a multirun: a failure is recorded (child run FAILED with its error) and the sweep goes on."""
+    """One job of a multirun: a failure is recorded (child run FAILED with its error) and the sweep goes on. With
+    report.check_jobs (default), the job's configuration is checked first (`rlrun check`)."""
     try:
-        return run(cfg, run_name)
+        return run(cfg, run_name, check_first=bool(OmegaConf.select(cfg, "report.check_jobs", default=False)))
     except KeyboardInterrupt:
         if cfg.tracking.name == "mlflow" and cfg.tracking.parent_run_id:
             from . import tracking
@@ -97,10 +124,10 @@ def sweep_job(cfg: DictConfig, run_name: str):
         raise
     except Exception as e:  # noqa: BLE001 - every failure of a job is reported by the sweep
         log.error("job %s failed: %s: %s", run_name, type(e).__name__, e)
-        if isinstance(e, ConfigError) and cfg.tracking.name == "mlflow":
+        if isinstance(e, (ConfigError, CheckError)) and cfg.tracking.name == "mlflow":
             from . import tracking
 
-            tracking.record_failure(cfg, run_name, e)  # refused before a run existed: still list it
+            tracking.record_failure(cfg, run_name, e)  # refused before a run existed: still list it, named
         return {"error": f"{type(e).__name__}: {e}"}
 
 

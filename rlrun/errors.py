@@ -28,3 +28,7 @@ class ExportError(RuntimeError):
 
 class RolloutError(RuntimeError):
     """rollout=vllm cannot start (vLLM missing, or a setting it refuses)."""
+
+
+class CheckError(RuntimeError):
+    """A sweep job whose configuration failed `rlrun check` (a probe named): marked FAILED before it trains."""

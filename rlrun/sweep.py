@@ -185,6 +185,9 @@ class SweepCallback(Callback):
 
         params = [r.data.params for r in runs]
         answer = verdict.answer(names, data, params, report.eq.baselines(params, names, baseline)[0])
+        for name, run in zip(names, runs):  # each job's `rlrun check` (report.check_jobs)
+            if run.data.tags.get("rlrun.check"):
+                answer[1].setdefault(name, {})["check"] = run.data.tags["rlrun.check"]
         text = (f"{comparison_note(rows, report.SPECS, answer)}\n\n{note.rstrip('.')}. Cost: the median seconds per "
                 f"step, after the first {verdict.WARMUP}, of the phases the varying options change, with their "
                 "interquartile range; runs whose ranges overlap: no difference measured. Reward / acc: the last "
@@ -226,12 +229,14 @@ def comparison_note(rows: list[dict], specs: dict[str, str], answer=None) -> str
     for r in rows:
         cells = [PHRASES.get(c, c + " {}").format(num(r.get(c), specs[c]) if specs[c] else short(r.get(c)))
                  for c in shown]
-        v = verdicts.get(r["run"])
-        if v:
+        v: dict = verdicts.get(r["run"], {})
+        if "phase_s" in v:
             cells.insert(0, f"changed phases {num(v['phase_s'], '.4f')} s [{num(v['phase_low'], '.4f')}, "
                             f"{num(v['phase_high'], '.4f')}]")
             same = {True: "yes", False: "NO", None: "–"}[v["same"]]
             cells.append(f"same result: {same} ({esc(v['same_text'])})")
+        if "check" in v:
+            cells.append(f"check: {esc(v['check'])}")
         lines.append(f"- **{esc(r['run'])}**: " + " · ".join(cells))
     return "\n".join(lines)
 

@@ -171,3 +171,29 @@ def test_every_probe_passes_on_an_all_pairs_covering_array_of_the_exact_axes():
         if bad:
             failed[" ".join(f"{k}={v}" for k, v in row.items())] = bad
     assert not failed, failed
+
+
+# -- every sweep job runs its check first (report.check_jobs) -------------------------------------------------------
+
+def test_a_sweep_job_whose_check_fails_is_failed_naming_the_probe_and_trains_nothing(tmp_path, monkeypatch):
+    from helpers import runs
+
+    from rlrun import cli
+    from rlrun.check.probes import Row
+
+    monkeypatch.setattr(check, "rows_of", lambda cfg: [Row("sequence alone", "-", "-", False, "-"),
+                                                       Row("accumulation", "-", "-", True, "-")])
+    out = cli.sweep_job(make_cfg("experiment=smoke", tmp_path=tmp_path), "job-a")
+    assert out["error"].startswith("CheckError: rlrun check: 1 of 2 probes pass; FAILED: sequence alone")
+    _, [r] = runs(tmp_path / "mlflow.db")
+    assert r.info.status == "FAILED" and "FAILED: sequence alone" in r.data.tags["error"]
+    assert not any(k.startswith("train/") for k in r.data.metrics)  # refused before its first step
+
+
+def test_check_metrics_name_each_probe_that_applies():
+    from rlrun.check.probes import Row
+
+    rows = [Row("generator = trainer", "-", "-", True, "-"), Row("no full logits", "-", "-", None, "-"),
+            Row("vs baseline", "-", "-", False, "-")]
+    assert check.metrics(rows) == {"check/generator_trainer": 1.0, "check/vs_baseline": 0.0}
+    assert check.summary(rows) == "1 of 2 probes pass; FAILED: vs baseline"

@@ -13,6 +13,7 @@ fails. Nothing is trained or written; the rewards are not called (the probe's ad
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,14 +140,29 @@ def table(rows: list[Row]) -> str:
                         [[r.probe, r.expects, r.measured, VERDICT[r.ok], r.source] for r in rows], left=5)
 
 
+def rows_of(cfg) -> list[Row]:
+    """The probes of a validated GRPO config ([] for DPO: not probed yet), the caller's random state untouched."""
+    if cfg.loss.name == "dpo":
+        return []
+    with torch.random.fork_rng():
+        return run_probes(build(cfg))
+
+
+def summary(rows: list[Row]) -> str:
+    failed = [r.probe for r in rows if r.ok is False]
+    return (f"{sum(r.ok is True for r in rows)} of {sum(r.ok is not None for r in rows)} probes pass"
+            + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+
+
+def metrics(rows: list[Row]) -> dict[str, float]:
+    """check/<probe> = 1 (pass) or 0 (fail) for the probes that apply (MLflow's names: letters and _)."""
+    return {"check/" + "_".join(re.findall(r"[a-z0-9]+", r.probe.lower())): float(r.ok) for r in rows
+            if r.ok is not None}
+
+
 def report(cfg) -> tuple[str, bool]:
     """The check of a validated GRPO config: (the table with its summary line, whether every probe passed)."""
-    if cfg.loss.name == "dpo":
+    rows = rows_of(cfg)
+    if not rows:
         return "rlrun check: loss=dpo is not probed yet (the probes are GRPO's: a rollout, ratios, a generator).", True
-    with torch.random.fork_rng():
-        ctx = build(cfg)
-        rows = run_probes(ctx)
-    failed = [r.probe for r in rows if r.ok is False]
-    summary = (f"{sum(r.ok is True for r in rows)} of {sum(r.ok is not None for r in rows)} probes pass"
-               + (f"; FAILED: {', '.join(failed)}" if failed else ""))
-    return f"{table(rows)}\n{summary}", not failed
+    return f"{table(rows)}\n{summary(rows)}", all(r.ok is not False for r in rows)

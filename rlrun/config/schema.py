@@ -371,6 +371,7 @@ class PlanConfig:
 @dataclass
 class ReportConfig:
     baseline: str | None  # a sweep's equivalence baseline by run name; null: the reference setting of each axis
+    check_jobs: bool  # every GRPO job of a sweep runs `rlrun check` first (rlrun/check/), logs check/*, fails on one
 
 
 @dataclass

@@ -13,10 +13,11 @@ from .console import end_table, results_hint
 log = logging.getLogger("rlrun")
 
 
-def run(cfg, raw, run_name: str | None, train) -> dict:
+def run(cfg, raw, run_name: str | None, train, on_start=None) -> dict:
     """Train one validated config with `train` (a recipe's `train(cfg, raw, tracker, resume)`); `cfg` is typed,
     `raw` the composed DictConfig that is logged and checkpointed. Once the MLflow run exists every way out ends it
-    FINISHED, FAILED or KILLED (SIGTERM arrives as KeyboardInterrupt: cli.main installs that at process start)."""
+    FINISHED, FAILED or KILLED (SIGTERM arrives as KeyboardInterrupt: cli.main installs that at process start).
+    `on_start(tracker)`: called once the run exists (a sweep job logs its check there)."""
     state = load_resume(cfg, raw) if cfg.resume else None
     checkpoint.check_writable(cfg.checkpoint.dir)
     main_rank = ranks.is_main()  # data parallel: only rank 0 talks to MLflow (and draws progress)
@@ -24,10 +25,10 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
         folders.check_export(export_dir(cfg) if cfg.export.enabled else None, cfg.checkpoint.dir,
                              getattr(cfg.tracking, "uri", None))  # a store, where the tracking option has one
     with folders.own_checkpoints(cfg.checkpoint.dir if main_rank else None, resuming=bool(cfg.resume)):
-        return _tracked(cfg, raw, run_name, train, state, main_rank)
+        return _tracked(cfg, raw, run_name, train, state, main_rank, on_start)
 
 
-def _tracked(cfg, raw, run_name, train, state, main_rank) -> dict:
+def _tracked(cfg, raw, run_name, train, state, main_rank, on_start=None) -> dict:
     """`run` from the MLflow run's creation to its end."""
     resume_id = state and state["run_id"]
     tracker: tracking.Tracker = tracking.Null()
@@ -35,6 +36,8 @@ def _tracked(cfg, raw, run_name, train, state, main_rank) -> dict:
         if main_rank:  # inside the try: a signal just after the run is created still ends it (tracking.MLflow)
             tracker = tracking.start(cfg.tracking, raw, run_name, resume_run_id=resume_id,
                                      previous_spill=state and state.get("spill"))
+            if on_start is not None:
+                on_start(tracker)
         summary = train(cfg, raw, tracker, state)
     except KeyboardInterrupt:
         end(tracker, "KILLED", "interrupted (KeyboardInterrupt)")
