@@ -16,12 +16,13 @@ from omegaconf import DictConfig
 
 from . import ranks, registry, signals
 from .config import ConfigError, validate
-from .errors import CheckpointError, ExportError, ModelError, RolloutError, TaskError, TrackingError
+from .errors import CheckpointError, ExportError, LinkError, ModelError, RolloutError, TaskError, TrackingError
 
 log = logging.getLogger("rlrun")
 
 # Errors that are the user's input, not a bug: shown as one clear message, no traceback.
-USER_ERRORS = (ConfigError, ModelError, TaskError, TrackingError, CheckpointError, ExportError, RolloutError)
+USER_ERRORS = (ConfigError, ModelError, TaskError, TrackingError, CheckpointError, ExportError, RolloutError,
+               LinkError)
 # conf/ sits beside the package in the repository (install with `pip install -e .`).
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 

@@ -28,3 +28,7 @@ class ExportError(RuntimeError):
 
 class RolloutError(RuntimeError):
     """rollout=vllm cannot start (vLLM missing, or a setting it refuses)."""
+
+
+class LinkError(RuntimeError):
+    """A symbolic link where rlrun would create or write a file of its own: refused, nothing written through it."""

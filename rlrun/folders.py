@@ -21,6 +21,7 @@ import sys
 import time
 from urllib.parse import urlparse
 
+from . import nofollow
 from .errors import CheckpointError, ExportError
 
 MARK = "rlrun_export.json"
@@ -88,8 +89,11 @@ def probe_write(folder: str) -> None:
     """Create `folder` and write and remove a small file in it (OSError when it cannot be written)."""
     os.makedirs(folder, exist_ok=True)
     probe = os.path.join(folder, f".rlrun_write_test.{os.getpid()}")
-    with open(probe, "wb") as f:
-        f.write(b"ok")
+    fd = nofollow.create_fresh(probe)  # never through a link planted at the name
+    try:
+        os.write(fd, b"ok")
+    finally:
+        os.close(fd)
     os.remove(probe)
 
 
@@ -191,7 +195,7 @@ def own_checkpoints(folder: str | None, resuming: bool):
                               f"{len(existing) - 1} more) of an earlier run; a new run would rotate them away. "
                               "resume=true continues that run; to start a new one choose an empty folder.")
     path = os.path.join(folder, LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = nofollow.open_existing(path, os.O_RDWR | os.O_CREAT)  # a link there: LinkError, nothing written
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
