@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import checkpoint, folders, ranks, registry, signals, tracking
+from .. import checkpoint, exportdir, folders, ranks, registry, signals, tracking
 from ..config import ConfigError
 from .console import end_table, results_hint
 
@@ -20,10 +20,13 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
     state = load_resume(cfg, raw) if cfg.resume else None
     checkpoint.check_writable(cfg.checkpoint.dir)
     main_rank = ranks.is_main()  # data parallel: only rank 0 talks to MLflow (and draws progress)
+    exporting = export_dir(cfg) if cfg.export.enabled and main_rank else None
     if main_rank:  # before the MLflow run exists: a refused folder leaves no run behind
-        folders.check_export(export_dir(cfg) if cfg.export.enabled else None, cfg.checkpoint.dir,
-                             cfg.tracking.uri if cfg.tracking.name == "mlflow" else None)
-    with folders.own_checkpoints(cfg.checkpoint.dir if main_rank else None, resuming=bool(cfg.resume)):
+        exportdir.check_export(exporting, cfg.checkpoint.dir,
+                               cfg.tracking.uri if cfg.tracking.name == "mlflow" else None)
+    # one run per checkpoint folder, one export per export folder, from here to the end of the run
+    with folders.own_checkpoints(cfg.checkpoint.dir if main_rank else None, resuming=bool(cfg.resume)), \
+            exportdir.own_export(exporting):
         return _tracked(cfg, raw, run_name, train, state, main_rank)
 
 
