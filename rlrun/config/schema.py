@@ -309,6 +309,7 @@ class CheckpointConfig:
     every: NonNegInt
     keep: PosInt
     export: bool  # export the policy beside each checkpoint too
+    stop_grace_s: Positive  # after a signal, how long the step in flight may take (signals.deferred)
 
 
 @dataclass

@@ -51,7 +51,7 @@ def build(cfg, state: dict, device: str):
 
 
 def main(cfg, state, slots, inbox, outbox, threads: int, device: str, version: int, parent: int, build=build) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer decides when this process ends (close())
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the trainer decides when this process ends (close())
         signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:

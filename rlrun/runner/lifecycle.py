@@ -17,6 +17,7 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
     """Train one validated config with `train` (a recipe's `train(cfg, raw, tracker, resume)`); `cfg` is typed,
     `raw` the composed DictConfig that is logged and checkpointed. Once the MLflow run exists every way out ends it
     FINISHED, FAILED or KILLED (SIGTERM arrives as KeyboardInterrupt: cli.main installs that at process start)."""
+    signals.set_grace(cfg.checkpoint.stop_grace_s)  # after a signal, how long the step in flight may take
     state = load_resume(cfg, raw) if cfg.resume else None
     checkpoint.check_writable(cfg.checkpoint.dir)
     main_rank = ranks.is_main()  # data parallel: only rank 0 talks to MLflow (and draws progress)

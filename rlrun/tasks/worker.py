@@ -264,7 +264,7 @@ def _serve(requests, fd: int, progress, rewards: list, home: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle; it stops this process itself
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the trainer's to handle; it stops this process itself
         signal.signal(sig, signal.SIG_IGN)
     req_fd, res_fd, progress_fd, parent = (int(a) for a in argv[:4])
     _die_with_parent(parent)
