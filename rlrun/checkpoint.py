@@ -292,7 +292,7 @@ def load_latest(where: str) -> tuple[dict, str]:
 
 
 # Keys that may differ between a checkpoint and its resume: they do not change what is trained.
-MAY_CHANGE = ("train.steps", "progress", "run_name", "resume")
+MAY_CHANGE = ("train.steps", "progress", "run_name", "resume", "rollout.worker_timeout_s")
 MAY_CHANGE_PREFIXES = ("tracking.", "checkpoint.", "head.", "plan.", "eval.", "log.", "export.", "report.")
 
 

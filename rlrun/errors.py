@@ -32,3 +32,8 @@ class RolloutError(RuntimeError):
 
 class LinkError(RuntimeError):
     """A symbolic link where rlrun would create or write a file of its own: refused, nothing written through it."""
+
+
+class FaultError(RuntimeError):
+    """A process rlrun started died or stopped answering, for a cause outside the config (killed, stopped, hung):
+    one message naming it and what to do, exit 1 (not 2: the config was not at fault)."""

@@ -218,6 +218,7 @@ class HFRollout:
     max_staleness: NonNegInt
     worker_threads: PosInt | None
     worker_device: Device | None
+    worker_timeout_s: Positive  # async: the trainer gives up on a generator without a heartbeat this long
 
 
 @dataclass
@@ -239,6 +240,7 @@ class VLLMRollout:
     max_staleness: NonNegInt
     worker_threads: PosInt | None
     worker_device: Device | None
+    worker_timeout_s: Positive  # async: the trainer gives up on a generator without a heartbeat this long
 
 
 # -- engine -------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
     `raw` the composed DictConfig that is logged and checkpointed. Once the MLflow run exists every way out ends it
     FINISHED, FAILED or KILLED (SIGTERM arrives as KeyboardInterrupt: cli.main installs that at process start)."""
     signals.set_grace(cfg.checkpoint.stop_grace_s)  # after a signal, how long the step in flight may take
+    check_devices(cfg)  # before anything is built: a device the machine lacks is one message
     state = load_resume(cfg, raw) if cfg.resume else None
     checkpoint.check_writable(cfg.checkpoint.dir)
     main_rank = ranks.is_main()  # data parallel: only rank 0 talks to MLflow (and draws progress)
@@ -65,6 +66,30 @@ def end(tracker, status: str, error: str) -> None:
             tracker.tags({"error": error})
         finally:
             tracker.finish(status)
+
+
+def check_devices(cfg) -> None:
+    """The CUDA devices the config names (engine.device, rollout.worker_device with rollout.pipeline=async) exist on
+    this machine: ConfigError naming each and what the machine has, before the model is built."""
+    import torch
+
+    named = {"engine.device": getattr(cfg.engine, "device", None)}
+    if cfg.loss.name != "dpo" and getattr(cfg.rollout, "pipeline", "sync") == "async":
+        named["rollout.worker_device"] = cfg.rollout.worker_device
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problems = []
+    for key, device in named.items():
+        if not device or not str(device).startswith("cuda"):
+            continue
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= count:
+            has = (f"{count} CUDA device(s), cuda:0 to cuda:{count - 1}" if count else
+                   "no CUDA device (torch.cuda.is_available() is False)")
+            problems.append(f"{key}={device}, but this machine has {has}; name a device it has (cpu, or cuda:N "
+                            "below that count) or leave it unset (engine.device=auto; rollout.worker_device=null: "
+                            "the trainer's)")
+    if problems:
+        raise ConfigError(problems)
 
 
 def load_resume(cfg, raw) -> dict:

@@ -39,6 +39,7 @@ import tempfile
 import time
 import weakref
 
+from .. import procs
 from .base import TaskError, short
 
 log = logging.getLogger("rlrun")
@@ -58,26 +59,10 @@ def _write(fd: int, obj) -> None:
         view = view[os.write(fd, view):]
 
 
-def _exited(pid: int) -> bool:
-    """The process has exited; it is not reaped (so its pid, its process group's id, stays its own)."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
-
-
 def _kill(proc: subprocess.Popen, wait_s: float = 0.0) -> None:
-    """End the worker and every process it started (its process group): after up to `wait_s` for the worker to
-    exit by itself, SIGKILL to the whole group, then reap the worker. It is reaped last so that the group's id
-    (its pid) cannot belong to another process when the group is killed."""
-    deadline = time.monotonic() + wait_s
-    while proc.returncode is None and not _exited(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    """End the worker and every process it started (its process group: rlrun.procs), then reap it."""
     if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # a reward's children too, even those that ignore SIGTERM
-        except (ProcessLookupError, PermissionError):
-            pass
+        procs.kill_group(proc.pid, wait_s)
     proc.wait()
 
 
@@ -235,24 +220,6 @@ def _release(proc, fd_out, fd_in, progress, shared) -> None:
 
 # --- the worker process ------------------------------------------------------------------------------------------
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: when the trainer dies (kill -9 included) the kernel sends this process SIGUSR2, and it kills its own
-    process group: itself and whatever a reward started (a child that ignores SIGTERM included)."""
-    signal.signal(signal.SIGUSR2, _end_group)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGUSR2)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere: the worker still exits when its request pipe closes (unless a reward hangs)
-    if os.getppid() != parent:
-        _end_group()
-
-
-def _end_group(*_) -> None:
-    os.killpg(0, signal.SIGKILL)
-
-
 def _read(f):
     head = f.read(_HEADER.size)
     if len(head) < _HEADER.size:
@@ -309,7 +276,7 @@ def main(argv: list[str]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the trainer's to handle; it stops this process itself
         signal.signal(sig, signal.SIG_IGN)
     req_fd, res_fd, progress_fd, parent = (int(a) for a in argv[:4])
-    _die_with_parent(parent)
+    procs.die_with_parent(parent)  # the trainer killed: this process kills its group
     progress = mmap.mmap(progress_fd, PROGRESS.size)
     with os.fdopen(req_fd, "rb") as requests:
         init = _read(requests)
@@ -327,7 +294,7 @@ def main(argv: list[str]) -> None:
         _write(res_fd, ("ready",))
         _serve(requests, res_fd, progress, rewards, init["cwd"])
     if os.getppid() != parent:  # the request pipe closed because the trainer died: nobody kills the group but us
-        _end_group()
+        procs.end_group()
 
 
 if __name__ == "__main__":
