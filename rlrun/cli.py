@@ -18,6 +18,7 @@ from . import ranks, registry, signals
 from .config import ConfigError, validate
 from .errors import (
     CheckpointError,
+    DivergedError,
     ExportError,
     FaultError,
     LinkError,
@@ -31,7 +32,7 @@ log = logging.getLogger("rlrun")
 
 # Errors that are the user's input, not a bug: shown as one clear message, no traceback.
 USER_ERRORS = (ConfigError, ModelError, TaskError, TrackingError, CheckpointError, ExportError, RolloutError,
-               LinkError)
+               LinkError, DivergedError)
 # conf/ sits beside the package in the repository (install with `pip install -e .`).
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 

@@ -37,3 +37,7 @@ class LinkError(RuntimeError):
 class FaultError(RuntimeError):
     """A process rlrun started died or stopped answering, for a cause outside the config (killed, stopped, hung):
     one message naming it and what to do, exit 1 (not 2: the config was not at fault)."""
+
+
+class DivergedError(RuntimeError):
+    """Training diverged (a non-finite loss): the settings' doing (learning rate, precision, reward scale)."""

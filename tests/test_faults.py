@@ -200,3 +200,87 @@ def test_a_worker_device_the_machine_lacks_is_one_message_before_anything_is_bui
     assert p.returncode == 2, text[-2000:]
     assert "rollout.worker_device=cuda:1, but this machine has" in text and "Traceback" not in text
     assert not (tmp_path / "mlflow.db").exists() or not runs(tmp_path / "mlflow.db")[1]  # no run left behind
+
+
+# -- training that diverges; model folders with code in them ---------------------------------------------------------
+@pytest.mark.slow
+def test_a_non_finite_loss_under_bf16_is_one_message_exit_2_and_failed(tmp_path):
+    p = rlrun(tmp_path, "train.precision=bf16", "train.lr=1e30", "train.steps=6")
+    p.wait(timeout=300)
+    text = (tmp_path / "console.txt").read_text()
+    assert p.returncode == 2, text[-2000:]
+    assert "rlrun: error: training diverged: loss is nan at step" in text and "train.precision=fp32" in text
+    assert "Traceback" not in text
+    _, [r] = runs(tmp_path / "mlflow.db")
+    assert r.info.status == "FAILED"
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def model_folder(tmp_path):
+    from helpers import tiny_model
+
+    model, tok = tiny_model()
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return model, folder
+
+
+def test_a_weights_file_that_pickles_code_is_refused_naming_it(tmp_path):
+    model, folder = model_folder(tmp_path)
+    (folder / "model.safetensors").unlink()
+    torch.save({**model.state_dict(), "evil": Payload(tmp_path / "PWNED")}, folder / "pytorch_model.bin")
+    with pytest.raises(models.ModelError, match=r"a weights file would run code when loaded \(pytorch_model.bin "
+                                                r"asks for posix.system\); it was refused without running it"):
+        models.load_hf(str(folder), "float32")
+    assert not (tmp_path / "PWNED").exists()
+
+
+CUSTOM = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n"
+
+
+def with_custom_code(tmp_path):
+    import json
+
+    _, folder = model_folder(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_evil.py").write_text(CUSTOM.format(marker=str(tmp_path / "PWNED")))
+    return folder
+
+
+def test_a_model_folder_with_custom_code_is_refused_and_none_of_it_runs(tmp_path):
+    folder = with_custom_code(tmp_path)
+    with pytest.raises(models.ModelError, match=r"names code of its own \(auto_map: modeling_evil.Evil, "
+                                                r"modeling_evil.EvilConfig\); rlrun never runs code from a model "
+                                                r"folder \(it loads with trust_remote_code=False\)"):
+        models.load_hf(str(folder), "float32")
+    assert not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.slow
+def test_custom_code_is_not_run_even_when_a_terminal_answers_yes(tmp_path):
+    """transformers asks `Do you wish to run the custom code? [y/N]` on a terminal: rlrun never lets it ask."""
+    import pty
+
+    folder = with_custom_code(tmp_path)
+    master, slave = pty.openpty()
+    os.write(master, b"y\ny\ny\n")  # whatever is asked, a terminal that says yes
+    try:
+        out = subprocess.run([sys.executable, "-m", "rlrun", "experiment=smoke", "model=hf", f"model.path={folder}",
+                              "tracking=none", "progress=false"], cwd=tmp_path, env=ENV, stdin=slave,
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "rlrun never runs code from a model folder" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "PWNED").exists()

@@ -8,6 +8,7 @@ import os
 
 from .. import checkpoint, exportdir, folders, ranks, registry, signals, tracking
 from ..config import ConfigError
+from ..errors import DivergedError
 from .console import end_table, results_hint
 
 log = logging.getLogger("rlrun")
@@ -29,7 +30,10 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
     # one run per checkpoint folder, one export per export folder, from here to the end of the run
     with folders.own_checkpoints(cfg.checkpoint.dir if main_rank else None, resuming=bool(cfg.resume)), \
             exportdir.own_export(exporting):
-        return _tracked(cfg, raw, run_name, train, state, main_rank)
+        try:
+            return _tracked(cfg, raw, run_name, train, state, main_rank)
+        except FloatingPointError as e:  # frame.NonFiniteLossError (the run is marked FAILED already)
+            raise DivergedError(diverged(cfg, e)) from None
 
 
 def _tracked(cfg, raw, run_name, train, state, main_rank) -> dict:
@@ -66,6 +70,16 @@ def end(tracker, status: str, error: str) -> None:
             tracker.tags({"error": error})
         finally:
             tracker.finish(status)
+
+
+def diverged(cfg, error: Exception) -> str:
+    """The message for a non-finite loss: where, and what to change (with bf16, its range first)."""
+    text = str(error)
+    if getattr(cfg.train, "precision", "fp32") == "bf16":
+        text += (" The run computes in bfloat16 (train.precision=bf16), whose 8-bit mantissa rounds away what fp32 "
+                 "keeps: rerun with train.precision=fp32 to see whether these settings are stable there, then lower "
+                 "train.lr (or raise train.warmup_steps) for bf16.")
+    return f"training diverged: {text} Checkpoints written before this step, if any, are kept."
 
 
 def check_devices(cfg) -> None:
