@@ -204,7 +204,7 @@ def test_dynamic_sampling_says_how_its_rounds_go(caplog, monkeypatch):
 
 @pytest.mark.parametrize("override, says", [
     ("train.dynamic_sampling_max_rounds=100000", "train.dynamic_sampling_max_rounds=100000 must be in [1, 64]"),
-    ("loss.clip_low=1.0", "loss.clip_low=1.0 must be in [0, 1): the lower bound 1 - clip_low must stay above 0"),
+    ("loss.clip_low=1.0", "loss.clip_low=1.0 must be in [0, 1) (the ratio's lower bound 1 - clip_low must stay"),
     ("loss=cispo loss.clip_low=1.5", "loss.clip_low=1.5 must be in [0, 1)"),
     ("loss=gspo loss.clip_low=2", "loss.clip_low=2 must be in [0, 1)"),
 ])

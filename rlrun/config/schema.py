@@ -48,8 +48,8 @@ Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_me
 
 
 # the ratio's lower bound is 1 - clip_low: at 1 or more it is <= 0, which a ratio (exp of a log-ratio) never reaches
-ClipLow = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1): the lower bound 1 - clip_low must stay above 0, "
-                                                      "or it never acts")]
+ClipLow = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1) (the ratio's lower bound 1 - clip_low must stay "
+                                                      "above 0, or it never acts)")]
 MAX_ROUNDS = 64  # dynamic sampling's rounds per rollout at most: each is a whole rollout's generation
 
 
