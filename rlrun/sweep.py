@@ -42,7 +42,8 @@ log = logging.getLogger("rlrun.sweep")
 
 def refuse_unwritable(folder, key: str) -> None:
     """Exit 2 with one line, before Hydra tries to create the run's output folder, if it cannot be created (a
-    read-only working folder, say) instead of Hydra's traceback. Creates nothing: a refused sweep leaves no trace."""
+    read-only working folder, say) or its disk is full (a test write of 64 KiB, flushed to the disk), instead of
+    Hydra's traceback. Creates nothing: a refused sweep leaves no trace."""
     path = os.path.abspath(str(folder))
     existing = path
     while not os.path.exists(existing):  # the nearest folder that exists must take a new entry
@@ -50,11 +51,15 @@ def refuse_unwritable(folder, key: str) -> None:
     try:
         if not os.path.isdir(existing):
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        with tempfile.TemporaryFile(dir=existing):  # the one sure test (root, read-only mounts)
-            pass
+        with tempfile.TemporaryFile(dir=existing) as f:  # the one sure test (root, read-only mounts, a full disk)
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
-        print(f"rlrun: error: cannot write the run's output folder {path} ({e.strerror}); run rlrun from a "
-              f"writable folder or set {key}=/a/writable/folder", file=sys.stderr)
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        fix = "free space on that disk or set" if full else "run rlrun from a writable folder or set"
+        print(f"rlrun: error: cannot write the run's output folder {path} ({e.strerror}); {fix} "
+              f"{key}=/a/writable/folder", file=sys.stderr)
         sys.exit(2)
 
 
