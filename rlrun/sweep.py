@@ -63,6 +63,19 @@ def refuse_unwritable(folder, key: str) -> None:
         sys.exit(2)
 
 
+def refuse_links(folder, job_name: str, key: str) -> None:
+    """Exit 2 with one line when a file Hydra writes in the run's output folder (its .hydra/ configs, the job's log)
+    would be written through a symbolic link planted at its name (an existing hydra.run.dir someone prepared)."""
+    path = os.path.abspath(str(folder))
+    for name in (".hydra", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", f"{job_name}.log",
+                 "mlflow_spill.jsonl"):
+        if os.path.islink(os.path.join(path, name)):
+            print(f"rlrun: error: {os.path.join(path, name)} is a symbolic link (to "
+                  f"{os.readlink(os.path.join(path, name))}); rlrun never writes through a link. Remove it, or set "
+                  f"{key}=/a/new/folder", file=sys.stderr)
+            sys.exit(2)
+
+
 class SweepCallback(Callback):
     def __init__(self):
         self.client = None
@@ -71,6 +84,7 @@ class SweepCallback(Callback):
 
     def on_run_start(self, config, config_name=None, **kwargs):
         refuse_unwritable(config.hydra.run.dir, "hydra.run.dir")
+        refuse_links(config.hydra.run.dir, config.hydra.job.name, "hydra.run.dir")
 
     def on_multirun_start(self, config, config_name=None, **kwargs):
         refuse_unwritable(config.hydra.sweep.dir, "hydra.sweep.dir")

@@ -100,3 +100,15 @@ def test_a_warm_start_cache_entry_at_a_link_is_a_warning_and_its_target_untouche
     warmstart._save_cached(link, model)
     assert victim.read_text() == "# yours\n"
     assert "could not write the warm-start cache entry" in caplog.text and "symbolic link" in caplog.text
+
+
+@pytest.mark.slow  # the entry point in a subprocess
+@pytest.mark.parametrize("name", [".hydra/config.yaml", "cli.log"])  # cli: the job name of `rlrun`
+def test_a_link_in_an_existing_run_folder_is_refused_before_hydra_writes_through_it(tmp_path, victim, name):
+    from test_cli import rlrun
+
+    link = planted(tmp_path / "run" / name, victim)
+    r, _ = rlrun(tmp_path, f"hydra.run.dir={tmp_path / 'run'}", "experiment=smoke", "tracking=none")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"rlrun: error: {link} is a symbolic link (to {victim}); rlrun never writes through a link" in r.stderr
+    assert victim.read_text() == "# yours\n" and "Traceback" not in r.stderr
