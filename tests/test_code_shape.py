@@ -15,7 +15,7 @@ LAYERS = [
     {"__init__", "errors", "config", "registry", "ranks", "signals", "render", "folders",
      "nofollow", "exportdir", "procs"},  # __init__: the version
     {"losses", "heads", "logprobs", "offload", "batching", "activations", "meters", "models", "tasks", "checkpoint",
-     "tracking", "rollout", "engine", "plan", "pipeline", "precision"},
+     "tracking", "rollout", "engine", "plan", "pipeline", "precision", "faults"},
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},
     {"cli", "sweep", "tools", "bench", "__main__"},  # bench: the `python -m rlrun.bench` name of tools/bench.py

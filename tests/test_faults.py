@@ -134,13 +134,13 @@ def test_a_user_error_in_the_generator_is_one_message():
 
 @pytest.mark.skipif(torch.cuda.device_count() > 1, reason="this machine has a cuda:1")
 def test_a_device_the_machine_lacks_is_refused_before_the_model_is_built():
-    from rlrun.runner import lifecycle
+    from rlrun import faults
 
     with pytest.raises(ConfigError, match=r"rollout.worker_device=cuda:1, but this machine has (no CUDA device|1 "
                                           r"CUDA device)"):
-        lifecycle.check_devices(cfg_for("rollout.worker_device=cuda:1"))
-    lifecycle.check_devices(cfg_for("rollout.worker_device=cpu"))
-    lifecycle.check_devices(cfg_for("rollout.pipeline=sync", "rollout.worker_device=cuda:1"))  # unused: no check
+        faults.check_devices(cfg_for("rollout.worker_device=cuda:1"))
+    faults.check_devices(cfg_for("rollout.worker_device=cpu"))
+    faults.check_devices(cfg_for("rollout.pipeline=sync", "rollout.worker_device=cuda:1"))  # unused: no check
 
 
 def children(pid: int) -> list:

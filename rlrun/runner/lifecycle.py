@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import checkpoint, exportdir, folders, ranks, registry, signals, tracking
+from .. import checkpoint, exportdir, faults, folders, ranks, registry, signals, tracking
 from ..config import ConfigError
 from ..errors import DivergedError
 from .console import end_table, results_hint
@@ -19,7 +19,7 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
     `raw` the composed DictConfig that is logged and checkpointed. Once the MLflow run exists every way out ends it
     FINISHED, FAILED or KILLED (SIGTERM arrives as KeyboardInterrupt: cli.main installs that at process start)."""
     signals.set_grace(cfg.checkpoint.stop_grace_s)  # after a signal, how long the step in flight may take
-    check_devices(cfg)  # before anything is built: a device the machine lacks is one message
+    faults.check_devices(cfg)  # before anything is built: a device the machine lacks is one message
     state = load_resume(cfg, raw) if cfg.resume else None
     checkpoint.check_writable(cfg.checkpoint.dir)
     main_rank = ranks.is_main()  # data parallel: only rank 0 talks to MLflow (and draws progress)
@@ -33,7 +33,7 @@ def run(cfg, raw, run_name: str | None, train) -> dict:
         try:
             return _tracked(cfg, raw, run_name, train, state, main_rank)
         except FloatingPointError as e:  # frame.NonFiniteLossError (the run is marked FAILED already)
-            raise DivergedError(diverged(cfg, e)) from None
+            raise DivergedError(faults.diverged(cfg, e)) from None
 
 
 def _tracked(cfg, raw, run_name, train, state, main_rank) -> dict:
@@ -70,40 +70,6 @@ def end(tracker, status: str, error: str) -> None:
             tracker.tags({"error": error})
         finally:
             tracker.finish(status)
-
-
-def diverged(cfg, error: Exception) -> str:
-    """The message for a non-finite loss: where, and what to change (with bf16, its range first)."""
-    text = str(error)
-    if getattr(cfg.train, "precision", "fp32") == "bf16":
-        text += (" The run computes in bfloat16 (train.precision=bf16), whose 8-bit mantissa rounds away what fp32 "
-                 "keeps: rerun with train.precision=fp32 to see whether these settings are stable there, then lower "
-                 "train.lr (or raise train.warmup_steps) for bf16.")
-    return f"training diverged: {text} Checkpoints written before this step, if any, are kept."
-
-
-def check_devices(cfg) -> None:
-    """The CUDA devices the config names (engine.device, rollout.worker_device with rollout.pipeline=async) exist on
-    this machine: ConfigError naming each and what the machine has, before the model is built."""
-    import torch
-
-    named = {"engine.device": getattr(cfg.engine, "device", None)}
-    if cfg.loss.name != "dpo" and getattr(cfg.rollout, "pipeline", "sync") == "async":
-        named["rollout.worker_device"] = cfg.rollout.worker_device
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    problems = []
-    for key, device in named.items():
-        if not device or not str(device).startswith("cuda"):
-            continue
-        index = int(device.split(":")[1]) if ":" in device else 0
-        if index >= count:
-            has = (f"{count} CUDA device(s), cuda:0 to cuda:{count - 1}" if count else
-                   "no CUDA device (torch.cuda.is_available() is False)")
-            problems.append(f"{key}={device}, but this machine has {has}; name a device it has (cpu, or cuda:N "
-                            "below that count) or leave it unset (engine.device=auto; rollout.worker_device=null: "
-                            "the trainer's)")
-    if problems:
-        raise ConfigError(problems)
 
 
 def load_resume(cfg, raw) -> dict:
