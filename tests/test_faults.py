@@ -174,6 +174,7 @@ def test_a_run_whose_generator_is_stopped_ends_with_one_message(tmp_path, then):
         time.sleep(1)
         generator.suspend()
         if then == "SIGTERM":
+            time.sleep(3)  # the rollouts it had made are trained on: the trainer now waits on it
             p.send_signal(signal.SIGTERM)
         p.wait(timeout=120)
     finally:
