@@ -79,6 +79,10 @@ def main(cfg, state, slots, inbox, outbox, threads: int, device: str, version: i
         user = isinstance(e, USER_ERRORS) or type(e).__name__ == "OutOfMemoryError"
         outbox.put(("user_error", f"{type(e).__name__}: {e}" if type(e).__name__ == "OutOfMemoryError" else str(e))
                    if user else ("error", traceback.format_exc()))
+    finally:  # its last message sent, it ends with everything it started (vLLM's engine process): its group. The
+        outbox.close()  # trainer's death may be seen late here (getppid, PR_SET_PDEATHSIG), so it is not left to that
+        outbox.join_thread()
+        procs.end_group()
 
 
 def _heartbeat(beat) -> None:

@@ -293,9 +293,11 @@ def main(argv: list[str]) -> None:
             return
         _write(res_fd, ("ready",))
         _serve(requests, res_fd, progress, rewards, init["cwd"])
-    if os.getppid() != parent:  # the request pipe closed because the trainer died: nobody kills the group but us
-        procs.end_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    finally:  # however it ends (the trainer closed the pipe, or died first): with everything a reward started.
+        procs.end_group()  # Its answers are written already; the pipe closing may come before the trainer's death
+        # is seen here (getppid, PR_SET_PDEATHSIG), so the group is not left to that.
