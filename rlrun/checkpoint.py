@@ -39,7 +39,7 @@ import shutil
 import numpy as np
 import torch
 
-from . import folders, ranks
+from . import folders, nofollow, ranks
 from .errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -128,11 +128,13 @@ def tag(step: int) -> str:
 
 
 def _write_atomic(path: str, chunks: list[bytes]) -> None:
-    """Through `<path>.tmp`, flushed and renamed; a write that fails (disk full, permission) leaves no `.tmp`, the
-    previous checkpoints untouched, and one message with the path, the bytes needed and the fix."""
+    """Through `<path>.tmp` (created new, never through a link: rlrun.nofollow), flushed and renamed; a write that
+    fails (disk full, permission) leaves no `.tmp`, the previous checkpoints untouched, and one message with the
+    path, the bytes needed and the fix. A link at `path` or `<path>.tmp` is LinkError naming it."""
     tmp = path + ".tmp"
+    nofollow.refuse_link(path, "a checkpoint's name")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(nofollow.create_fresh(tmp), "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
             f.flush()
@@ -140,7 +142,8 @@ def _write_atomic(path: str, chunks: list[bytes]) -> None:
         os.replace(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):
-            os.remove(tmp)
+            if not os.path.islink(tmp):
+                os.remove(tmp)
         fix = "free space or set checkpoint.dir to another disk; the checkpoints written before are unchanged."
         raise CheckpointError(folders.no_room(path, e, sum(map(len, chunks)), fix)) from None
 
@@ -289,7 +292,7 @@ def load_latest(where: str) -> tuple[dict, str]:
 
 
 # Keys that may differ between a checkpoint and its resume: they do not change what is trained.
-MAY_CHANGE = ("train.steps", "progress", "run_name", "resume")
+MAY_CHANGE = ("train.steps", "progress", "run_name", "resume", "rollout.worker_timeout_s")
 MAY_CHANGE_PREFIXES = ("tracking.", "checkpoint.", "head.", "plan.", "eval.", "log.", "export.", "report.")
 
 

@@ -16,13 +16,24 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import ranks, registry, signals
 from .config import ConfigError, validate
-from .errors import CheckError, CheckpointError, ExportError, ModelError, RolloutError, TaskError, TrackingError
+from .errors import (
+    CheckError,
+    CheckpointError,
+    DivergedError,
+    ExportError,
+    FaultError,
+    LinkError,
+    ModelError,
+    RolloutError,
+    TaskError,
+    TrackingError,
+)
 
 log = logging.getLogger("rlrun")
 
 # Errors that are the user's input, not a bug: shown as one clear message, no traceback.
 USER_ERRORS = (ConfigError, ModelError, TaskError, TrackingError, CheckpointError, ExportError, RolloutError,
-               CheckError)
+               LinkError, DivergedError, CheckError)
 # conf/ sits beside the package in the repository (install with `pip install -e .`).
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -102,13 +113,13 @@ def _main(cfg: DictConfig):
         return sweep_job(cfg, cfg.run_name or short_name(list(hc.overrides.task)) or run_name)
     try:
         run(cfg, run_name)
-    except USER_ERRORS + (KeyboardInterrupt,) as e:
+    except USER_ERRORS + (FaultError, KeyboardInterrupt) as e:
         if isinstance(e, KeyboardInterrupt):
             print("rlrun: interrupted", file=sys.stderr)
-            sys.exit(signals.exit_code())  # 130 Ctrl-C, 143 SIGTERM
+            sys.exit(signals.exit_code())  # 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
         rank = f" rank {ranks.rank()}:" if ranks.world_size() > 1 else ""
         print(f"rlrun:{rank} error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(1 if isinstance(e, FaultError) else 2)  # 2: the user's input; 1: a fault outside it
 
 
 def sweep_job(cfg: DictConfig, run_name: str):

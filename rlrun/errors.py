@@ -30,5 +30,18 @@ class RolloutError(RuntimeError):
     """rollout=vllm cannot start (vLLM missing, or a setting it refuses)."""
 
 
+class LinkError(RuntimeError):
+    """A symbolic link where rlrun would create or write a file of its own: refused, nothing written through it."""
+
+
+class FaultError(RuntimeError):
+    """A process rlrun started died or stopped answering, for a cause outside the config (killed, stopped, hung):
+    one message naming it and what to do, exit 1 (not 2: the config was not at fault)."""
+
+
+class DivergedError(RuntimeError):
+    """Training diverged (a non-finite loss): the settings' doing (learning rate, precision, reward scale)."""
+
+
 class CheckError(RuntimeError):
     """A sweep job whose configuration failed `rlrun check` (a probe named): marked FAILED before it trains."""

@@ -3,11 +3,12 @@
 The folder loads with `AutoModelForCausalLM.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)`
 alone (the embedded character tokenizer is a `PreTrainedTokenizerFast`, saved as tokenizer.json), and through
 rlrun's own `model=hf model.path=<folder>`. It is written atomically: into `<folder>.tmp`, then renamed, so a
-crash never leaves a half-written folder under the final name; it replaces only an empty folder or an earlier
-rlrun export (rlrun/folders.py). A LoRA adapter of a model built in code (model=tiny) gets its base model in
-`base/` beside it. Under `engine=deepspeed` with ZeRO-3 each rank
-holds a slice of every parameter: all ranks gather them (a collective), rank 0 writes, the others wait at a
-barrier. With ZeRO-1/2 every rank already holds the full weights; rank 0 writes.
+crash never leaves a half-written folder under the final name. It replaces only an empty folder or an earlier
+rlrun export that holds exactly what that export wrote, one export per folder at a time, and `export.dir` given as
+a link is written into the folder it points to (rlrun/exportdir.py). A LoRA adapter of a model built in code
+(model=tiny) gets its base model in `base/` beside it. Under `engine=deepspeed` with ZeRO-3 each rank holds a slice
+of every parameter: all ranks gather them (a collective), rank 0 writes, the others wait at a barrier. With
+ZeRO-1/2 every rank already holds the full weights; rank 0 writes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import shutil
 
 import torch
 
-from . import folders, models
+from . import exportdir, folders, models
 from .errors import ExportError
 
 
@@ -107,7 +108,7 @@ def export(model, tokenizer, folder: str, *, engine=None, lora: str = "merged") 
     wrapped = models.peft_model(model)
     lm = models.unwrap(model)
     rank = getattr(engine, "rank", 0) if engine is not None else 0
-    folder = os.path.abspath(folder)
+    folder = exportdir.resolve(folder) if rank == 0 else os.path.abspath(folder)  # a link: into its folder
     base = None
     with _gathered(lm, engine):  # collective: every rank enters, whoever writes
         if rank == 0 and wrapped is not None and lora == "merged":
@@ -126,19 +127,23 @@ def export(model, tokenizer, folder: str, *, engine=None, lora: str = "merged") 
 
 
 def _write(lm, wrapped, state, tokenizer, folder: str, lora: str, base: tuple[torch.nn.Module, dict] | None) -> str:
-    """Into `<folder>.tmp` (marked as rlrun's first), then renamed over `folder` (rlrun.folders.replace_export);
-    a write that fails leaves no `.tmp` and names the path, the bytes and the fix."""
+    """Into a new `<folder>.tmp` (its manifest first, marked in progress; listing every file last), then renamed
+    over `folder` (rlrun.exportdir.replace_export), holding the folder's export lock (a checkpoint's export: the
+    checkpoint folder's lock); a write that fails leaves no `.tmp` and names the path, the bytes and the fix."""
     tmp = f"{folder}.tmp"
-    folders.clear_tmp(tmp)
-    os.makedirs(tmp)
-    folders.mark(tmp)
-    try:
-        _save(lm, wrapped, state, tokenizer, tmp, lora)
-        if base is not None:
-            _with_base(*base, tokenizer, tmp, folder)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        nbytes = sum(t.numel() * t.element_size() for t in (state or {}).values())
-        raise ExportError(folders.no_room(folder, e, nbytes, "free space or set export.dir to another disk; "
-                                          "the last checkpoint, if any, holds the trained weights.")) from None
-    return folders.replace_export(tmp, folder)
+    covered = os.path.realpath(os.path.dirname(folder)) in folders.HELD
+    with exportdir.own_export(None if covered else folder):
+        exportdir.clear_tmp(tmp)
+        os.mkdir(tmp)  # new: never an existing folder, never through a link
+        try:
+            exportdir.mark(tmp)
+            _save(lm, wrapped, state, tokenizer, tmp, lora)
+            if base is not None:
+                _with_base(*base, tokenizer, tmp, folder)
+            exportdir.mark(tmp, complete=True)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            nbytes = sum(t.numel() * t.element_size() for t in (state or {}).values())
+            raise ExportError(folders.no_room(folder, e, nbytes, "free space or set export.dir to another disk; "
+                                              "the last checkpoint, if any, holds the trained weights.")) from None
+        return exportdir.replace_export(tmp, folder)

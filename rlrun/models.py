@@ -7,7 +7,9 @@ build [tokens, vocab] logits); `split` returns both for any causal LM whose last
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import pickle
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -57,8 +59,46 @@ def tiny_model(cfg, tokenizer, seed: int) -> torch.nn.Module:
     return model
 
 
+NO_CODE = ("rlrun never runs code from a model folder (it loads with trust_remote_code=False): use a model whose "
+           "architecture transformers ships, or convert this one to such an architecture")
+
+
+def check_no_code(path: str) -> None:
+    """ModelError when the folder's config.json or tokenizer_config.json asks for code of its own (`auto_map`: a
+    class in a .py file of the folder), which transformers would run (asking `[y/N]` on a terminal)."""
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                auto_map = json.load(f).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if auto_map:
+            classes = sorted({str(v) for v in (auto_map.values() if isinstance(auto_map, dict) else [auto_map])})
+            raise ModelError(f"model.path={path!r}: its {name} names code of its own (auto_map: "
+                             f"{', '.join(classes[:4])}); {NO_CODE}.")
+
+
+def unsafe_weights(path: str, error: Exception) -> ModelError:
+    """The error for a weights file that asks for code when unpickled (refused by torch's weights_only load):
+    which file, and what it asks for (read statically: nothing in it runs)."""
+    found = []
+    for name in sorted(os.listdir(path)):
+        if name.endswith((".bin", ".pt", ".pth", ".ckpt")):
+            try:
+                asks = torch.serialization.get_unsafe_globals_in_checkpoint(os.path.join(path, name))
+            except Exception:  # noqa: BLE001 - not a torch zip file: said by the error below
+                asks = ["(not a torch checkpoint)"]
+            if asks:
+                found.append(f"{name} asks for {', '.join(asks[:5])}")
+    where = "; ".join(found) or str(error).splitlines()[0][:200]
+    return ModelError(f"model.path={path!r}: a weights file would run code when loaded ({where}); it was refused "
+                      "without running it (rlrun loads weights with weights_only=True). Use the model's "
+                      ".safetensors weights, or a copy of it saved with save_pretrained from a source you trust.")
+
+
 def load_hf_config(path: str):
-    """(config, tokenizer) of a local transformers checkpoint, without its weights; never reaches a hub."""
+    """(config, tokenizer) of a local transformers checkpoint, without its weights; never reaches a hub and never
+    runs code of the folder's own (trust_remote_code=False)."""
     if not path or not os.path.isdir(path):
         raise ModelError(
             f"model.path={path!r} is not a directory. Point model.path at a local transformers checkpoint "
@@ -66,11 +106,12 @@ def load_hf_config(path: str):
         )
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelError(f"model.path={path!r} has no config.json; it is not a transformers checkpoint folder.")
+    check_no_code(path)
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise ModelError(f"could not load model.path={path!r}: {e}") from e
+        raise ModelError(could_not_load(path, e)) from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return config, tokenizer
@@ -80,10 +121,18 @@ def load_hf(path: str, dtype: str):
     """Load a local transformers checkpoint and its tokenizer; never reaches a hub."""
     _, tokenizer = load_hf_config(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True,
+                                                     trust_remote_code=False)
+    except pickle.UnpicklingError as e:
+        raise unsafe_weights(path, e) from None
     except (OSError, ValueError) as e:
-        raise ModelError(f"could not load model.path={path!r}: {e}") from e
+        raise ModelError(could_not_load(path, e)) from e
     return model, tokenizer
+
+
+def could_not_load(path: str, error: Exception) -> str:
+    text = f"could not load model.path={path!r}: {error}"
+    return f"{text}; {NO_CODE}." if "trust_remote_code" in str(error) else text
 
 
 def tiny(cfg, seed: int):

@@ -1,14 +1,18 @@
-"""Ctrl-C and SIGTERM, in one place. Three regimes, each a function here:
+"""Ctrl-C, SIGTERM and SIGHUP (a closed terminal or ssh session, handled like SIGTERM), in one place. Three
+regimes, each a function here:
 
 - `interrupt_on_signals()` from process start: a signal raises KeyboardInterrupt, so whatever runs (config, model
   build, MLflow run creation) unwinds through the code that marks the run KILLED instead of dying RUNNING;
 - `deferred()` while the loop steps: the step in flight finishes (and is checkpointed), then the loop stops; a
-  second signal interrupts at once;
+  second signal interrupts at once, and so does the end of the grace period (`checkpoint.stop_grace_s`, set by
+  `set_grace`): a step that does not end within it (a hung generator, a long step) is interrupted, so a
+  scheduler's SIGTERM-then-SIGKILL finds the run already ended KILLED with its earlier checkpoints;
 - `held()` while a run's final status is written: the signal waits until the block is done, then takes effect.
 
-`received()` is the last signal seen, so the exit status can name it (130 Ctrl-C, 143 SIGTERM); `stop_asked()` is
-when a deferred stop was asked for, so code that waits on something it cannot interrupt (a reward in its worker
-process) can give up after a grace period instead of holding the run past a scheduler's SIGKILL.
+`received()` is the last signal seen, so the exit status can name it (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP);
+`stop_asked()` is when a deferred stop was asked for, so code that waits on something it cannot interrupt (a
+reward in its worker process) can give up after a grace period instead of holding the run past a scheduler's
+SIGKILL.
 
 `stacks_on_sigusr1()`: `kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on; where a run
 that looks stuck is waiting.
@@ -21,10 +25,17 @@ import faulthandler
 import logging
 import signal
 import time
+from typing import Any
 
 log = logging.getLogger("rlrun")
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state = {"received": None, "stop_at": None}
+SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+GRACE_S = 10.0  # checkpoint.stop_grace_s's default: after a signal, how long the step in flight may still take
+_state: dict[str, Any] = {"received": None, "stop_at": None, "grace_s": GRACE_S}  # signal, monotonic time, seconds
+
+
+def set_grace(seconds: float) -> None:
+    """How long `deferred()` lets the step in flight finish after a signal (checkpoint.stop_grace_s)."""
+    _state["grace_s"] = float(seconds)
 
 
 def stop_asked() -> float | None:
@@ -33,18 +44,18 @@ def stop_asked() -> float | None:
 
 
 def received() -> int | None:
-    """The last SIGINT/SIGTERM this process received through rlrun's handlers (None: none)."""
+    """The last SIGINT/SIGTERM/SIGHUP this process received through rlrun's handlers (None: none)."""
     return _state["received"]
 
 
 def exit_code() -> int:
-    """The shell's exit status for the signal that stopped the run: 130 for Ctrl-C, 143 for SIGTERM."""
+    """The shell's exit status for the signal that stopped the run: 130 for Ctrl-C, 143 SIGTERM, 129 SIGHUP."""
     return 128 + (_state["received"] or signal.SIGINT)
 
 
 def install(handler) -> dict:
-    """Set `handler` for SIGINT and SIGTERM; returns {signal: the handler it replaced} (for `restore`). Outside the
-    main thread signals are handled there, and nothing is installed."""
+    """Set `handler` for SIGINT, SIGTERM and SIGHUP; returns {signal: the handler it replaced} (for `restore`).
+    Outside the main thread signals are handled there, and nothing is installed."""
     previous = {}
     for sig in SIGNALS:
         try:
@@ -60,7 +71,7 @@ def restore(previous: dict) -> None:
 
 
 def interrupt_on_signals() -> dict:
-    """SIGTERM, like Ctrl-C, raises KeyboardInterrupt. Returns the replaced handlers."""
+    """SIGTERM and SIGHUP, like Ctrl-C, raise KeyboardInterrupt. Returns the replaced handlers."""
 
     def handler(signum, frame):
         _state["received"] = signum
@@ -71,7 +82,8 @@ def interrupt_on_signals() -> dict:
 
 @contextlib.contextmanager
 def deferred():
-    """Ctrl-C / SIGTERM finish the current step instead of killing it mid-way; `flag["stop"]` says one arrived."""
+    """Ctrl-C / SIGTERM / SIGHUP finish the current step instead of killing it mid-way; `flag["stop"]` says one
+    arrived. A second signal, or the grace period running out (SIGALRM), raises KeyboardInterrupt at once."""
     flag = {"stop": False}
 
     def handler(signum, frame):
@@ -80,19 +92,34 @@ def deferred():
             raise KeyboardInterrupt
         flag["stop"] = True
         _state["stop_at"] = time.monotonic()
-        log.warning("signal %s: stopping after this step (again to stop now)", signal.Signals(signum).name)
+        grace = _state["grace_s"]
+        log.warning("signal %s: stopping after this step, or in %g s at the latest (checkpoint.stop_grace_s); "
+                    "again to stop now", signal.Signals(signum).name, grace)
+        with contextlib.suppress(ValueError):  # not the main thread: no timer
+            signal.signal(signal.SIGALRM, late)
+            signal.setitimer(signal.ITIMER_REAL, max(grace, 0.01))
+
+    def late(signum, frame):
+        log.warning("the step did not end within checkpoint.stop_grace_s=%g s of the signal: stopping now, without "
+                    "it (the checkpoints written before are kept)", _state["grace_s"])
+        raise KeyboardInterrupt("the grace period after the signal ran out")
 
     previous = install(handler)
+    alarm = signal.getsignal(signal.SIGALRM)
     try:
         yield flag
     finally:
         _state["stop_at"] = None
+        if flag["stop"]:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(signal.SIGALRM, alarm)
         restore(previous)
 
 
 @contextlib.contextmanager
 def held():
-    """Ctrl-C / SIGTERM wait until the block is done (marking a run's final status), then take effect."""
+    """Ctrl-C / SIGTERM / SIGHUP wait until the block is done (marking a run's final status), then take effect."""
     waiting = []
     previous = install(lambda signum, frame: waiting.append(signum))
     try:

@@ -42,7 +42,8 @@ log = logging.getLogger("rlrun.sweep")
 
 def refuse_unwritable(folder, key: str) -> None:
     """Exit 2 with one line, before Hydra tries to create the run's output folder, if it cannot be created (a
-    read-only working folder, say) instead of Hydra's traceback. Creates nothing: a refused sweep leaves no trace."""
+    read-only working folder, say) or its disk is full (a test write of 64 KiB, flushed to the disk), instead of
+    Hydra's traceback. Creates nothing: a refused sweep leaves no trace."""
     path = os.path.abspath(str(folder))
     existing = path
     while not os.path.exists(existing):  # the nearest folder that exists must take a new entry
@@ -50,12 +51,29 @@ def refuse_unwritable(folder, key: str) -> None:
     try:
         if not os.path.isdir(existing):
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        with tempfile.TemporaryFile(dir=existing):  # the one sure test (root, read-only mounts)
-            pass
+        with tempfile.TemporaryFile(dir=existing) as f:  # the one sure test (root, read-only mounts, a full disk)
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
-        print(f"rlrun: error: cannot write the run's output folder {path} ({e.strerror}); run rlrun from a "
-              f"writable folder or set {key}=/a/writable/folder", file=sys.stderr)
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        fix = "free space on that disk or set" if full else "run rlrun from a writable folder or set"
+        print(f"rlrun: error: cannot write the run's output folder {path} ({e.strerror}); {fix} "
+              f"{key}=/a/writable/folder", file=sys.stderr)
         sys.exit(2)
+
+
+def refuse_links(folder, job_name: str, key: str) -> None:
+    """Exit 2 with one line when a file Hydra writes in the run's output folder (its .hydra/ configs, the job's log)
+    would be written through a symbolic link planted at its name (an existing hydra.run.dir someone prepared)."""
+    path = os.path.abspath(str(folder))
+    for name in (".hydra", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", f"{job_name}.log",
+                 "mlflow_spill.jsonl"):
+        if os.path.islink(os.path.join(path, name)):
+            print(f"rlrun: error: {os.path.join(path, name)} is a symbolic link (to "
+                  f"{os.readlink(os.path.join(path, name))}); rlrun never writes through a link. Remove it, or set "
+                  f"{key}=/a/new/folder", file=sys.stderr)
+            sys.exit(2)
 
 
 class SweepCallback(Callback):
@@ -66,6 +84,7 @@ class SweepCallback(Callback):
 
     def on_run_start(self, config, config_name=None, **kwargs):
         refuse_unwritable(config.hydra.run.dir, "hydra.run.dir")
+        refuse_links(config.hydra.run.dir, config.hydra.job.name, "hydra.run.dir")
 
     def on_multirun_start(self, config, config_name=None, **kwargs):
         refuse_unwritable(config.hydra.sweep.dir, "hydra.sweep.dir")

@@ -41,6 +41,9 @@ from pathlib import Path
 
 import torch
 
+from . import nofollow
+from .errors import LinkError
+
 log = logging.getLogger("rlrun")
 VERSION = 2  # bump when the warm start's computation changes: old cache entries stop matching
 HEADER = b"rlrun-warmstart sha256 "  # then the payload's hex digest and a newline (VERSION 2 on)
@@ -164,15 +167,13 @@ def _save_cached(path: Path, model) -> None:
     buf = io.BytesIO()
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
     payload = buf.getvalue()
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(HEADER + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
-        os.replace(tmp, path)  # atomic: a reader sees the whole file or none
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
+        # atomic: a reader sees the whole file or none; never written through a link planted in the cache
+        nofollow.write_replacing(str(path), HEADER + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+    except (OSError, LinkError) as e:
         log.warning("could not write the warm-start cache entry %s (%s); the run goes on (set RLRUN_CACHE to a "
-                    "writable folder, or warm_start.cache=false)", path, e.strerror or e)
+                    "writable folder, or warm_start.cache=false)", path, getattr(e, "strerror", None) or e)
 
 
 def warm_start(model, tokenizer, rows: list[dict], cfg, seed: int, cache: bool = True):

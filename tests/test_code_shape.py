@@ -12,9 +12,10 @@ MAX_MODULE_LINES = 400
 # Layers, lowest first: a module may import modules of its own layer or lower, never higher ("no upward imports").
 # The config package, errors and the registry must stay importable without torch (the CLI validates in a second).
 LAYERS = [
-    {"__init__", "errors", "config", "registry", "ranks", "signals", "render", "folders"},  # __init__: the version
+    {"__init__", "errors", "config", "registry", "ranks", "signals", "render", "folders",
+     "nofollow", "exportdir", "procs"},  # __init__: the version
     {"losses", "heads", "logprobs", "offload", "batching", "activations", "meters", "models", "tasks", "checkpoint",
-     "tracking", "rollout", "engine", "plan", "pipeline", "precision", "policy", "axes"},
+     "tracking", "rollout", "engine", "plan", "pipeline", "precision", "policy", "axes", "faults"},
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},
     # bench: the `python -m rlrun.bench` name of tools/bench.py; check: `rlrun check`, it runs the recipes' steps

@@ -449,7 +449,9 @@ def test_issue_18_values_are_refused_naming_the_key(override):
     ("task.ops=[]", "task.ops=[] must be a non-empty list"),
     ("rollout.top_p=1.5", "rollout.top_p=1.5 must be in (0, 1]"),
     ("loss.clip_low=null", "loss.clip_low=None must be a number."),  # dapo needs a lower bound
-    ("loss=cispo loss.clip_low=null", None), ("loss=cispo loss.clip_low=-1", "loss.clip_low=-1 must be >= 0 or null."),
+    ("loss=cispo loss.clip_low=null", None), ("loss=cispo loss.clip_low=-1",
+                                                   "loss.clip_low=-1 must be in [0, 1) (the ratio's lower bound 1 - "
+                                                   "clip_low must stay above 0, or it never acts) or null."),
     ("engine.device=cuda:1", None), ("engine.device=cuda:x", "engine.device='cuda:x' must be auto, cpu, cuda"),
     ("resume=true", "resume=true continues from the newest checkpoint"),
     ("resume=''", "resume='' must be a non-empty path"), ("resume=3", "resume=3 must be true or false or a string"),

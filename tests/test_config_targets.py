@@ -1,6 +1,7 @@
 """No code from a config file (rlrun/config/targets.py): every `_target_`, logging `class` / `()` and `ext://`
 name in a composed config is checked before Hydra instantiates anything."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,98 @@ def test_a_logging_factory_is_code_too():
     """dictConfig calls a formatter's `()` (a sweep file can write the key; an override cannot)."""
     tree = {"hydra": {"job_logging": {"formatters": {"simple": {"()": "evil.factory"}}}}}
     [found] = targets.problems(tree)
-    assert "hydra.job_logging.formatters.simple.(): 'evil.factory' is code" in found
+    assert "hydra.job_logging.formatters.simple.(): 'evil.factory' is not a logging.Formatter class" in found
+
+
+def logging_tree(kind: str, entry: dict) -> dict:
+    return {"hydra": {"job_logging": {"version": 1, kind: {"x": entry}}}}
+
+
+# each spelled under `logging.`, none a logging class: the guard goes by what the name resolves to
+@pytest.mark.parametrize("kind, key, name", [
+    ("handlers", "()", "logging.io.open"),  # truncates a file of yours (mode: w)
+    ("handlers", "()", "logging.os.symlink"),  # plants a link (a .pth into site-packages)
+    ("formatters", "()", "logging.os.system"),
+    ("handlers", "class", "logging.handlers.os.system"),
+    ("filters", "()", "logging.sys.modules.get"),
+    ("handlers", "class", "logging.Formatter"),  # a logging class, of the wrong kind
+    ("formatters", "class", "logging.StreamHandler"),
+    ("handlers", "class", "logging.config.dictConfig"),
+    ("handlers", "class", "logging.shutdown"),
+])
+def test_a_logging_name_is_checked_by_what_it_resolves_to(kind, key, name):
+    [found] = targets.problems(logging_tree(kind, {key: name, "file": "/tmp/x", "mode": "w"}))
+    assert f"hydra.job_logging.{kind}.x.{key}: {name!r} is not a logging." in found, found
+
+
+@pytest.mark.parametrize("kind, key, name", [
+    ("handlers", "class", "logging.StreamHandler"), ("handlers", "()", "logging.handlers.RotatingFileHandler"),
+    ("handlers", "class", "logging.NullHandler"), ("formatters", "()", "colorlog.ColoredFormatter"),
+    ("formatters", "class", "logging.Formatter"), ("filters", "()", "logging.Filter"),
+])
+def test_the_logging_classes_pass(kind, key, name):
+    entry = {key: name, "filename": "${hydra.runtime.output_dir}/${hydra.job.name}.log"} if "File" in name else {
+        key: name}
+    assert targets.problems(logging_tree(kind, entry)) == []
+
+
+@pytest.mark.parametrize("filename", ["/home/user/.bashrc", "${hydra.runtime.output_dir}/../../.bashrc",
+                                      "${oc.env:HOME}/.profile", "notes.txt"])
+def test_a_log_file_outside_the_run_folder_is_refused(filename):
+    [found] = targets.problems(logging_tree("handlers", {"class": "logging.FileHandler", "filename": filename}))
+    assert f"hydra.job_logging.handlers.x.filename: {filename!r} is outside the run's output folder" in found
+
+
+def test_attributes_set_on_a_logging_object_are_refused():
+    """dictConfig's `.` sets attributes on the object it made: a FileHandler's baseFilename, opened later."""
+    entry = {"()": "logging.FileHandler", "filename": "${hydra.runtime.output_dir}/x.log", "delay": True,
+             ".": {"baseFilename": "/home/user/.bashrc"}}
+    [found] = targets.problems(logging_tree("handlers", entry))
+    assert "hydra.job_logging.handlers.x..: sets attributes on the logging object" in found
+
+
+@pytest.mark.parametrize("override, named", [
+    ("hydra.launcher._target_=hydra_plugins.hydra_joblib_launcher.joblib_launcher.os.system", "os.system"),
+    ("hydra.sweeper._target_=hydra._internal.core_plugins.basic_sweeper.os.system", "os.system"),
+    ("+hydra.job.env_set.LD_PRELOAD=/tmp/evil.so", "LD_PRELOAD"),
+    ("+hydra.job.env_set.PYTHONSTARTUP=/tmp/evil.py", "PYTHONSTARTUP"),
+])
+def test_a_plugin_or_environment_that_runs_code_is_refused(override, named):
+    [found] = targets.problems(composed(ROOT / "conf", "config", override))
+    assert named in found and "remove it from the config or sweep file" in found, found
+
+
+def test_an_ordinary_environment_variable_passes():
+    assert targets.problems(composed(ROOT / "conf", "config", "+hydra.job.env_set.OMP_NUM_THREADS=1")) == []
+
+
+SWEEP_LOGGING = """defaults:
+  - config
+  - _self_
+hydra:
+  job_logging:
+    handlers:
+      evil:
+        (): {name}
+{args}
+    root:
+      handlers: [console, evil]
+"""
+
+
+@pytest.mark.slow  # the real entry point in a subprocess (~5 s each)
+@pytest.mark.parametrize("name", ["logging.io.open", "logging.os.symlink"])
+def test_a_logging_config_in_a_sweep_file_touches_nothing(tmp_path, name):
+    victim, link = tmp_path / "victim.txt", tmp_path / "site" / "evil.pth"
+    victim.write_text("yours")
+    link.parent.mkdir()
+    args = {"logging.io.open": f"        file: {victim}\n        mode: w",
+            "logging.os.symlink": f"        src: {victim}\n        dst: {link}"}[name]
+    (tmp_path / "sweep.yaml").write_text(SWEEP_LOGGING.format(name=name, args=args))
+    r, _ = rlrun(tmp_path, "-cd", str(tmp_path), "-cn", "sweep", "experiment=smoke", "tracking=none")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"hydra.job_logging.handlers.evil.(): {name!r} is not a logging.Handler class" in r.stderr
+    assert victim.read_text() == "yours" and not os.path.lexists(link) and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow  # the real entry point in a subprocess (~5 s)

@@ -77,12 +77,10 @@ def test_exported_model_generates_and_loads_through_rlrun(tmp_path):
 def test_export_replaces_an_existing_folder(tmp_path):
     model, tok = tiny(seed=0)
     target = str(tmp_path / "policy")
-    export.export(model, tok, target)
-    (tmp_path / "policy" / "stale.txt").write_text("from an older export")
-    other, _ = tiny(seed=1)
+    export.export(model, tok, target)  # an earlier export, unchanged: replaced (a file added to it is kept:
+    other, _ = tiny(seed=1)  # test_folders.py::test_an_export_folder_that_gained_your_files_is_refused_naming_them)
     export.export(other, tok, target)
-    assert sorted(os.listdir(tmp_path)) == ["policy"]  # no .tmp or .old folder left behind
-    assert not (tmp_path / "policy" / "stale.txt").exists()
+    assert sorted(os.listdir(tmp_path)) == ["policy"]  # no .tmp, .old folder or lock left behind
     reloaded = AutoModelForCausalLM.from_pretrained(target)
     assert torch.equal(reloaded.lm_head.weight, other.lm_head.weight)
     config = json.loads((tmp_path / "policy" / "tokenizer_config.json").read_text())

@@ -14,7 +14,7 @@ import torch
 from conftest import make_cfg, new_store
 from helpers import runs, tiny_model
 
-from rlrun import checkpoint, export, folders
+from rlrun import checkpoint, export, exportdir, folders
 from rlrun.errors import CheckpointError, ExportError
 
 
@@ -51,7 +51,7 @@ def test_an_export_dir_rlrun_would_wipe_is_refused_before_any_run(tmp_path, wher
 def test_a_second_export_replaces_the_first_and_nothing_else(tmp_path):
     new_store(tmp_path)
     run(tmp_path, f"export.dir={tmp_path / 'model'}")
-    assert (tmp_path / "model" / folders.MARK).is_file()
+    assert (tmp_path / "model" / exportdir.MARK).is_file()
     first = (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns
     run(tmp_path, f"export.dir={tmp_path / 'model'}", "seed=1")
     assert (tmp_path / "model" / "model.safetensors").stat().st_mtime_ns != first
@@ -145,5 +145,102 @@ def test_an_export_dir_that_cannot_be_written_is_refused_before_training(tmp_pat
     (tmp_path / "a_file").write_text("not a folder")
     with pytest.raises(ExportError, match=r"export.dir='.*a_file/model': cannot write in '.*a_file' \(File "
                                           r"exists\); choose a folder you can write to, or export.enabled=false"):
-        folders.check_export(str(tmp_path / "a_file" / "model"), None, None)
+        exportdir.check_export(str(tmp_path / "a_file" / "model"), None, None)
     assert (tmp_path / "a_file").read_text() == "not a folder"
+
+
+# --- the export folder: exactly what the earlier export wrote, one export at a time, links written through ---------
+
+def exported(tmp_path, name="V"):
+    model, tok = tiny_model()
+    return model, tok, export.export(model, tok, str(tmp_path / name))
+
+
+def test_an_export_folder_that_gained_your_files_is_refused_naming_them(tmp_path):
+    model, tok, folder = exported(tmp_path)
+    (tmp_path / "V" / "notes.txt").write_text("mine")
+    (tmp_path / "V" / "evals").mkdir()
+    (tmp_path / "V" / "evals" / "scores.json").write_text("{}")
+    with pytest.raises(ExportError, match=r"holds files the earlier rlrun export did not write, or changed since "
+                                          r"\(evals/, notes.txt\)"):
+        exportdir.check_export(folder, None, None)
+    kept = export.export(model, tok, folder)  # gained them during training: the export goes beside it
+    assert kept != folder and (tmp_path / "V" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "V" / "evals" / "scores.json").read_text() == "{}"
+
+
+def test_a_run_refuses_an_export_folder_with_your_files_before_training(tmp_path):
+    new_store(tmp_path)
+    _, _, folder = exported(tmp_path)
+    (tmp_path / "V" / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"\(notes.txt\)"):
+        run(tmp_path, f"export.dir={folder}")
+    assert (tmp_path / "V" / "notes.txt").read_text() == "mine" and not runs(tmp_path / "mlflow.db")[1]
+
+
+def test_an_edited_file_of_an_export_is_yours(tmp_path):
+    _, _, folder = exported(tmp_path)
+    (tmp_path / "V" / "config.json").write_text('{"edited": "by you"}')
+    with pytest.raises(ExportError, match=r"or changed since \(config.json\)"):
+        exportdir.check_export(folder, None, None)
+
+
+def test_an_older_rlruns_export_that_lists_no_files_is_not_replaced(tmp_path):
+    _, _, folder = exported(tmp_path)
+    (tmp_path / "V" / exportdir.MARK).write_text('{"written_by": "rlrun", "pid": 1}')
+    with pytest.raises(ExportError, match="an export of an older rlrun, whose rlrun_export.json lists no files"):
+        exportdir.check_export(folder, None, None)
+
+
+def test_an_unchanged_export_is_replaced_and_nothing_is_left_beside_it(tmp_path):
+    model, tok, folder = exported(tmp_path)
+    assert export.export(model, tok, folder) == folder
+    assert sorted(os.listdir(tmp_path)) == ["V"]
+
+
+def test_one_export_per_folder_at_a_time(tmp_path):
+    """A second run exporting to a folder another one holds is refused before training, naming the holder."""
+    new_store(tmp_path)
+    folder = str(tmp_path / "V")
+    fd = exportdir._lock(exportdir.lock_path(folder), folder)  # another run's hold (a lock of another open file)
+    os.pwrite(fd, b"pid 4242 on host since 10:00:00: rlrun seed=1\n", 0)
+    try:
+        with pytest.raises(ExportError, match=r"is being exported to by another run \(pid 4242 on host"):
+            run(tmp_path, f"export.dir={folder}")
+        model, tok = tiny_model()
+        with pytest.raises(ExportError, match="pid 4242"):
+            export.export(model, tok, folder)
+    finally:
+        os.close(fd)
+    assert not os.path.exists(folder) and not runs(tmp_path / "mlflow.db")[1]
+
+
+def test_an_export_dir_that_is_a_link_is_written_through_and_the_link_kept(tmp_path):
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "V")
+    model, tok = tiny_model()
+    for _ in range(2):  # the first into the empty folder, the second replacing the first
+        assert export.export(model, tok, str(tmp_path / "V")) == str(tmp_path / "real")
+        assert os.path.islink(tmp_path / "V") and os.path.isfile(tmp_path / "V" / "config.json")
+        assert sorted(os.listdir(tmp_path)) == ["V", "real"]  # no `.old` link or folder left
+
+
+@pytest.mark.parametrize("target", ["nothing", "a_file"])
+def test_an_export_dir_linked_to_nothing_or_a_file_is_refused(tmp_path, target):
+    if target == "a_file":
+        (tmp_path / "a_file").write_text("yours")
+    os.symlink(tmp_path / target, tmp_path / "V")
+    with pytest.raises(ExportError, match=f"is a symbolic link to {target.replace('_', ' ')}"):
+        exportdir.check_export(str(tmp_path / "V"), None, None)
+    assert os.path.islink(tmp_path / "V") and not (tmp_path / "nothing").exists()
+
+
+def test_a_link_at_the_exports_tmp_name_is_refused(tmp_path):
+    (tmp_path / "yours").mkdir()
+    os.symlink(tmp_path / "yours", tmp_path / "V.tmp")
+    with pytest.raises(ExportError, match="V.tmp' is a symbolic link"):
+        exportdir.check_export(str(tmp_path / "V"), None, None)
+    model, tok = tiny_model()
+    with pytest.raises(ExportError, match="V.tmp' is a symbolic link"):
+        export.export(model, tok, str(tmp_path / "V"))
+    assert os.listdir(tmp_path / "yours") == []

@@ -148,6 +148,16 @@ if os.environ["HOOK_AT"] == "model build":
     models.build = pause(models.build)
 elif os.environ["HOOK_AT"] == "run just created":
     tracking.mlflow.log_params = pause(tracking.mlflow.log_params)  # called right after create_run
+elif os.environ["HOOK_AT"] == "a step that hangs":  # the third optimizer step never ends by itself
+    from rlrun.recipes import grpo
+    steps, original = [0], grpo.train_step
+    hang = pause(original)
+
+    def third_hangs(*args, **kwargs):
+        steps[0] += 1
+        return (hang if steps[0] == 3 else original)(*args, **kwargs)
+
+    grpo.train_step = third_hangs
 from rlrun.cli import main
 main()
 """
@@ -201,6 +211,82 @@ def test_a_signal_at_any_moment_never_leaves_the_run_running(tmp_path, moment, s
         assert state["step"] == loss_steps(tmp_path / "mlflow.db")
 
 
+@pytest.mark.slow
+def test_sighup_ends_the_run_killed_with_its_checkpoint(tmp_path):
+    """A closed terminal or ssh session: handled like SIGTERM (the step finishes, is checkpointed, KILLED)."""
+    (tmp_path / "hook.py").write_text(HOOK)
+    p = subprocess.Popen([sys.executable, str(tmp_path / "hook.py"), "experiment=smoke", "train.steps=200",
+                          "progress=false", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+                          f"checkpoint.dir={tmp_path}/ckpt"], cwd=tmp_path, env={**ENV, "HOOK_AT": "none",
+                          "HOOK_MARKER": ""}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: loss_steps(tmp_path / "mlflow.db") >= 2, p)
+        p.send_signal(signal.SIGHUP)
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGHUP, p.stderr.read()[-2000:]
+    _, found = runs(tmp_path / "mlflow.db")
+    assert [r.info.status for r in found] == ["KILLED"]
+    state, _ = checkpoint.load_latest(str(tmp_path / "ckpt"))
+    assert state["step"] == loss_steps(tmp_path / "mlflow.db")
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_step_that_does_not_end_within_the_grace_period(tmp_path):
+    """The first SIGTERM lets the step in flight finish, but only for checkpoint.stop_grace_s: a step that hangs is
+    then interrupted, the run ends KILLED with the checkpoints written before (a scheduler's SIGKILL would find
+    it RUNNING otherwise)."""
+    (tmp_path / "hook.py").write_text(HOOK)
+    marker, out = tmp_path / "reached", open(tmp_path / "stdout", "w")  # the log is on stdout
+    p = subprocess.Popen([sys.executable, str(tmp_path / "hook.py"), "experiment=smoke", "train.steps=200",
+                          "progress=false", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "eval.every=0",
+                          f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.every=1", "checkpoint.stop_grace_s=2"],
+                         cwd=tmp_path, env={**ENV, "HOOK_AT": "a step that hangs", "HOOK_MARKER": str(marker)},
+                         stdout=out, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(marker.exists, p)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=90)  # the hung step sleeps 120 s: ending before then is the grace period's doing
+    finally:
+        if p.poll() is None:
+            p.kill()
+        out.close()
+    err = p.stderr.read() + (tmp_path / "stdout").read_text()
+    assert p.returncode == 143, err[-2000:]
+    assert "the step did not end within checkpoint.stop_grace_s=2 s of the signal: stopping now" in err
+    _, found = runs(tmp_path / "mlflow.db")
+    assert [r.info.status for r in found] == ["KILLED"]
+    assert checkpoint.load_latest(str(tmp_path / "ckpt"))[0]["step"] == 2  # the two steps before the hung one
+
+
+def test_the_grace_period_interrupts_a_deferred_stop_that_never_comes():
+    """signals.deferred(): after the first signal the block gets the grace period, then KeyboardInterrupt."""
+    signals.set_grace(0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="grace period"):
+            with signals.deferred() as stop:
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(400):  # a wait that would outlast any grace period
+                    time.sleep(0.05)
+        assert stop["stop"] and signals.received() == signal.SIGTERM
+    finally:
+        signals.set_grace(signals.GRACE_S)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_sighup_is_handled_like_sigterm():
+    previous = signals.interrupt_on_signals()
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGHUP"):
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(1)
+        assert signals.received() == signal.SIGHUP and signals.exit_code() == 129
+    finally:
+        signals.restore(previous)
+
+
 def test_signals_held_delays_a_signal_until_the_block_is_done():
     previous = signals.interrupt_on_signals()
     try:
@@ -244,6 +330,24 @@ def test_an_output_folder_that_cannot_be_written_is_one_line_and_exit_2(tmp_path
         f"rlrun: error: cannot write the run's output folder {tmp_path}/a_file/out (Not a directory); run rlrun "
         f"from a writable folder or set {key}=/a/writable/folder")
     assert not (tmp_path / "mlflow.db").exists()  # refused before any run was created
+
+
+def test_an_output_folder_on_a_full_disk_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """A disk that takes a new file but not its bytes (ENOSPC at the first write Hydra makes): one line."""
+    import errno
+
+    from rlrun import sweep
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sweep.os, "fsync", full)
+    with pytest.raises(SystemExit) as e:
+        sweep.refuse_unwritable(tmp_path / "outputs" / "run", "hydra.run.dir")
+    assert e.value.code == 2 and os.listdir(tmp_path) == []
+    assert capsys.readouterr().err.strip() == (
+        f"rlrun: error: cannot write the run's output folder {tmp_path}/outputs/run (No space left on device); "
+        "free space on that disk or set hydra.run.dir=/a/writable/folder")
 
 
 def test_check_writable():

@@ -53,6 +53,33 @@ def moves(completion, answer):
     return float(here == os.environ["HOME_DIR"])
 
 
+def spawns(completion, answer):
+    """Starts a process that ignores SIGTERM and outlives the call (its pid in $CHILDREN)."""
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); time.sleep(600)"])
+    with open(os.environ["CHILDREN"], "a") as f:
+        f.write(f"{child.pid}\n")
+    if os.environ.get("THEN_HANG"):
+        time.sleep(600)
+    return 1.0
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for init to reap it is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def gone(pids, seconds=10.0) -> bool:
+    deadline = time.monotonic() + seconds  # SIGKILL is immediate; the bound only covers the kernel's reaping
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(alive(p) for p in pids)
+
+
 def task_of(fn, weight=1.0):
     return tasks.Task("t", ROWS, [], scoring.load_rewards(None, [{"fn": f"test_reward_worker:{fn}", "weight": weight}],
                                                         {"prompt", "answer", "tags"}))
@@ -125,6 +152,38 @@ def test_the_worker_scores_like_the_process_bit_for_bit():
     assert got == t.score(completions, ROWS) and got[0][:2] == [1.0, 0.5]
 
 
+def test_a_reward_worker_killed_between_batches_is_a_task_error_naming_the_rewards():
+    """The OOM killer's way (SIGKILL while the trainer trains): the next batch is one message, not BrokenPipeError."""
+    task = task_of("appends")
+    with tasks.isolated(task, 30):
+        task.score(["7"] * 4, ROWS)
+        os.kill(task.worker.proc.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, task.worker.proc.pid, os.WEXITED | os.WNOWAIT)  # dead (not reaped) before the batch
+        with pytest.raises(tasks.TaskError) as e:
+            task.score(["7"] * 4, ROWS)
+    assert str(e.value).startswith("the reward worker process, which runs the rewards appends "
+                                   "(test_reward_worker:appends), ended between two batches (killed by SIGKILL); "
+                                   "SIGKILL is how the kernel's OOM killer ends a process"), str(e.value)
+
+
+@pytest.mark.parametrize("how", ["at the end", "on a timeout"])
+def test_what_a_reward_starts_is_killed_with_the_worker(tmp_path, monkeypatch, how):
+    """The worker and whatever a reward starts are one process group, killed together (a child that ignores
+    SIGTERM included)."""
+    monkeypatch.setenv("CHILDREN", str(tmp_path / "children"))
+    if how == "on a timeout":
+        monkeypatch.setenv("THEN_HANG", "1")
+    task = task_of("spawns")
+    with tasks.isolated(task, 3.0):
+        try:
+            task.score(["7"] * 4, ROWS)
+        except tasks.TaskError as e:
+            assert how == "on a timeout" and "did not return within 3 s" in str(e)
+        pids = [int(x) for x in (tmp_path / "children").read_text().split()]
+        assert pids and (how == "on a timeout" or all(alive(p) for p in pids))
+    assert gone(pids), [p for p in pids if alive(p)]
+
+
 def test_reward_timeout_must_be_positive(cfg_factory):
     from rlrun.config import ConfigError, validate
 
@@ -143,6 +202,11 @@ def hang_after_a_checkpoint(completion, answer):
     return 0.5
 def quits(completion, answer):
     os._exit(0)
+def oom_killed(completion, answer):  # the worker is SIGKILLed half a second after a call (the trainer trains)
+    import signal, threading
+    if not threading.active_count() > 1:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    return 0.5
 """
 
 
@@ -187,3 +251,45 @@ def test_os_exit_in_a_reward_fails_the_run_naming_the_reward(tmp_path):
     assert "ended the reward worker process (exit code 0)" in err and "Traceback" not in err
     _, [r] = runs(tmp_path / "mlflow.db")
     assert r.info.status == "FAILED" and "'quits'" in r.data.tags["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_a_reward_worker_killed_from_outside_fails_the_run_naming_the_reward(tmp_path, pipeline):
+    p = rlrun(tmp_path, "task.reward=rewards.py:oom_killed", "train.steps=50", f"rollout.pipeline={pipeline}")
+    p.wait(timeout=300)
+    err = (tmp_path / "console.txt").read_text()
+    assert p.returncode == 2, err[-2000:]
+    assert "oom_killed (rewards.py:oom_killed)" in err or "reward 'oom_killed' (rewards.py:oom_killed)" in err
+    assert "killed by SIGKILL" in err and "OOM killer" in err
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+    _, [r] = runs(tmp_path / "mlflow.db")
+    assert r.info.status == "FAILED" and "oom_killed" in r.data.tags["error"]
+
+
+TRAINER = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from test_reward_worker import ROWS, task_of
+from rlrun import tasks
+task = task_of("spawns")
+with tasks.isolated(task, 30):
+    task.score(["7"] * 4, ROWS)
+    print(task.worker.proc.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow  # a trainer process of its own, killed
+def test_a_killed_trainer_takes_the_reward_worker_and_what_it_started_with_it(tmp_path):
+    env = {**ENV, "CHILDREN": str(tmp_path / "children")}
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(tests=os.path.join(ROOT, "tests"))], env=env,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(trainer.stdout.readline())
+        pids = [int(x) for x in (tmp_path / "children").read_text().split()]
+        assert all(alive(p) for p in [worker, *pids])
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert gone([worker, *pids]), [p for p in [worker, *pids] if alive(p)]

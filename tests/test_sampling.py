@@ -4,6 +4,7 @@ seeded runs (slow): the same number of sequences per step, heads that train the 
 run killed mid-way that resumes bit for bit."""
 
 import contextlib
+import dataclasses
 import signal
 import threading
 from types import SimpleNamespace
@@ -158,14 +159,65 @@ def test_overlong_penalty_is_dapos_soft_punishment():
 def test_overlong_filter_masks_the_completions_cut_at_max_new_tokens():
     cfg, s = setup(dynamic_sampling=False)
     d = sampling.generate(cfg, s, iter(examples([False] * 4)), 0, 0)
-    kept = sampling.trained(d.roll, "filter")
+    kept = sampling.trained(d.roll, SimpleNamespace(overlong="filter"))
     assert (~d.roll.finished).any() and d.roll.finished.any()  # the case has both
     assert (kept.response_mask.sum(1) == torch.where(d.roll.finished, d.roll.response_mask.sum(1), 0)).all()
-    assert sampling.trained(d.roll, "penalty") is d.roll and sampling.trained(d.roll, "keep") is d.roll
+    for keep in ("penalty", "keep"):
+        assert sampling.trained(d.roll, SimpleNamespace(overlong=keep)) is d.roll
     cfg, s = setup(dynamic_sampling=False, overlong="penalty", overlong_buffer=2)
     p = sampling.generate(cfg, s, iter(examples([False] * 4)), 0, 0)
     penalty = torch.tensor(p.by_reward["overlong_penalty"])
     assert torch.equal(p.shaped, torch.tensor(p.totals) + penalty) and (penalty <= 0).all()
+
+
+def test_overlong_filter_logs_the_share_filtered_and_warns_once_per_run_when_it_is_everything(caplog):
+    """train.overlong=filter that filters every completion trains nothing: said once per run, and the share
+    filtered is a metric of every step."""
+    cfg, s = setup(dynamic_sampling=False)
+    roll = sampling.generate(cfg, s, iter(examples([False] * 4)), 0, 0).roll
+    stats, train = {}, SimpleNamespace(overlong="filter")
+    sampling.trained(roll, train, stats)
+    cut = int((~roll.finished).sum())
+    assert 0 < cut < 16 and sampling.metrics([stats], None) == {"overlong/filtered_frac": cut / 16}
+    all_cut = dataclasses.replace(roll, finished=torch.zeros_like(roll.finished))
+    with caplog.at_level("WARNING", logger="rlrun"):
+        for _ in range(3):
+            stats = {}
+            assert sampling.trained(all_cut, train, stats).response_mask.sum() == 0
+            assert sampling.metrics([stats, stats], None) == {"overlong/filtered_frac": 1.0}  # over ranks
+    said = "train.overlong=filter filtered every completion of a rollout (all 16 were cut"
+    assert caplog.text.count(said) == 1 and "Raise rollout.max_new_tokens" in caplog.text
+    with caplog.at_level("WARNING", logger="rlrun"):
+        sampling.trained(all_cut, SimpleNamespace(overlong="filter"), {})  # another run: said again
+    assert caplog.text.count(said) == 2
+
+
+def test_dynamic_sampling_says_how_its_rounds_go(caplog, monkeypatch):
+    """A rollout that takes many rounds says so while it runs (every PROGRESS_S; here every round)."""
+    monkeypatch.setattr(sampling, "PROGRESS_S", 0.0)
+    with caplog.at_level("INFO", logger="rlrun"):
+        draw([True] * 40, dynamic_sampling_max_rounds=3)
+    for k in (2, 3):
+        assert (f"dynamic sampling, rollout 0: round {k} of at most 3 (train.dynamic_sampling_max_rounds), 0 of 4 "
+                "prompt groups with a reward signal so far") in caplog.text
+    assert "round 4" not in caplog.text
+
+
+@pytest.mark.parametrize("override, says", [
+    ("train.dynamic_sampling_max_rounds=100000", "train.dynamic_sampling_max_rounds=100000 must be in [1, 64]"),
+    ("loss.clip_low=1.0", "loss.clip_low=1.0 must be in [0, 1) (the ratio's lower bound 1 - clip_low must stay"),
+    ("loss=cispo loss.clip_low=1.5", "loss.clip_low=1.5 must be in [0, 1)"),
+    ("loss=gspo loss.clip_low=2", "loss.clip_low=2 must be in [0, 1)"),
+])
+def test_the_schema_bounds_the_rounds_and_the_lower_clip(override, says):
+    from conftest import make_cfg
+
+    from rlrun.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("train.dynamic_sampling=true", *override.split()))
+    assert says in str(e.value), str(e.value)
+    validate(make_cfg("loss=cispo", "loss.clip_low=null"))  # no lower bound at all is still allowed
 
 
 # -- seeded runs ----------------------------------------------------------------------------------------------------
@@ -245,3 +297,21 @@ def test_a_dynamic_sampling_run_killed_mid_way_resumes_bit_for_bit(tmp_path, mon
     _, base_steps, base_values = curve(tmp_path / "base" / "mlflow.db")
     assert run_.info.status == "FINISHED" and steps == base_steps == list(range(16)), where
     assert values == base_values, f"{where}, resumed from the checkpoint after step {saved['step']}"
+
+
+@pytest.mark.slow  # a 3-step run
+def test_a_run_that_filters_every_completion_says_so_and_logs_the_share(tmp_path, caplog):
+    from conftest import make_cfg, new_store
+    from helpers import history, runs
+
+    from rlrun.cli import run
+
+    new_store(tmp_path)
+    cfg = make_cfg("experiment=smoke", "train.steps=3", "eval.every=0", "train.overlong=filter",
+                   "rollout.max_new_tokens=1", "task.max_operand=9", tmp_path=tmp_path)
+    with caplog.at_level("WARNING", logger="rlrun"):
+        run(cfg, "filtered")
+    client, [r] = runs(tmp_path / "mlflow.db")
+    shares = history(client, r.info.run_id, "overlong/filtered_frac")
+    assert shares == [1.0, 1.0, 1.0]  # one token: the answer's digit, never its EOS (seed 0)
+    assert caplog.text.count("train.overlong=filter filtered every completion") == 1  # once, not every step

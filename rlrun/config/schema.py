@@ -47,6 +47,12 @@ KlEstimator = Literal["k1", "k2", "k3"]
 Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]  # losses/agg.py
 
 
+# the ratio's lower bound is 1 - clip_low: at 1 or more it is <= 0, which a ratio (exp of a log-ratio) never reaches
+ClipLow = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1) (the ratio's lower bound 1 - clip_low must stay "
+                                                      "above 0, or it never acts)")]
+MAX_ROUNDS = 64  # dynamic sampling's rounds per rollout at most: each is a whole rollout's generation
+
+
 @dataclass
 class TisConfig:
     enabled: bool
@@ -59,7 +65,7 @@ class TisConfig:
 @dataclass
 class DapoLoss:
     name: Literal["dapo"]
-    clip_low: NonNeg
+    clip_low: ClipLow
     clip_high: NonNeg
     kl_coef: NonNeg
     kl_estimator: KlEstimator
@@ -72,7 +78,7 @@ class DapoLoss:
 @dataclass
 class CispoLoss:  # DapoLoss's keys, in its order; clip_low may be null
     name: Literal["cispo"]
-    clip_low: NonNeg | None  # null: no lower bound on the weight
+    clip_low: ClipLow | None  # null: no lower bound on the weight
     clip_high: NonNeg
     kl_coef: NonNeg
     kl_estimator: KlEstimator
@@ -85,7 +91,7 @@ class CispoLoss:  # DapoLoss's keys, in its order; clip_low may be null
 @dataclass
 class GspoLoss:  # DapoLoss's keys, in its order, on the sequence's ratio (losses/gspo.py)
     name: Literal["gspo"]
-    clip_low: NonNeg
+    clip_low: ClipLow
     clip_high: NonNeg
     kl_coef: NonNeg
     kl_estimator: KlEstimator
@@ -234,6 +240,7 @@ class HFRollout:
     max_staleness: NonNegInt
     worker_threads: PosInt | None
     worker_device: Device | None
+    worker_timeout_s: Positive  # async: the trainer gives up on a generator without a heartbeat this long
 
 
 @dataclass
@@ -255,6 +262,7 @@ class VLLMRollout:
     max_staleness: NonNegInt
     worker_threads: PosInt | None
     worker_device: Device | None
+    worker_timeout_s: Positive  # async: the trainer gives up on a generator without a heartbeat this long
 
 
 # -- engine -------------------------------------------------------------------------------------------------------
@@ -306,7 +314,8 @@ class TrainConfig:
     num_iterations: PosInt
     scale_advantages: bool
     dynamic_sampling: bool  # drop equal-reward prompt groups, generate more (recipes/sampling.py)
-    dynamic_sampling_max_rounds: PosInt
+    dynamic_sampling_max_rounds: Annotated[int, Check(lambda v: 1 <= v <= MAX_ROUNDS, f"in [1, {MAX_ROUNDS}]: each "
+                                                      "round generates a whole rollout again, inside one step")]
     overlong: Literal["keep", "filter", "penalty"]  # completions cut at rollout.max_new_tokens
     overlong_buffer: PosInt  # <= rollout.max_new_tokens (rules.py)
     overlong_penalty_factor: NonNeg
@@ -325,6 +334,7 @@ class CheckpointConfig:
     every: NonNegInt
     keep: PosInt
     export: bool  # export the policy beside each checkpoint too
+    stop_grace_s: Positive  # after a signal, how long the step in flight may take (signals.deferred)
 
 
 @dataclass

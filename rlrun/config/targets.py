@@ -4,34 +4,59 @@ unknown option is rlrun's error, not Hydra's traceback.
 Hydra instantiates whatever a `_target_` names (callbacks, launcher, sweeper) and Python's logging config imports
 whatever a handler's `class`, a factory's `()` or an `ext://` value names, before rlrun's own code runs; a sweep
 file or an override could so run any module, rlrun's own reward loader included. `guard()` checks every such name
-in each config Hydra composes, before Hydra instantiates anything: a `_target_` must be one rlrun ships or a
-launcher/sweeper plugin's (Hydra's own or an installed `hydra_plugins` package), logging may name only the
-standard library's `logging` classes (and colorlog's, Hydra's colour plugin), and `ext://` only `sys` streams.
+in each config Hydra composes, before Hydra instantiates anything, by what the name resolves to, not by how it is
+spelled (`logging.os.system` starts with `logging.` and is a function of the os module):
+
+- a `_target_` is one rlrun ships (hydra.callbacks), or at hydra.launcher / hydra.sweeper an installed Hydra plugin
+  of that kind (as Hydra discovered it);
+- a logging config's handler, formatter or filter (`class` or `()`) is a subclass of logging.Handler, Formatter or
+  Filter found in the standard library's `logging` / `logging.handlers` (looked up, never imported), or
+  colorlog's formatter; a `.` (attributes set on the object made) is refused, and a file handler writes only in the
+  run's output folder; `ext://` names only the `sys` streams;
+- hydra.job.env_set sets no variable that makes a later process load code (LD_*, PYTHONPATH, ...);
+- any other `_target_`, `class` or `()` anywhere is refused.
 """
 
 from __future__ import annotations
 
+import logging
+import logging.handlers  # noqa: F401 (resolves_to looks names up in it)
 import re
 import sys
 
 from . import ConfigError
 
 TARGETS = {"rlrun.sweep.SweepCallback"}  # the `_target_`s rlrun ships (conf/config.yaml: hydra.callbacks)
-PLUGIN_KEYS = ("hydra.launcher", "hydra.sweeper")
-PLUGIN_PREFIXES = ("hydra._internal.core_plugins.", "hydra_plugins.")
-LOGGING_PREFIXES = ("logging.", "colorlog.")
+PLUGINS = {"hydra.launcher": "Launcher", "hydra.sweeper": "Sweeper"}  # a `_target_` here: an installed plugin's
+LOGGING = ("hydra.job_logging", "hydra.hydra_logging")
+# what a logging config's handler, formatter or filter must resolve to, found in the standard library's logging
+# modules (nothing is imported: both are loaded by `import logging.handlers` here)
+KINDS = {"handlers": "Handler", "formatters": "Formatter", "filters": "Filter"}
+MODULES = ("logging", "logging.handlers")
+ALLOWED = {"formatters": {"colorlog.ColoredFormatter"}}  # hydra_colorlog's formatter (a logging.Formatter)
+# a log file may only be in the run's output folder (as Hydra's own file handler's is): elsewhere its lines
+# would be appended to (or, mode w, truncate) a file of yours
+OUTPUT = re.compile(r"\$\{hydra[.:]runtime\.output_dir\}/(?:[\w.-]|\$\{hydra[.:]job\.(?:name|num|id)\})+")
 EXT = ("ext://sys.stdout", "ext://sys.stderr")
+# environment variables that make a later process (the reward worker, the generator) load code of their own
+CODE_ENV = re.compile(r"LD_\w+|DYLD_\w+|BASH_ENV|ENV|"
+                      r"PYTHON(?:PATH|STARTUP|HOME|USERBASE|INSPECT|EXECUTABLE|PLATLIBDIR)")
+FIX = "remove it from the config or sweep file"
 
 
 def problems(node, path: str = "") -> list[str]:
     """Every name of code in the config tree `node` (a plain container) that rlrun does not allow."""
     out = []
     if isinstance(node, dict):
+        if path.startswith(LOGGING):
+            out += _logging_node(node, path)
+        if path == "hydra.job.env_set":
+            out += _environment(node, path)
         for key, value in node.items():
             where = f"{path}.{key}" if path else str(key)
             if key in ("_target_", "class", "()"):
                 out += _check(path, key, value)
-            else:
+            elif not (key == "." and path.startswith(LOGGING)):  # said by _logging_node
                 out += problems(value, where)
     elif isinstance(node, list):
         for i, value in enumerate(node):
@@ -42,21 +67,75 @@ def problems(node, path: str = "") -> list[str]:
 
 
 def _check(path: str, key: str, value) -> list[str]:
+    """A `_target_`, `class` or `()` at `path`: allowed by what the name resolves to, not by how it is spelled."""
     name = str(value)
     where = f"{path}.{key}" if path else key
     if "${" in name:
         return [f"{where}: {name!r} is an interpolation; the code a config names must be spelled out"]
-    logging = path.startswith(("hydra.job_logging", "hydra.hydra_logging"))
-    if key == "_target_" and path in PLUGIN_KEYS:
-        ok = name.startswith(PLUGIN_PREFIXES)
-    elif key == "_target_":
-        ok = name in TARGETS
-    else:  # a logging config's handler class or factory
-        ok = logging and name.startswith(LOGGING_PREFIXES)
-    if ok:
+    if key == "_target_" and path in PLUGINS:
+        return [] if name in plugin_classes(PLUGINS[path]) else [
+            f"{where}: {name!r} is not an installed Hydra {PLUGINS[path].lower()} (those installed: "
+            f"{', '.join(sorted(plugin_classes(PLUGINS[path])))}); {FIX}"]
+    if key == "_target_" and name in TARGETS:
         return []
+    kind = _logging_kind(path)
+    if key != "_target_" and kind is not None:
+        if name in ALLOWED.get(kind, ()) or resolves_to(name, getattr(logging, KINDS[kind])):
+            return []
+        return [f"{where}: {name!r} is not a logging.{KINDS[kind]} class of the standard library's logging "
+                f"modules; a logging config may name only those; {FIX}"]
     return [f"{where}: {name!r} is code that rlrun does not run from a config (only the reward functions under "
-            "task.reward / task.rewards are); remove it from the config or sweep file"]
+            f"task.reward / task.rewards are); {FIX}"]
+
+
+def _logging_kind(path: str) -> str | None:
+    """`handlers`, `formatters` or `filters` for the path of one such entry of a logging config, else None."""
+    parts = path.split(".")
+    if path.startswith(LOGGING) and len(parts) == 4 and parts[2] in KINDS:
+        return parts[2]
+    return None
+
+
+def resolves_to(name: str, base: type) -> bool:
+    """`name` (module.Class) is a subclass of `base` defined in one of the standard library's logging modules,
+    looked up in the loaded module, never imported: `logging.io.open` or `logging.os.system` resolve to a function,
+    not a class."""
+    module, _, attr = name.rpartition(".")
+    if module not in MODULES:
+        return False
+    found = vars(sys.modules[module]).get(attr)
+    return isinstance(found, type) and issubclass(found, base)
+
+
+def _logging_node(node: dict, path: str) -> list[str]:
+    """A logging config's entry: no `.` (it sets attributes on the object made, a handler's file included), and a
+    file handler writes only in the run's output folder."""
+    out = []
+    if "." in node:
+        out.append(f"{path}..: sets attributes on the logging object it makes (a handler's file among them); {FIX}")
+    filename = node.get("filename")
+    if _logging_kind(path) == "handlers" and filename is not None and not OUTPUT.fullmatch(str(filename)):
+        out.append(f"{path}.filename: {filename!r} is outside the run's output folder; a log file is written "
+                   "only there, as ${hydra.runtime.output_dir}/NAME.log (anywhere else it would add to, or "
+                   f"truncate, a file of yours); {FIX}")
+    return out
+
+
+def _environment(node: dict, path: str) -> list[str]:
+    """hydra.job.env_set's variables that would make the processes rlrun starts load code (env_copy copies your own
+    environment's values, and is left alone)."""
+    bad = sorted(k for k in map(str, node) if CODE_ENV.fullmatch(k))
+    return [f"{path}.{k}: makes the processes rlrun starts load code of its own; {FIX}" for k in bad]
+
+
+def plugin_classes(kind: str) -> set[str]:
+    """The dotted names of the installed Hydra plugins of `kind` (Launcher, Sweeper), as Hydra discovered them."""
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.launcher import Launcher
+    from hydra.plugins.sweeper import Sweeper
+
+    base = {"Launcher": Launcher, "Sweeper": Sweeper}[kind]
+    return {f"{c.__module__}.{c.__name__}" for c in Plugins.instance().discover(base)}
 
 
 # Names people type for an option rlrun has under another name: what to use instead.

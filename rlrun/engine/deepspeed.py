@@ -21,7 +21,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint, precision, ranks
+from .. import checkpoint, nofollow, precision, ranks
 from .. import offload as host_offload
 from . import single
 
@@ -200,7 +200,9 @@ class Engine:
 
     def save(self, folder: str, step: int, state: dict, keep: int) -> str:
         """DeepSpeed's own checkpoint (model, ZeRO optimizer partitions, LR schedule) plus each rank's loop state and
-        RNG, sealed by a manifest once every rank has written (checkpoint.py)."""
+        RNG, sealed by a manifest once every rank has written (checkpoint.py). A link at the step's folder name is
+        refused (LinkError), never written through."""
+        nofollow.refuse_link(os.path.join(folder, checkpoint.tag(step)), "a checkpoint's folder")
         self.ds.save_checkpoint(folder, tag=checkpoint.tag(step), save_latest=False)
         checkpoint.write(os.path.join(folder, checkpoint.tag(step), f"rlrun_rank{self.rank}.pt"),
                          {**state, "world_size": self.world})

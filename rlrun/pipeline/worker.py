@@ -6,9 +6,12 @@ synced from this copy), and then handles the trainer's messages strictly in orde
   ("weights", v, slot)          copy the weights of version v out of a shared slot; reply ("loaded", v)
   ("generate", r, v, prompts, seeds)   rollout r with version v; reply ("rollout", r, v, payload, busy_s, idle_s)
   ("stop",)
-Any exception is sent back as ("error", traceback) before the worker exits. It ignores SIGINT and SIGTERM (Ctrl-C
-and a scheduler's SIGTERM reach the whole process group: the trainer finishes its step, checkpoints the rollouts
-in flight, and then stops the worker), and exits by itself when the trainer is gone.
+Any exception is sent back before the worker exits: ("user_error", message) for the user's or the machine's (a
+ModelError, RolloutError, out of device memory: one message), else ("error", traceback). It ignores SIGINT,
+SIGTERM and SIGHUP (the trainer finishes its step, checkpoints the rollouts in flight, and then stops the worker),
+runs in a process group of its own (the trainer kills it and whatever it started together), kills that group
+when the trainer dies, and beats a heartbeat (a shared time stamp, every HEARTBEAT_S, from a thread of its own):
+the trainer gives up on a generator silent for rollout.worker_timeout_s (stopped, hung) instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -17,10 +20,18 @@ import dataclasses
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
 
 import torch
+
+from .. import procs
+from ..config import ConfigError
+from ..errors import CheckpointError, ExportError, LinkError, ModelError, RolloutError, TaskError
+
+HEARTBEAT_S = 1.0  # how often the generator says it is alive (pipeline.HEARTBEAT_S, read by the trainer)
+USER_ERRORS = (ConfigError, ModelError, TaskError, CheckpointError, ExportError, RolloutError, LinkError)
 
 
 def to_payload(roll) -> dict:
@@ -47,44 +58,66 @@ def build(cfg, state: dict, device: str):
     return generator, tokenizer, engine
 
 
-def main(cfg, state, slots, inbox, outbox, threads: int, device: str, version: int, parent: int, build=build) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer decides when this process ends (close())
+def main(cfg, state, slots, inbox, outbox, threads: int, device: str, version: int, parent: int, build=build,
+         beat=None) -> None:
+    os.setpgid(0, 0)  # a process group of its own: the trainer ends it and all it started together (procs.py)
+    procs.die_with_parent(parent)  # the trainer killed (kill -9): this process kills its group
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the trainer decides when this process ends (close())
         signal.signal(sig, signal.SIG_IGN)
+    if beat is not None:  # a sign of life, even while a rollout is generated; none while the process is stopped
+        threading.Thread(target=_heartbeat, args=(beat,), name="rlrun-heartbeat", daemon=True).start()
     torch.set_num_threads(threads)
     try:
         policy, _, engine = build(cfg, state, device)
         del state
-        params = dict(policy.named_parameters())
         outbox.put(("ready", version))
-        idle_since = time.perf_counter()
-        while True:
-            try:
-                msg = inbox.get(timeout=1.0)
-            except queue.Empty:
-                if os.getppid() != parent:  # the trainer is gone (kill -9): nothing to generate for
-                    return
-                continue
-            if msg[0] == "stop":
+        _serve(policy, engine, slots, inbox, outbox, version, parent)
+    except BaseException as e:  # noqa: BLE001 - whatever it is, the trainer must hear of it
+        user = isinstance(e, USER_ERRORS) or type(e).__name__ == "OutOfMemoryError"
+        outbox.put(("user_error", f"{type(e).__name__}: {e}" if type(e).__name__ == "OutOfMemoryError" else str(e))
+                   if user else ("error", traceback.format_exc()))
+    finally:  # its last message sent, it ends with everything it started (vLLM's engine process): its group. The
+        outbox.close()  # trainer's death may be seen late here (getppid, PR_SET_PDEATHSIG), so it is not left to that
+        outbox.join_thread()
+        procs.end_group()
+
+
+def _heartbeat(beat) -> None:
+    while True:
+        beat.value = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+        time.sleep(HEARTBEAT_S)
+
+
+def _serve(policy, engine, slots, inbox, outbox, version: int, parent: int) -> None:
+    """The trainer's messages, in order, until ("stop",) or the trainer is gone."""
+    params = dict(policy.named_parameters())
+    idle_since = time.perf_counter()
+    while True:
+        try:
+            msg = inbox.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the trainer is gone (kill -9): nothing to generate for
                 return
-            if msg[0] == "weights":
-                _, version, slot = msg
-                loading = time.perf_counter()
-                with torch.no_grad():
-                    for name, value in slots[slot].items():
-                        params[name].copy_(value)
-                if engine.needs_sync:
-                    engine.sync(policy)
-                outbox.put(("loaded", version))
-                idle_since += time.perf_counter() - loading  # copying weights is not idle time
-                continue
-            _, index, wanted, prompts, seeds = msg
-            if wanted != version:  # the trainer orders its messages so that this never happens
-                raise RuntimeError(f"rollout {index} asks for weights version {wanted}, the worker holds {version}")
-            start = time.perf_counter()
+            continue
+        if msg[0] == "stop":
+            return
+        if msg[0] == "weights":
+            _, version, slot = msg
+            loading = time.perf_counter()
             with torch.no_grad():
-                roll = engine.generate(policy, prompts, seeds)
-            done = time.perf_counter()
-            outbox.put(("rollout", index, version, to_payload(roll), done - start, start - idle_since))
-            idle_since = done
-    except BaseException:  # noqa: BLE001 - whatever it is, the trainer must hear of it
-        outbox.put(("error", traceback.format_exc()))
+                for name, value in slots[slot].items():
+                    params[name].copy_(value)
+            if engine.needs_sync:
+                engine.sync(policy)
+            outbox.put(("loaded", version))
+            idle_since += time.perf_counter() - loading  # copying weights is not idle time
+            continue
+        _, index, wanted, prompts, seeds = msg
+        if wanted != version:  # the trainer orders its messages so that this never happens
+            raise RuntimeError(f"rollout {index} asks for weights version {wanted}, the worker holds {version}")
+        start = time.perf_counter()
+        with torch.no_grad():
+            roll = engine.generate(policy, prompts, seeds)
+        done = time.perf_counter()
+        outbox.put(("rollout", index, version, to_payload(roll), done - start, start - idle_since))
+        idle_since = done

@@ -234,7 +234,7 @@ def consume(cfg, s, d, buffer: RolloutBuffer, got: StepRollouts, version: int) -
     rows, roll, totals, by_reward = d.rows, d.roll, d.totals, d.by_reward
     reward = torch.tensor(totals, dtype=torch.float32)
     advantages = group_advantages(d.shaped, t.group_size, t.scale_advantages).to(engine.device)  # + overlong penalty
-    micros = split_rollout(sampling.trained(roll, t.overlong), advantages, t.micro_batch)  # overlong=filter: masked
+    micros = split_rollout(sampling.trained(roll, t, got.sampling), advantages, t.micro_batch)  # overlong=filter
     need = ax.logprobs.need(start=buffer.enqueued, window=buffer.window, grad_accum=s.grad_accum,
                             ref_coef=cfg.loss.kl_coef, old_before_loss=ax.objective.old_before_loss)
     got.counts.update({"old_run": int(need.old), "old_skipped": int(not need.old), "ref_run": int(need.ref),

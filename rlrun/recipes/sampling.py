@@ -39,6 +39,7 @@ from ..rollout import Rollout
 from ..runner import rank_slice
 
 log = logging.getLogger("rlrun")
+PROGRESS_S = 10.0  # dynamic sampling: a line on its rounds this often while one rollout takes more than one
 
 
 @dataclass
@@ -81,11 +82,33 @@ def overlong_penalty(roll: Rollout, max_new_tokens: int, buffer: int, factor: fl
     return torch.clamp(-(length - (max_new_tokens - buffer)) / buffer * factor, max=0.0)
 
 
-def trained(roll: Rollout, overlong: str) -> Rollout:
-    """The rollout the loss sees: with overlong=filter, the completions cut at max_new_tokens have no valid token
-    (their rows still run in padded micro-batches; packed ones skip them)."""
-    if overlong != "filter":
+_warned: dict = {"run": None}  # the cfg.train of the run last warned about (held: `is` never matches a new one)
+
+
+def _said(train) -> bool:
+    """Whether this run (its cfg.train, one object for the whole run) was warned already; remembers it if not."""
+    if _warned["run"] is train:
+        return True
+    _warned["run"] = train
+    return False
+
+
+def trained(roll: Rollout, train, stats: dict | None = None) -> Rollout:
+    """The rollout the loss sees: with train.overlong=filter, the completions cut at max_new_tokens have no valid
+    token (their rows still run in padded micro-batches; packed ones skip them). Counts the rows and those filtered
+    in `stats` (the step's: `metrics` logs the filtered share), and warns once per run (`train` is the run's
+    cfg.train) when a rollout had every completion filtered: it trains nothing."""
+    if train.overlong != "filter":
         return roll
+    rows, cut = len(roll.completions), int((~roll.finished).sum())
+    if stats is not None:
+        stats["overlong_rows"] = stats.get("overlong_rows", 0) + rows
+        stats["overlong_filtered"] = stats.get("overlong_filtered", 0) + cut
+    if rows and cut == rows and not _said(train):
+        log.warning("train.overlong=filter filtered every completion of a rollout (all %d were cut at "
+                    "rollout.max_new_tokens): it trains nothing, its gradient is 0. Raise rollout.max_new_tokens, or "
+                    "use train.overlong=penalty (or keep); the share filtered is logged as overlong/filtered_frac. "
+                    "(Said once per run.)", rows)
     return dataclasses.replace(roll, response_mask=roll.response_mask & roll.finished[:, None])
 
 
@@ -143,10 +166,17 @@ def draw(cfg, s, prompts, rollout: int, stats: dict, totals: Totals | None = Non
     if not t.dynamic_sampling:
         return first
     need, rounds, flags, start = t.rollout_batch // t.group_size, [first], [], time.perf_counter()
+    said = start
     while True:
         flags.append(engine.gather(informative(rounds[-1].shaped, t.group_size)))  # every rank's, rank order
-        if sum(sum(f) for r in flags for f in r) >= need or len(rounds) == t.dynamic_sampling_max_rounds:
+        found = sum(sum(f) for r in flags for f in r)
+        if found >= need or len(rounds) == t.dynamic_sampling_max_rounds:
             break
+        if engine.main and time.perf_counter() - said >= PROGRESS_S:  # a step that takes long says why
+            said = time.perf_counter()
+            log.info("dynamic sampling, rollout %d: round %d of at most %d (train.dynamic_sampling_max_rounds), %d "
+                     "of %d prompt groups with a reward signal so far, %.0f s", rollout, len(rounds) + 1,
+                     t.dynamic_sampling_max_rounds, found, need, said - start)
         rounds.append(generate(cfg, s, prompts, rollout, len(rounds)))
     order = [(k, r, i) for k, per_rank in enumerate(flags) for r, f in enumerate(per_rank) for i in range(len(f))]
     signal = [key for key in order if flags[key[0]][key[1]][key[2]]]
@@ -224,13 +254,18 @@ def concat(parts: list[Drawn], pad_id: int) -> Drawn:
 
 
 def metrics(by_rank: list[dict], totals: Totals | None) -> dict[str, float]:
-    """dynamic_sampling/*: the share of generated groups dropped (this step and over the run), rounds, groups
-    completing a rollout at the bound, the sequences of the step's rollouts (over ranks), and the extra generation
-    time (the slowest rank's)."""
-    if totals is None or not by_rank[0]:
-        return {}
+    """overlong/filtered_frac (train.overlong=filter: the share of the step's completions filtered out of the loss,
+    over ranks) and dynamic_sampling/*: the share of generated groups dropped (this step and over the run), rounds,
+    groups completing a rollout at the bound, the sequences of the step's rollouts (over ranks), and the extra
+    generation time (the slowest rank's)."""
+    out = {}
+    rows = sum(p.get("overlong_rows", 0) for p in by_rank)
+    if rows:
+        out["overlong/filtered_frac"] = sum(p.get("overlong_filtered", 0) for p in by_rank) / rows
+    if totals is None or "groups" not in by_rank[0]:
+        return out
     s = by_rank[0]  # the counts are global: every rank has the same
-    return {"dynamic_sampling/dropped_frac": s["dropped"] / max(s["groups"], 1),
+    return {**out, "dynamic_sampling/dropped_frac": s["dropped"] / max(s["groups"], 1),
             "dynamic_sampling/dropped_frac_total": totals.dropped / max(totals.generated, 1),
             "dynamic_sampling/rounds": float(s["rounds"]), "dynamic_sampling/filled_groups": float(s["filled"]),
             "dynamic_sampling/sequences": float(sum(p["sequences"] for p in by_rank)),

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import checkpoint, folders, ranks, registry, signals, tracking
+from .. import checkpoint, exportdir, faults, folders, ranks, registry, signals, tracking
 from ..config import ConfigError
+from ..errors import DivergedError
 from .console import end_table, results_hint
 
 log = logging.getLogger("rlrun")
@@ -18,14 +19,22 @@ def run(cfg, raw, run_name: str | None, train, on_start=None) -> dict:
     `raw` the composed DictConfig that is logged and checkpointed. Once the MLflow run exists every way out ends it
     FINISHED, FAILED or KILLED (SIGTERM arrives as KeyboardInterrupt: cli.main installs that at process start).
     `on_start(tracker)`: called once the run exists (a sweep job logs its check there)."""
+    signals.set_grace(cfg.checkpoint.stop_grace_s)  # after a signal, how long the step in flight may take
+    faults.check_devices(cfg)  # before anything is built: a device the machine lacks is one message
     state = load_resume(cfg, raw) if cfg.resume else None
     checkpoint.check_writable(cfg.checkpoint.dir)
     main_rank = ranks.is_main()  # data parallel: only rank 0 talks to MLflow (and draws progress)
+    exporting = export_dir(cfg) if cfg.export.enabled and main_rank else None
     if main_rank:  # before the MLflow run exists: a refused folder leaves no run behind
-        folders.check_export(export_dir(cfg) if cfg.export.enabled else None, cfg.checkpoint.dir,
-                             getattr(cfg.tracking, "uri", None))  # a store, where the tracking option has one
-    with folders.own_checkpoints(cfg.checkpoint.dir if main_rank else None, resuming=bool(cfg.resume)):
-        return _tracked(cfg, raw, run_name, train, state, main_rank, on_start)
+        exportdir.check_export(exporting, cfg.checkpoint.dir,
+                               getattr(cfg.tracking, "uri", None))  # a store, where the tracking option has one
+    # one run per checkpoint folder, one export per export folder, from here to the end of the run
+    with folders.own_checkpoints(cfg.checkpoint.dir if main_rank else None, resuming=bool(cfg.resume)), \
+            exportdir.own_export(exporting):
+        try:
+            return _tracked(cfg, raw, run_name, train, state, main_rank, on_start)
+        except FloatingPointError as e:  # frame.NonFiniteLossError (the run is marked FAILED already)
+            raise DivergedError(faults.diverged(cfg, e)) from None
 
 
 def _tracked(cfg, raw, run_name, train, state, main_rank, on_start=None) -> dict:

@@ -9,6 +9,9 @@ cannot take the run down or hold it forever.
   that `signals.deferred()` holds back (finish the step, then stop) gives the reward `GRACE_S` seconds; a reward
   still running then is abandoned (worker killed) and the run stops at once (KeyboardInterrupt: KILLED, the
   checkpoints written so far kept). The worker also dies with the trainer (Linux: PR_SET_PDEATHSIG).
+- The worker runs in a process group of its own: whatever a reward starts (a subprocess, a fork, one that ignores
+  SIGTERM) is killed with it, by SIGKILL to the group, on a timeout, when the worker dies, and at the end of the
+  run; when the trainer is killed the worker kills its group itself.
 - Each call gets copies of the row's mutable values and runs in the run's working directory (scoring.call_one).
 
 Protocol, over two pipes: length-prefixed pickles. The trainer sends the rewards' specs once (the worker imports
@@ -36,6 +39,7 @@ import tempfile
 import time
 import weakref
 
+from .. import procs
 from .base import TaskError, short
 
 log = logging.getLogger("rlrun")
@@ -43,7 +47,9 @@ GRACE_S = 3.0  # after a deferred SIGTERM / Ctrl-C, how long a running reward ma
 IMPORT_S = 120.0  # the least time importing the rewards in the worker may take (a module may import a big library)
 POLL_S = 0.2  # how often a wait on the worker looks at the clock and at signals
 _HEADER = struct.Struct("<Q")  # a message's length, then its pickle
-PROGRESS = struct.Struct("<qqd")  # shared by both processes: request number, call index, time.monotonic() it began
+PROGRESS = struct.Struct("<qqd")
+OOM = ("; SIGKILL is how the kernel's OOM killer ends a process when memory runs out (`dmesg` says so if it did), "
+       "or someone ran kill -9")  # shared by both processes: request number, call index, time.monotonic() it began
 
 
 def _write(fd: int, obj) -> None:
@@ -53,9 +59,10 @@ def _write(fd: int, obj) -> None:
         view = view[os.write(fd, view):]
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
+def _kill(proc: subprocess.Popen, wait_s: float = 0.0) -> None:
+    """End the worker and every process it started (its process group: rlrun.procs), then reap it."""
+    if proc.returncode is None:
+        procs.kill_group(proc.pid, wait_s)
     proc.wait()
 
 
@@ -74,8 +81,10 @@ class RewardWorker:
         shared = tempfile.TemporaryFile()  # the progress record, mapped by both processes
         shared.truncate(PROGRESS.size)
         self.progress = mmap.mmap(shared.fileno(), PROGRESS.size)
+        # its own process group (a session of its own: process_group= needs Python 3.11): it, and whatever a reward
+        # starts, are killed together (on a timeout, at the end)
         self.proc = subprocess.Popen([sys.executable, "-m", "rlrun.tasks.worker", str(req_r), str(res_w),
-                                      str(shared.fileno()), str(os.getpid())],
+                                      str(shared.fileno()), str(os.getpid())], start_new_session=True,
                                      pass_fds=(req_r, res_w, shared.fileno()), stdin=subprocess.DEVNULL)
         os.close(req_r)
         os.close(res_w)
@@ -91,19 +100,18 @@ class RewardWorker:
             raise TaskError(reply[1])
 
     def close(self) -> None:
-        """End the worker: it exits when its request pipe closes; killed if it does not within a second."""
+        """End the worker: it exits when its request pipe closes (killed if it does not within a second), and every
+        process a reward started is killed with it (its process group)."""
         if self.proc is None:
             return
         os.close(self.fd_out)
-        try:
-            self.proc.wait(timeout=1)
-        except subprocess.TimeoutExpired:
-            pass
-        self._closer()  # kills it if it is still there, and closes the rest
+        _kill(self.proc, wait_s=1.0)
+        self._closer()  # closes the rest
         self.proc = None
 
     def _abandon(self) -> str:
-        """Kill the worker (a reward hangs or a signal stops the run); the next `score` starts a new one."""
+        """Kill the worker and what it started (a reward hangs, a signal stops the run, it died); the next `score`
+        starts a new one. Returns how it ended."""
         assert self.proc is not None, "no worker to abandon"
         _kill(self.proc)
         code = self.proc.returncode
@@ -117,6 +125,23 @@ class RewardWorker:
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             raise TaskError(f"the rows cannot be sent to the reward worker ({type(e).__name__}: {e}); a row's "
                             "columns must be plain data (text, numbers, lists, dicts).") from None
+        except OSError:  # EPIPE: the worker is gone (killed between two batches)
+            raise self._ended(None) from None
+
+    def _ended(self, running) -> TaskError:
+        """The error for a worker that is gone: the call it was in (`running()`, when it had begun one of this
+        batch), else the rewards it runs; how it ended, and the fix."""
+        request = PROGRESS.unpack_from(self.progress)[0]  # read before the progress record goes with the worker
+        what = running()[0] if running is not None and request == self.requests else None
+        how = self._abandon()
+        oom = OOM if "SIGKILL" in how else ""
+        if what is not None:
+            return TaskError(f"{what} ended the reward worker process ({how}): os._exit, a crash, or the process "
+                             f"being killed{oom}. A reward must return a number.")
+        names = ", ".join(f"{r.name} ({r.spec})" for r in self.rewards)
+        return TaskError(f"the reward worker process, which runs the rewards {names}, ended between two batches "
+                         f"({how}){oom}. Nothing was scored since; rerun, with more memory if it was the OOM killer, "
+                         "or make the reward use less.")
 
     def _frame(self):
         if len(self.buffer) < _HEADER.size:
@@ -154,10 +179,7 @@ class RewardWorker:
             if ready:
                 chunk = os.read(self.fd_in, 1 << 20)
                 if not chunk:
-                    what, _ = running()  # read before the progress record goes with the worker
-                    how = self._abandon()
-                    raise TaskError(f"{what} ended the reward worker process ({how}): os._exit, a crash, or "
-                                    "the process being killed. A reward must return a number.")
+                    raise self._ended(running)
                 self.buffer += chunk
 
     def score(self, completions: list[str], rows: list[dict]) -> dict[str, list[float]]:
@@ -200,18 +222,6 @@ def _release(proc, fd_out, fd_in, progress, shared) -> None:
 
 
 # --- the worker process ------------------------------------------------------------------------------------------
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel kills this process when the trainer dies (kill -9 included)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere: the worker still exits when its request pipe closes (unless a reward hangs)
-    if os.getppid() != parent:
-        os._exit(0)
-
 
 def _read(f):
     head = f.read(_HEADER.size)
@@ -266,10 +276,10 @@ def _serve(requests, fd: int, progress, rewards: list, home: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle; it stops this process itself
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the trainer's to handle; it stops this process itself
         signal.signal(sig, signal.SIG_IGN)
     req_fd, res_fd, progress_fd, parent = (int(a) for a in argv[:4])
-    _die_with_parent(parent)
+    procs.die_with_parent(parent)  # the trainer killed: this process kills its group
     progress = mmap.mmap(progress_fd, PROGRESS.size)
     with os.fdopen(req_fd, "rb") as requests:
         init = _read(requests)
@@ -289,4 +299,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    finally:  # however it ends (the trainer closed the pipe, or died first): with everything a reward started.
+        procs.end_group()  # Its answers are written already; the pipe closing may come before the trainer's death
+        # is seen here (getppid, PR_SET_PDEATHSIG), so the group is not left to that.

@@ -16,6 +16,7 @@ numbers each job's console prints at its end (tools/costs.py says how each numbe
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -23,7 +24,8 @@ from typing import Literal
 
 import numpy as np
 
-from .. import render
+from .. import nofollow, render
+from ..errors import LinkError
 from ..render import num
 from ..tracking import log_figures, metric_key, open_client, spill
 from . import costs
@@ -188,13 +190,14 @@ def figures(client, runs, device="cpu", baseline: str | None = None):
 def write(figs, equivalence_result, out_dir):
     """The figures as PNGs and, where any group could be checked or should have been, equivalence.txt."""
     os.makedirs(out_dir, exist_ok=True)
-    for name, fig in figs.items():
-        fig.savefig(os.path.join(out_dir, name), dpi=DPI)
+    for name, fig in figs.items():  # each file replaced by a rename, never written through a link (nofollow)
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=DPI, format="png")
+        nofollow.write_replacing(os.path.join(out_dir, name), buf.getvalue())
     rows, problems = equivalence_result
     if rows or problems:
         text = eq.text(rows, problems, num)
-        with open(os.path.join(out_dir, "equivalence.txt"), "w") as f:
-            f.write(text + "\n")
+        nofollow.write_replacing(os.path.join(out_dir, "equivalence.txt"), (text + "\n").encode())
         print(text)
 
 
@@ -290,7 +293,11 @@ def main(argv=None):
         sys.exit(2)
     figs, result = figures(client, runs, runs[0].data.tags.get("rlrun.device", "cpu"), a.baseline)
     out = a.out or f"report-{a.parent_run_id or a.experiment}"
-    write(figs, result, out)
+    try:
+        write(figs, result, out)
+    except LinkError as e:
+        print(f"rlrun-report: {e}", file=sys.stderr)
+        sys.exit(2)
     if a.log and a.parent_run_id:
         log_figures(client, a.parent_run_id, figs)
     print(f"{len(runs)} runs -> {', '.join(os.path.join(out, n) for n in figs)}")

@@ -34,6 +34,8 @@ import queue
 import threading
 import time
 
+from .. import nofollow
+
 log = logging.getLogger("rlrun")
 
 # Seconds between attempts at one write before it is spilled: ~7 s covers a server restart or a network blip.
@@ -110,7 +112,7 @@ def locked(path: str):
     except ImportError:  # no fcntl (Windows): no lock
         yield
         return
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = nofollow.open_existing(path + ".lock", os.O_RDWR | os.O_CREAT)  # never through a link
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -207,7 +209,7 @@ class Spill:
 
     def _keep(self, record: dict) -> None:
         line = json.dumps(record, default=_plain) + "\n"
-        with locked(self.path), open(self.path, "a") as f:
+        with locked(self.path), appending(self.path) as f:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())  # a kept record survives the process
@@ -262,6 +264,11 @@ def joined(group: list[dict]) -> dict:
     return {**group[0], "args": [row for r in group for row in r["args"]]}
 
 
+def appending(path: str):
+    """`path` opened to append text to, created if missing; never through a symbolic link (rlrun.nofollow)."""
+    return os.fdopen(nofollow.open_existing(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
+
+
 def count(path: str) -> int:
     if not os.path.exists(path):
         return 0
@@ -272,7 +279,7 @@ def count(path: str) -> int:
 def reject(path: str, record: dict | str, error: BaseException) -> None:
     """A record the store refused for good: said once, set aside beside the spill file, never retried."""
     rejected = path.replace(".jsonl", "") + ".rejected.jsonl"
-    with open(rejected, "a") as f:
+    with appending(rejected) as f:
         f.write(record if isinstance(record, str) else json.dumps(record, default=_plain) + "\n")
     if isinstance(error, LostArtifacts):
         log.error("not sent: %s (the record is set aside in %s)", error, rejected)
@@ -303,10 +310,8 @@ def replay(client, path: str) -> tuple[int, int]:
             sent += 1
         left = lines[sent:]
         if left:
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(left)
-            os.replace(tmp, path)  # atomic: a crash here leaves either the old file or the new one
+            # atomic: a crash here leaves either the old file or the new one (never written through a link)
+            nofollow.write_replacing(path, "".join(left).encode())
         else:
             os.remove(path)
         return sent, len(left)

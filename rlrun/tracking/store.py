@@ -12,6 +12,7 @@ import re
 import time
 from urllib.parse import urlparse
 
+from .. import nofollow
 from ..errors import TrackingError
 
 
@@ -80,7 +81,7 @@ def store_lock(uri: str):
     try:
         import fcntl
 
-        fd = os.open(os.path.abspath(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = nofollow.open_existing(os.path.abspath(path) + ".lock", os.O_RDWR | os.O_CREAT)  # never via a link
     except (ImportError, OSError):
         yield
         return
