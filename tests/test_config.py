@@ -15,7 +15,7 @@ from conftest import make_cfg
 from omegaconf import OmegaConf, open_dict
 
 from rlrun.config import OPTIONS, CheckpointConfig, ConfigError, RunConfig, TrainConfig, validate
-from rlrun.config.schema import UNIONS
+from rlrun.config.types import UNIONS
 from rlrun.registry import KEYED_BY, REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ import torch
 from helpers import HEAD_ALTERNATIVES, HEADS, history, runs, steps
 
 from rlrun.cli import run
-from rlrun.runner import NonFiniteLossError
+from rlrun.errors import DivergedError
 
 pytestmark = pytest.mark.slow
 
@@ -205,7 +205,7 @@ def test_nan_loss_marks_run_failed_and_keeps_logged_steps(tmp_path, monkeypatch)
 
     new_store(tmp_path)
     nan_loss_after(monkeypatch, 2)
-    with pytest.raises(NonFiniteLossError, match="loss is nan at step 2; lower train.lr"):
+    with pytest.raises(DivergedError, match="training diverged: loss is nan at step 2; lower train.lr"):
         run(make_cfg(SMOKE, "train.steps=5", tmp_path=tmp_path))
     client, (r,) = runs(tmp_path / "mlflow.db")
     assert r.info.status == "FAILED" and "NonFiniteLossError: loss is nan at step 2" in r.data.tags["error"]

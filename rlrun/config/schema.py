@@ -27,20 +27,7 @@ from .axes import (  # noqa: F401 (the efficiency axes' options, part of this sc
     TiledHead,
     WindowPolicy,
 )
-from .types import (  # noqa: F401 (UNIONS and Check are read through this module too)
-    UNIONS,
-    Beta,
-    Check,
-    Dtype,
-    ImportPath,
-    NonNeg,
-    NonNegInt,
-    PathStr,
-    PosInt,
-    Positive,
-    Text,
-    needs,
-)
+from .types import Beta, Check, Dtype, ImportPath, NonNeg, NonNegInt, PathStr, PosInt, Positive, Text, needs
 
 # -- loss ---------------------------------------------------------------------------------------------------------
 KlEstimator = Literal["k1", "k2", "k3"]

@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 
 from .. import ranks, registry
 from . import rules
-from .schema import UNIONS, Check, RunConfig
+from .schema import RunConfig
+from .types import UNIONS, Check
 
 NoneType = type(None)
 SCALARS = {bool: ("true or false", "booleans"), int: ("an integer", "integers"), float: ("a number", "numbers"),
