@@ -329,16 +329,14 @@ def live_train_peak(*overrides):
     tokens on the tiny model at the overrides' shape, planned for CUDA (no host allocator term)."""
     from types import SimpleNamespace
 
-    from rlrun import activations, precision
+    from rlrun import policy
     from rlrun.recipes import grpo
 
     cfg = validate(make_cfg("train.micro_batch=8", "train.batch_size=32", "train.rollout_batch=32",
                             "train.group_size=8", "rollout.max_new_tokens=16", "model.vocab_size=4096", *overrides))
     s, rows, seq_len, tokens = plan.inputs(cfg)
     p = plan.predict(cfg, s, rows, seq_len, tokens, device_type="cuda")
-    model, _ = models.build(cfg.model, 0)
-    activations.apply(model, cfg.activations)
-    precision.apply(model, cfg)
+    model = policy.build(cfg, "trainer")  # LoRA, activations and precision as a run has them
     g, prompt = torch.Generator().manual_seed(0), seq_len - cfg.rollout.max_new_tokens
     micros = []
     for _ in range(4):
@@ -419,3 +417,31 @@ def test_a_run_that_does_not_fit_gets_the_switches_that_would_make_it_fit():
     peak = float(together.split("predicted peak ")[1].split()[0])
     assert peak <= 0.9 * 80 and "fits" in together and "WORLD_SIZE=8" in together, together
     assert "optimizer state (fp32 master + AdamW) (resident)" in text.split("together")[1]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("shape", [(512, 2048, 8, "fp32"), (256, 512, 2, "fp32")], ids=["h512", "h256-gqa"])
+def test_the_policy_logprob_pass_is_the_peak_of_live_tensors(shape, lora):
+    """The old-policy pass (no grad) of a layer, with LoRA's adapters on or not: the planned per-layer parts
+    against the peak of live tensor bytes of the backbone's forward, op by op (the adapters' outputs live beside
+    the base projections': bench plan's LoRA points under-predicted this pass by 10-27% without that term). fp32:
+    under bf16 autocast the plan is 5-9% off this pass (the autocast cache's term), not yet pinned down."""
+    import contextlib
+
+    from rlrun import policy, precision
+
+    hidden, inter, kv, prec = shape
+    cfg = validate(make_cfg("train.micro_batch=8", "rollout.max_new_tokens=16", "model.vocab_size=4096",
+                            f"model.hidden_size={hidden}", f"model.intermediate_size={inter}", "model.layers=2",
+                            "model.heads=8", f"model.kv_heads={kv}", f"train.precision={prec}",
+                            f"model.lora.enabled={str(lora).lower()}", "logprob_policy=always"))
+    s, rows, seq_len, tokens = plan.inputs(cfg)
+    parts = plan.predict(cfg, s, rows, seq_len, tokens, device_type="cuda").phases["old_logprobs"].parts
+    layer = sum(v for k, v in parts.items() if k.startswith(("one layer's", "LoRA", "bf16 weight copies")))
+    model = policy.build(cfg, "trainer")
+    ids = torch.randint(4, 40, (rows, seq_len), generator=torch.Generator().manual_seed(0))
+    run = torch.autocast("cpu", dtype=torch.bfloat16) if precision.autocasts(cfg) else contextlib.nullcontext()
+    with torch.no_grad(), run, LiveBytes([*model.parameters(), *model.buffers(), ids]) as live:
+        models.hidden_states(models.split(model)[0], ids, torch.ones_like(ids))
+    assert layer == pytest.approx(live.peak, rel=0.05), plan.detail(plan.predict(cfg, s, rows, seq_len, tokens))
+    assert any(k.startswith("LoRA") for k in parts) == lora

@@ -114,6 +114,12 @@ def live_bytes(s, kind: str) -> int:
     return LIVE_H * s.hidden * h_bytes + LIVE_I * s.intermediate * i_bytes
 
 
+def lora_bytes(s, kind: str) -> int:
+    """Bytes per token a LoRA-adapted layer holds at once beyond the plain layer, without grad: one [intermediate]
+    tensor, the adapter's output added to the base MLP projection's (measured op by op at hidden 128-512)."""
+    return s.intermediate * (FP32 if kind == "fp32" else 2)
+
+
 def generate_parts(cfg, s, seq_len: int, world: int, weights: dict) -> dict[str, int]:
     """generate: the KV cache, the sampler's [rows, vocab] fp32 temporaries, one layer's prefill activations."""
     b, rows = s.param_bytes, cfg.train.rollout_batch // world
@@ -157,9 +163,11 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         tokens = min(cfg.batching.max_tokens, tokens * grad_accum(cfg, world))
         mask = {f"attention mask ({layer_tokens} positions in rows of {width}, bool)": layer_tokens * width}
 
-    def logprob_phase(policy: bool, weights: dict) -> Phase:
+    def logprob_phase(policy: bool, weights: dict, adapters: bool) -> Phase:
         parts = {"one layer's activations (no grad)": layer_tokens * live_bytes(s, kind),
                  "final hidden states": 2 * layer_tokens * s.hidden * b, **mask}
+        if adapters:  # LoRA on (the reference runs with them off, or is a copy without them)
+            parts["LoRA: an adapter's output beside its layer's (no grad)"] = layer_tokens * lora_bytes(s, kind)
         if policy and kind == "autocast":  # the autocast cache keeps the casts of weights that require grad
             parts["bf16 weight copies (autocast cache)"] = s.layer_matrices * 2
         parts.update(terms.head_parts(head, size, tokens, s, grad=False, top_p=sampled_top_p(cfg)))
@@ -172,9 +180,9 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         phases["generate"], extra = asynchronous(cfg, s, gen, device_type)
         trainer = {**weights, **extra}
     if needs_old:
-        phases["old_logprobs"] = logprob_phase(True, trainer)
+        phases["old_logprobs"] = logprob_phase(True, trainer, cfg.model.lora.enabled)
     if needs_ref:
-        phases["ref_logprobs"] = logprob_phase(not ref_copy, trainer)
+        phases["ref_logprobs"] = logprob_phase(not ref_copy, trainer, False)
     phases["train"] = Phase(train_parts(cfg, s, layer_tokens, tokens, size, world=world, device_type=device_type,
                                         kind=kind, mask=mask), {**trainer, **adam})
     return Plan(phases, tokens, seq_len, size if head.TILED else None, s, world, device_type, layer_tokens, kind)

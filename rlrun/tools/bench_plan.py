@@ -48,7 +48,7 @@ def overrides(point: dict, steps: int, uri: str) -> list[str]:
     return [f"head={point['head']}", f"model.vocab_size={point['vocab']}", *size, "train.rollout_batch=128",
             "train.batch_size=128", "train.group_size=16", f"train.steps={steps}", "logprob_policy=always",
             "loss.kl_coef=0.01", "warm_start.enabled=false", "eval.every=0", "export.enabled=false", "progress=false",
-            f"tracking.uri={uri}", *(["model.lora.enabled=true"] if point.get("lora") else [])]
+            f"tracking.uri={uri}", *(["model.lora.enabled=true"] if point.get("lora") else []), *point.get("extra", ())]
 
 
 def child(point: dict, steps: int, out_path: str) -> None:
