@@ -112,6 +112,9 @@ def test_packed_forwards_are_planned_by_their_token_budget():
     assert large.phases["train"].parts[saved] >= padded.phases["train"].parts[saved]  # a whole step in one forward
     assert small.phases["train"].parts["attention mask (64 positions in rows of 8, bool)"] == 64 * 8  # 4 + 4 new
     assert "attention mask" not in " ".join(padded.phases["train"].parts)
+    # the heads' tokens: a forward holds whole sequences, so half its 64 positions are responses (not all 64: with
+    # small micro-batches bench plan's dense point was over-predicted by 40% so)
+    assert small.tokens == 32 and large.tokens == 128 * 4
 
 
 def test_shared_prompt_is_planned_with_each_groups_prompt_once():
@@ -127,6 +130,7 @@ def test_shared_prompt_is_planned_with_each_groups_prompt_once():
         assert packed.layer_tokens == packed_n and shared.layer_tokens == shared_n
         assert packed.phases["train"].parts[saved] == 3 * packed_n * per_token
         assert shared.phases["train"].parts[saved] == 3 * shared_n * per_token
+    assert (packed.tokens, shared.tokens) == (32, 64 * 16 * 4 // (4 + 16 * 4) + 1)  # a group: 4 + 16 x 4 positions
     width = 4 + 16 * 4
     assert shared.phases["train"].parts["attention mask (64 positions in rows of 64, bool)"] == 64 * 64
     _, large = planned("batching=shared_prompt", "batching.max_tokens=100000")

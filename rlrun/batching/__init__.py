@@ -282,16 +282,19 @@ def pair_hidden(backbone, batch, shared: bool, max_tokens: int, agree=None, coun
     return out.index_copy(0, order, torch.cat(h))
 
 
-def planned_forward(cfg, rows: int, seq_len: int, response: int, shared: bool) -> tuple[int, int]:
-    """batching=packed|shared_prompt: (positions of a forward, positions of its rows) for a pass over `rows`
-    sequences of at most `seq_len` positions, `response` of them the response. A forward holds at most
-    batching.max_tokens positions in rows as long as the longest unit: a sequence (packed) or a group with its
-    prompt once (`shared`: train.group_size completions, a DPO pair's 2), so a pass lays out at most
-    groups x prompt + rows x response positions."""
+def planned_forward(cfg, rows: int, seq_len: int, response: int, shared: bool) -> tuple[int, int, int]:
+    """batching=packed|shared_prompt: (positions of a forward, positions of its rows, response tokens of a forward)
+    for a pass over `rows` sequences of at most `seq_len` positions, `response` of them the response. A forward
+    holds at most batching.max_tokens positions in rows as long as the longest unit: a sequence (packed) or a group
+    with its prompt once (`shared`: train.group_size completions, a DPO pair's 2), so a pass lays out at most
+    groups x prompt + rows x response positions; whole units, so a forward's share of response tokens is the
+    pass's (the heads' tokens: with small micro-batches the bench plan over-predicted dense by 40% taking all
+    max_tokens positions for responses)."""
     b, positions, width = cfg.batching, rows * seq_len, seq_len
     if shared:
         group = 2 if cfg.loss.name == "dpo" else cfg.train.group_size
         prompt = seq_len - response
         positions = -(-rows // group) * prompt + rows * response
         width = prompt + min(group, rows) * response
-    return min(b.max_tokens, positions), min(b.max_tokens, width)
+    forward = min(b.max_tokens, positions)
+    return forward, min(b.max_tokens, width), -(-forward * rows * response // positions)

@@ -61,8 +61,9 @@ class Padded:
         count(counts, batch.input_ids.numel(), batch.input_ids.shape[0])
         return models.hidden_states(backbone, batch.input_ids, batch.attention_mask)[:, :-1][batch.predicts]
 
-    def planned_forward(self, cfg, rows: int, seq_len: int, response: int) -> tuple[int, int] | None:
-        """(positions of a forward, positions of its rows) for the planner; None: the micro-batch as it is."""
+    def planned_forward(self, cfg, rows: int, seq_len: int, response: int) -> tuple[int, int, int] | None:
+        """(positions of a forward, positions of its rows, response tokens of a forward) for the planner; None: the
+        micro-batch as it is."""
         return None
 
 

@@ -22,5 +22,6 @@ class Layout(Protocol):
     def pair_hidden(self, backbone, batch, counts: dict | None = None):
         """DPO: [N, H] hidden states that predict a batch's targets, in their order."""
 
-    def planned_forward(self, cfg, rows: int, seq_len: int, response: int) -> tuple[int, int] | None:
-        """(positions of a forward, positions of its rows) for the planner; None: one micro-batch as it is."""
+    def planned_forward(self, cfg, rows: int, seq_len: int, response: int) -> tuple[int, int, int] | None:
+        """(positions of a forward, positions of its rows, response tokens of a forward) for the planner; None: one
+        micro-batch as it is."""

@@ -159,8 +159,7 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
     layer_tokens, mask = rows * seq_len, {}
     packed = layout.planned_forward(cfg, rows * grad_accum(cfg, world), seq_len, tokens // rows)
     if packed is not None:  # a forward holds at most max_tokens positions, whatever the rows
-        layer_tokens, width = packed
-        tokens = min(cfg.batching.max_tokens, tokens * grad_accum(cfg, world))
+        layer_tokens, width, tokens = packed
         mask = {f"attention mask ({layer_tokens} positions in rows of {width}, bool)": layer_tokens * width}
 
     def logprob_phase(policy: bool, weights: dict, adapters: bool) -> Phase:
