@@ -98,13 +98,13 @@ def test_sigkill_at_a_seeded_step_then_resume_gives_the_same_curve(tmp_path, los
     # the packed layout resumes bit for bit too; so does async generation (the rollouts generated ahead are in the
     # checkpoint, and the generator restarts on the checkpoint's weights)
     extra = {"packed": ["batching=packed"], "async": ["rollout.pipeline=async"]}.get(loss.partition("-")[2], [])
-    args = ["experiment=smoke", f"loss={loss.partition('-')[0]}", *extra, "train.steps=40",
+    args = ["experiment=smoke", f"loss={loss.partition('-')[0]}", *extra, "train.steps=20",
             f"checkpoint.dir={tmp_path}/run/ckpt", "checkpoint.every=3"]
     (tmp_path / "base").mkdir()
     (tmp_path / "run").mkdir()
     code, err = finished(rlrun(tmp_path / "base", *args[:-2]), 600)
     assert code == 0, err[-2000:]
-    at = kill_point(f"sigkill-{loss}", 4, 30)  # >= 4: the first checkpoint (after step 3) exists
+    at = kill_point(f"sigkill-{loss}", 4, 16)  # >= 4: the first checkpoint (after step 3) exists; < 20: steps left
     p, logged = kill_after(tmp_path / "run", args, at, signal.SIGKILL)
     where = f"SIGKILL once {at} steps were logged (RLRUN_TEST_KILL_SEED={KILL_SEED}), {logged} logged by then"
     # the newest checkpoint is a periodic one (every 3 steps), at or before the last logged step
@@ -115,7 +115,7 @@ def test_sigkill_at_a_seeded_step_then_resume_gives_the_same_curve(tmp_path, los
     run_, steps, values = curve(tmp_path / "run" / "mlflow.db")
     _, base_steps, base_values = curve(tmp_path / "base" / "mlflow.db")
     assert run_.info.status == "FINISHED", where
-    assert steps == base_steps == list(range(40)), where  # no missing, no duplicated step
+    assert steps == base_steps == list(range(20)), where  # no missing, no duplicated step
     assert values == base_values, f"{where}, resumed from the checkpoint after step {saved}"  # bit for bit
 
 

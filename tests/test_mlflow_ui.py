@@ -24,7 +24,7 @@ ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("mlflow_ui")]  # one server and one sweep for the module
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist may run another module between this one's tests
 def server(tmp_path_factory):
     """A tracking server with its own sqlite store and artifact folder; stopped at the end."""
     tmp = tmp_path_factory.mktemp("server")
@@ -35,7 +35,7 @@ def server(tmp_path_factory):
         stop_server(proc)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist may run another module between this one's tests
 def swept(server):
     url, tmp = server
     work = tmp / "work"

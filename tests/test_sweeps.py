@@ -21,7 +21,7 @@ def sweep(tmp, *args):
                           capture_output=True, text=True, timeout=1200)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist may run another module between this one's tests
 def smoke(tmp_path_factory):  # 18 training jobs: only slow tests use it (and one xdist worker: SMOKE_SWEEP)
     """The shipped smoke sweep with offload=off only: on CPU offload=on moves nothing and gives the same run bit
     for bit (test_runs), so its 18 jobs would repeat the others'."""
