@@ -51,11 +51,11 @@ def test_head_arithmetic_is_what_the_heads_allocate(name, grad):
         growth.append(meter.growth["call"])
     predicted = sum(plan.head_parts(registry.get("head", name), size, n, shapes(vocab, hidden), grad=grad).values())
     predicted += vocab * hidden * 4 if grad else 0  # w.grad
-    # chunked, lm head trained: in CI's test workers (after other tests) every call read one 16-row entropy block
-    # (ROWS x vocab fp32, 4 MiB here) over the plan, the forward's block still held by the allocator at the
-    # backward's peak; alone it reads the plan. Allowed, and noted in the closing note; a kept extra tile (32 MiB)
-    # or logits copy still fails.
-    slack = ROWS * vocab * 4 if (name == "chunked" and grad) else 0
+    # lm head trained: in test workers after other tests every call read one or two 16-row entropy blocks
+    # (ROWS x vocab fp32, 4 MiB here) over the plan, the forward's blocks still held by the allocator at the
+    # backward's peak (chunked in CI; tiled and chunked in the quick tier on 2026-11-26, with and without a change of
+    # test order); alone it reads the plan. Allowed; a kept extra tile (32 MiB) or logits copy still fails.
+    slack = 2 * ROWS * vocab * 4 if (name in HEAD_ALTERNATIVES and grad) else 0
     least = min(growth[1:])
     assert predicted - max(0.05 * predicted, 3 * MIB) <= least <= predicted + slack + max(0.05 * predicted, 3 * MIB), \
         growth
