@@ -54,9 +54,6 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("distributed"):
             item.add_marker(pytest.mark.xdist_group("distributed"))
-    # the groups first (a stable sort): each is one unit of work on one worker, the longest ones (the 2-rank runs,
-    # the shared sweeps); sent last, one worker ran a group alone while the other had nothing left to do
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
 
 
 NO_CUDA = "gpu: no CUDA device (torch.cuda.is_available() is False); run `pytest -m gpu` on a machine with one"
