@@ -209,19 +209,11 @@ def save(folder: str, step: int, state: dict, keep: int) -> str:
     return path
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_manifest(folder: str, step: int, keep: int, owner: str | None = None) -> str:
     """Seal the sharded checkpoint folder of `step` (every rank has written), then drop `owner`'s oldest beyond
     `keep`."""
     root = os.path.join(folder, tag(step))
-    files = {os.path.relpath(os.path.join(d, n), root): _sha256(os.path.join(d, n))
+    files = {os.path.relpath(os.path.join(d, n), root): folders.sha256(os.path.join(d, n))
              for d, _, names in os.walk(root) for n in names}
     path = os.path.join(folder, tag(step) + ".manifest")
     _write_atomic(path, [json.dumps({"step": step, "owner": owner or "", "files": files}, indent=1).encode()])
@@ -238,7 +230,7 @@ def read_sharded(manifest: str, rank: int) -> dict:
     root = manifest.removesuffix(".manifest")
     for rel, digest in files.items():
         path = os.path.join(root, rel)
-        if not os.path.isfile(path) or _sha256(path) != digest:
+        if not os.path.isfile(path) or folders.sha256(path) != digest:
             raise CheckpointError(f"{path}: missing or changed since the checkpoint was sealed")
     state = read(os.path.join(root, f"rlrun_rank{rank}.pt"))
     state["deepspeed_checkpoint"] = (os.path.dirname(root), os.path.basename(root))

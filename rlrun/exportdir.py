@@ -16,7 +16,6 @@ writes to it at a time, and a link given as `export.dir` is written through to i
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -50,14 +49,6 @@ def resolve(folder: str) -> str:
     return target
 
 
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _walk(folder: str):
     """(relative path, is a regular file) of every entry below `folder`, links not followed (a link is listed,
     never entered)."""
@@ -70,8 +61,9 @@ def _walk(folder: str):
 def mark(folder: str, complete: bool = False) -> None:
     """Write the manifest of `folder`: in progress (`complete=False`, the first file of an export), or the list of
     every file in it with its size and sha256 (the last)."""
-    files = {rel: {"size": os.path.getsize(os.path.join(folder, rel)), "sha256": sha256(os.path.join(folder, rel))}
-             for rel, regular in _walk(folder) if regular and rel != MARK} if complete else None
+    files = {rel: {"size": os.path.getsize(p), "sha256": folders.sha256(p)}
+             for rel, regular in _walk(folder) if regular and rel != MARK
+             for p in [os.path.join(folder, rel)]} if complete else None
     info = {"written_by": "rlrun", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(), "note": NOTE,
             "complete": complete, "files": files}
     nofollow.write_replacing(os.path.join(folder, MARK), json.dumps(info, indent=1).encode())
@@ -116,7 +108,7 @@ def foreign(folder: str, in_progress_ok: bool = False) -> list[str]:
 
 def _unchanged(path: str, entry) -> bool:
     return (isinstance(entry, dict) and os.path.getsize(path) == entry.get("size")
-            and sha256(path) == entry.get("sha256"))
+            and folders.sha256(path) == entry.get("sha256"))
 
 
 def named(paths: list[str]) -> str:

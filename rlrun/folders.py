@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import shutil
 import socket
@@ -42,6 +43,15 @@ def probe_write(folder: str) -> None:
     finally:
         os.close(fd)
     os.remove(probe)
+
+
+def sha256(path: str) -> str:
+    """A file's SHA-256, read in 1 MiB blocks (the checkpoint and export manifests)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def free_bytes(path: str) -> int:
