@@ -68,12 +68,12 @@ def resolve(cfg, *, head_size: int | None = None, temperature: float = 1.0, top_
         activations=registry.get("activations", cfg.activations.name)(cfg.activations, device),
         precision=precision.option(cfg),
         pipeline=registry.get("pipeline", cfg.rollout.pipeline),
-        objective=Objective(cfg.loss, cfg.rollout.max_new_tokens) if grpo else None)
+        objective=Objective(cfg.loss, cfg.rollout.max_new_tokens, cfg.train.skip_zero_advantage) if grpo else None)
 
 
 def of(head="dense", size=16, temperature=1.0, batching="padded", max_tokens=64, activations="keep", every=1,
        loss=None, max_new_tokens=12, policy="always", offload="off", precision="fp32", pipeline="sync",
-       agree=None, top_p=1.0) -> Axes:
+       agree=None, top_p=1.0, skip_zero_advantage=False) -> Axes:
     """The axes of a step run outside a run (benchmarks, tests), from option names and the few keys they read;
     `loss`: a loss config node for GRPO's objective (None: none)."""
     from types import SimpleNamespace as NS
@@ -86,7 +86,7 @@ def of(head="dense", size=16, temperature=1.0, batching="padded", max_tokens=64,
                 activations=registry.get("activations", activations)(NS(every=every)),
                 precision=registry.get("precision", precision)(run),
                 pipeline=registry.get("pipeline", pipeline),
-                objective=Objective(loss, max_new_tokens) if loss is not None else None)
+                objective=Objective(loss, max_new_tokens, skip_zero_advantage) if loss is not None else None)
 
 
 def options(group: str) -> dict[str, Any]:

@@ -80,6 +80,22 @@ def test_two_ranks_match_one(tmp_path, stage):
             "system/mem/rank1/train_peak_mib"} <= set(run.data.metrics)
 
 
+def test_two_ranks_dropping_zero_advantage_rows_match_one_process_that_keeps_them(tmp_path):
+    """train.skip_zero_advantage under ZeRO-2, on a reward whose groups tie for half the prompts (no KL: the rows
+    really leave): each rank drops its own rows, a micro-batch left empty still runs its forward and backward (the
+    collectives), and the curves equal one process computing every row."""
+    tied = ["task.reward=helpers:half_constant_reward", "task.max_operand=6", "loss.kl_coef=0"]
+    one = single_process(tmp_path / "one", *tied, "train.skip_zero_advantage=false")
+    out = rlrun(2, tmp_path, *EQUIV, *tied, "engine=deepspeed", "engine.zero_stage=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run, two = curves(tmp_path / "mlflow.db")
+    assert run.data.tags["rlrun.skip_zero_advantage"] == "on"
+    for key in ("loss", "grad_norm", "reward_mean"):  # the token statistics are over the trained rows only
+        assert two[key] == pytest.approx(one[key], rel=RTOL, abs=1e-7), key
+    skipped = history(runs(tmp_path / "mlflow.db")[0], run.info.run_id, "system/passes/skipped_rows_frac")
+    assert len(skipped) == 4 and min(skipped) > 0
+
+
 def test_async_two_ranks_match_one(tmp_path):
     """rollout.pipeline=async under ZeRO-2: each rank publishes its (replicated) weights to a generator of its own,
     which draws that rank's share with the same seeds; the curves equal one process's async run."""

@@ -300,6 +300,7 @@ class TrainConfig:
     micro_batch: PosInt
     num_iterations: PosInt
     scale_advantages: bool
+    skip_zero_advantage: bool  # rows of advantage 0 leave the train pass where exact (recipes/skipping.py)
     dynamic_sampling: bool  # drop equal-reward prompt groups, generate more (recipes/sampling.py)
     dynamic_sampling_max_rounds: Annotated[int, Check(lambda v: 1 <= v <= MAX_ROUNDS, f"in [1, {MAX_ROUNDS}]: each "
                                                       "round generates a whole rollout again, inside one step")]

@@ -7,7 +7,9 @@ forward, with what is true of it said here once.
   logprobs are needed before the loss, in every rollout (the logprob policies read it);
 - `prepare(micros, gather)`: loss.agg's weights over the step (agg.py), the heads' divisor and the token count;
 - `per_token(tensors, mask)`: the per-token objective of one forward (rlrun.losses.objective);
-- `is_weights(micro)`: a micro-batch's sequence-level importance weights, or None.
+- `is_weights(micro)`: a micro-batch's sequence-level importance weights, or None;
+- `skip_zero_advantage`: whether the recipe drops the rows whose advantage is 0 (train.skip_zero_advantage, and
+  exact: no term of the objective has a gradient there); `kept_reason`: why they stay in, when they do.
 """
 
 from __future__ import annotations
@@ -23,8 +25,17 @@ def sequence_level(name: str) -> bool:
     return bool(getattr(registry.get("loss", name), "sequence_level", False))
 
 
+def inert_reason(lcfg) -> str | None:
+    """None where a token of advantage 0 adds nothing to the loss or its gradient; else the term that does."""
+    if lcfg.kl_coef:
+        return f"loss.kl_coef={lcfg.kl_coef}: the KL term has a gradient at advantage 0"
+    if lcfg.entropy_coef:
+        return f"loss.entropy_coef={lcfg.entropy_coef}: the entropy bonus has a gradient at advantage 0"
+    return None
+
+
 class Objective:
-    def __init__(self, lcfg, max_new_tokens: int):
+    def __init__(self, lcfg, max_new_tokens: int, skip_zero_advantage: bool = False):
         tis = lcfg.tis
         self.name, self.agg = lcfg.name, lcfg.agg
         self.agg_max_tokens = lcfg.agg_max_tokens or max_new_tokens  # loss.agg's L_max
@@ -32,6 +43,8 @@ class Objective:
         self.token_correction = tis.enabled and tis.level == "token"
         self.old_before_loss = tis.enabled and tis.level == "sequence"
         self.tis = tis
+        self.kept_reason = inert_reason(lcfg) if skip_zero_advantage else "train.skip_zero_advantage=false"
+        self.skip_zero_advantage = self.kept_reason is None
         self.kwargs = dict(clip_low=lcfg.clip_low, clip_high=lcfg.clip_high, kl_coef=lcfg.kl_coef,
                            kl_estimator=lcfg.kl_estimator, entropy_coef=lcfg.entropy_coef,
                            tis_cap=tis.cap if self.token_correction else None, tis_mode=tis.mode, tis_low=tis.low)

@@ -24,7 +24,7 @@ import torch
 from .. import axes, evaluate, logprobs, losses, models, ranks, tasks
 from .. import batching as packing
 from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, setup
-from . import sampling
+from . import sampling, skipping
 from .sampling import sample_seed  # noqa: F401 (rlrun.recipes.grpo.sample_seed, as before)
 
 
@@ -244,10 +244,15 @@ def consume(cfg, s, d, buffer: RolloutBuffer, got: StepRollouts, version: int) -
         engine.offload()
     if need.old:
         with meter.phase("old_logprobs"), torch.no_grad():
-            old = ax.layout.logprobs(engine.model, micros, ax.head, got.layout.setdefault("old", {}))
+            counts = got.layout.setdefault("old", {})
+            if ax.objective.skip_zero_advantage:  # only the rows that will be trained (recipes/skipping.py)
+                passed, passed_old, old = skipping.logprobs(ax.layout, engine.model, micros, ax.head, counts)
+            else:
+                passed = micros
+                passed_old = old = ax.layout.logprobs(engine.model, micros, ax.head, counts)
         for mb, lp in zip(micros, old):
             mb.old_logprobs = lp
-        got.mismatch += mismatch(micros, old)
+        got.mismatch += mismatch(passed, passed_old)
     if need.ref:
         with meter.phase("ref_logprobs"), torch.no_grad(), models.reference(engine) as reference:
             ref = ax.layout.logprobs(reference, micros, ax.head, got.layout.setdefault("ref", {}))
@@ -274,8 +279,11 @@ def train_step(cfg, s, micros: list[Micro], step: int):
     backbone, weight = models.split(engine.model)
     # loss.agg's weights over the step's micro-batches and ranks (token_mean: the heads divide by the token count)
     micros, divisor, num_tokens = ax.objective.prepare(micros, engine.gather)
+    skipped: dict[str, int] = {}
+    if ax.objective.skip_zero_advantage:  # after prepare: the dropped rows still count in the normalisers
+        micros, skipped = skipping.drop(micros)
     stats_parts, masks, loss_total = [], [], 0.0
-    layout = {"real": sum(int(mb.attention_mask.sum()) for mb in micros)}  # tokens that are not padding
+    layout = {"real": sum(int(mb.attention_mask.sum()) for mb in micros), **skipped}  # real: not padding
     with s.meter.phase("train"), ax.activations.saving():
         for hidden, t, mask, boundary in ax.layout.forwards(backbone, micros, FIELDS, layout):
             loss, stats = ax.head.loss(hidden, weight, t["targets"], mask, ax.objective.per_token(t, mask), divisor)
@@ -285,7 +293,8 @@ def train_step(cfg, s, micros: list[Micro], step: int):
             stats_parts.append({k: v.detach().cpu() for k, v in stats.items()})
             masks.append(mask.cpu())
     stats = {k: torch.cat([s[k] for s in stats_parts]) for k in stats_parts[0]}
-    return loss_total, num_tokens, losses.partials(stats, torch.cat(masks)), layout
+    parts = skipping.with_dropped(losses.partials(stats, torch.cat(masks)), skipped.get("skipped_tokens", 0))
+    return loss_total, num_tokens, parts, layout
 
 
 def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_total: float, num_tokens: int, parts,
@@ -322,5 +331,7 @@ def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_to
     m["throughput/train_tokens_per_s"] = num_tokens / m["time/train_s"]
     m["train_tokens"] = num_tokens
     m.update(packing.metrics([p["layout"] for p in by_rank], [p["logprob_layout"] for p in by_rank]))
+    if "rows" in layout:  # train.skip_zero_advantage: what the step left out (recipes/skipping.py)
+        m.update(skipping.metrics([p["layout"] for p in by_rank], num_tokens))
     m.update(sampling.metrics([p["sampling"] for p in by_rank], drawn))  # dynamic sampling, when on
     return m

@@ -112,6 +112,9 @@ def device_notes(cfg, tracker, engine, bound: axes.Axes) -> None:
         log.info("activations=%s on a CPU-only run: saved activations already live in host memory, nothing "
                  "moves.", cfg.activations.name)
         tracker.tags({"activations.effective": "false"})
+    if bound.objective is not None:  # GRPO: whether zero-advantage rows leave the train pass (recipes/skipping.py)
+        o = bound.objective
+        tracker.tags({"rlrun.skip_zero_advantage": "on" if o.skip_zero_advantage else f"off ({o.kept_reason})"})
 
 
 def plan_memory(cfg, tracker, engine, tokenizer, shapes, rows: list[dict], warnings: list[str]):
