@@ -115,6 +115,9 @@ def device_notes(cfg, tracker, engine, bound: axes.Axes) -> None:
     if bound.objective is not None:  # GRPO: whether zero-advantage rows leave the train pass (recipes/skipping.py)
         o = bound.objective
         tracker.tags({"rlrun.skip_zero_advantage": "on" if o.skip_zero_advantage else f"off ({o.kept_reason})"})
+        if cfg.train.skip_zero_advantage and not o.skip_zero_advantage:
+            log.info("train.skip_zero_advantage: rows of advantage 0 stay in the train pass (%s); it would not be "
+                     "exact without them.", o.kept_reason)
 
 
 def plan_memory(cfg, tracker, engine, tokenizer, shapes, rows: list[dict], warnings: list[str]):

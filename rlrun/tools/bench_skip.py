@@ -1,0 +1,125 @@
+"""`python -m rlrun.bench skip`: train.skip_zero_advantage on vs off, whole runs through the real entry point.
+
+Each round runs both modes with the same seed (round r = seed r), the order alternating from round to round, each
+in a fresh process with its own store (`bench_pipeline.rounds`). Both draw the same samples until float rounding
+flips a token (the skip is exact to fp32 tolerance), so the loss curves agree over the first steps and the rewards
+stay comparable. Per mode: steps/s (the median wall time between consecutive steps' ends, median over rounds), the
+train phase's and the old-policy pass's seconds per step, the share of rows dropped, the mean reward, and the
+largest |loss difference| from `off` over the steps where both still drew the same rewards.
+`--rlrun-args experiment=varied_lengths` runs the variable-length work.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from .bench_pipeline import rounds
+
+MODES = {"off": ["train.skip_zero_advantage=false"], "on": ["train.skip_zero_advantage=true"]}
+
+
+def run_one(mode: str, seed: int, a) -> dict:
+    """One run in `mode` with `seed`: step end times and the per-step metrics the table reads."""
+    from ..tracking import metric_key, open_client
+
+    with tempfile.TemporaryDirectory() as tmp:
+        uri = f"sqlite:///{tmp}/mlflow.db"
+        cmd = [sys.executable, "-m", "rlrun", f"seed={seed}", f"train.steps={a.steps}", "export.enabled=false",
+               "eval.every=0", "progress=false", f"tracking.uri={uri}", f"hydra.run.dir={tmp}/out", *MODES[mode],
+               *a.rlrun_args]
+        env = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
+        r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+        client = open_client(uri)
+        [run] = client.search_runs([client.get_experiment_by_name("rlrun").experiment_id])
+
+        def history(name):
+            return [m.value for m in sorted(client.get_metric_history(run.info.run_id, metric_key(name)),
+                                            key=lambda m: m.step)]
+
+        ends = [m.timestamp / 1000 for m in sorted(client.get_metric_history(run.info.run_id, metric_key("loss")),
+                                                   key=lambda m: m.step)]
+        return {"step_s": [b - e for e, b in zip(ends, ends[1:])], "loss": history("loss"),
+                "reward": history("reward_mean"), "train_s": history("time/train_s"),
+                "old_s": history("time/old_logprobs_s"), "skipped": history("passes/skipped_rows_frac")}
+
+
+def same_prefix(a: list[float], b: list[float]) -> int:
+    """How many first steps two runs drew the same rewards (the samples have not parted yet)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def summarize(results: list[dict[str, dict]]) -> list[dict]:
+    rows = []
+    for mode in MODES:
+        runs = [rnd[mode] for rnd in results if mode in rnd]
+        if not runs:
+            continue
+        diffs, parted = [], []
+        for rnd in results:
+            if "off" in rnd and mode in rnd:
+                n = same_prefix(rnd[mode]["reward"], rnd["off"]["reward"])
+                parted.append(n)
+                diffs += [abs(x - y) for x, y in zip(rnd[mode]["loss"][:n], rnd["off"]["loss"][:n])]
+
+        def med(key, runs=runs):
+            return statistics.median(statistics.median(r[key]) for r in runs) if all(r[key] for r in runs) else 0.0
+
+        rows.append({"impl": mode, "steps_per_s": statistics.median(1.0 / statistics.median(r["step_s"]) for r in runs),
+                     "rounds_steps_per_s": [1.0 / statistics.median(r["step_s"]) for r in runs],
+                     "train_s": med("train_s"), "old_s": med("old_s"),
+                     "skipped_frac": statistics.mean(statistics.mean(r["skipped"]) for r in runs) if all(
+                         r["skipped"] for r in runs) else 0.0,
+                     "reward_mean": statistics.mean(statistics.mean(r["reward"]) for r in runs),
+                     "same_steps": min(parted) if parted else 0, "max_loss_diff": max(diffs) if diffs else 0.0})
+    off = next((r for r in rows if r["impl"] == "off"), None)
+    for r in rows:
+        r["speedup"] = r["steps_per_s"] / off["steps_per_s"] if off else float("nan")
+    return rows
+
+
+def table(rows: list[dict], a) -> str:
+    from ..render import num
+    from ..render import table as render_table
+
+    load = os.getloadavg()[0]
+    head = (f"train.skip_zero_advantage, {a.steps} steps, {a.rounds} round(s) (round r = seed r), "
+            f"args: {' '.join(a.rlrun_args) or '(default run)'}; load average {load:.1f} at the end on "
+            f"{os.cpu_count()} cores; steps/s: median over rounds of the median step wall time")
+    cells = [[r["impl"], num(r["steps_per_s"], ".2f"), " ".join(num(x, ".2f") for x in r["rounds_steps_per_s"]),
+              num(r["speedup"], ".2f") + "x", num(r["train_s"] * 1000, ".1f"), num(r["old_s"] * 1000, ".1f"),
+              num(r["skipped_frac"], ".2f"), num(r["reward_mean"], ".3f"), str(r["same_steps"]),
+              num(r["max_loss_diff"], ".1e")] for r in rows]
+    return head + "\n" + render_table(
+        ["skip", "steps/s", "per round", "vs off", "train ms", "old pass ms", "rows skipped", "reward mean",
+         "same samples (steps)", "max |dloss| there"], cells)
+
+
+def bench(a, log_mlflow) -> list[dict]:
+    a.modes = list(MODES)
+    rows = summarize(rounds(a, run_one))
+    text = table(rows, a)
+    print(text)
+    log_mlflow(a, [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows], text, "skip")
+    return rows
+
+
+def add_parser(sub, log_mlflow) -> None:
+    import argparse
+
+    p = sub.add_parser("skip", help="train.skip_zero_advantage on vs off: steps/s, train-phase time, rows skipped",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; round r uses seed r")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps per run (the default run's 200)")
+    p.add_argument("--rlrun-args", nargs="*", default=[], help="extra rlrun overrides for every run, e.g. "
+                   "experiment=varied_lengths")
+    p.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
+    p.set_defaults(func=lambda a: bench(a, log_mlflow))
