@@ -175,8 +175,8 @@ def test_pipeline_bench_rotates_the_order_and_compares_with_sync(tmp_path):
 
 def test_skip_bench_pairs_each_seed_and_compares_the_loss_while_the_samples_agree():
     """The skip bench's logic on made-up runs: steps/s per round and over rounds, the ratio to `off`, the share of
-    rows dropped, and the largest loss difference over the steps where both runs drew the same rewards (not after
-    they part)."""
+    rows dropped, and the gradient norm's relative difference over the steps where both runs drew the same rewards
+    and lengths (not after they part)."""
     from rlrun.tools import bench_skip
 
     a = bench.parser().parse_args(["skip", "--rounds", "2", "--steps", "4", "--tracking-uri", "none"])
@@ -184,8 +184,9 @@ def test_skip_bench_pairs_each_seed_and_compares_the_loss_while_the_samples_agre
     def fake(mode, seed, args):
         on = mode == "on"
         step = 0.09 if on else 0.1
-        return {"step_s": [step, step, 9.0], "loss": [1.0, 2.0 + 1e-7 * on, 3.0 + on, 4.0],
-                "reward": [0.5, 0.6, 0.7 + 0.1 * on * (seed + 1), 0.8], "train_s": [0.05 if on else 0.08],
+        return {"step_s": [step, step, 9.0], "grad_norm": [1.0, 2.0 + 2e-7 * on, 3.0 + on, 4.0],
+                "reward": [0.5, 0.6, 0.7 + 0.1 * on * (seed + 1), 0.8], "lengths": [3.0, 3.0, 3.0, 3.0 + on],
+                "train_s": [0.05 if on else 0.08], "positions": [600.0 if on else 1000.0],
                 "old_s": [], "skipped": [0.5, 0.7] if on else []}
 
     a.modes = list(bench_skip.MODES)
@@ -193,9 +194,10 @@ def test_skip_bench_pairs_each_seed_and_compares_the_loss_while_the_samples_agre
     assert off["steps_per_s"] == pytest.approx(10.0)
     assert on["rounds_steps_per_s"] == pytest.approx([1 / .09] * 2)
     assert on["speedup"] == pytest.approx((1 / 0.09) / 10.0) and on["skipped_frac"] == pytest.approx(0.6)
-    assert on["same_steps"] == 2 and on["max_loss_diff"] == pytest.approx(1e-7)  # step 2's loss: after they part
+    assert on["same_steps"] == 2 and on["grad_norm_diff_max"] == pytest.approx(1e-7)  # step 2's: after they part
+    assert on["grad_norm_diff"] == pytest.approx(0.5e-7)  # the median of 0 and 1e-7
     text = bench_skip.table([off, on], a)
-    assert "1.11x" in text and "(default run)" in text and "load average" in text
+    assert "1.11x" in text and "(default run)" in text and "load average" in text and " 600 " in text
 
 
 def test_batching_bench_agrees_with_padded_and_prints_the_ranks_loads(tmp_path):
