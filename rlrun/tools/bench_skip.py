@@ -50,8 +50,8 @@ def run_one(mode: str, seed: int, a) -> dict:
                                                    key=lambda m: m.step)]
         return {"step_s": [b - e for e, b in zip(ends, ends[1:])], "grad_norm": history("grad_norm"),
                 "reward": history("reward_mean"), "lengths": history("response_len_mean"),
-                "train_s": history("time/train_s"),
-                "old_s": history("time/old_logprobs_s"), "positions": history("batching/train_positions"), "skipped": history("passes/skipped_rows_frac")}
+                "train_s": history("time/train_s"), "old_s": history("time/old_logprobs_s"),
+                "positions": history("batching/train_positions"), "skipped": history("passes/skipped_rows_frac")}
 
 
 def same_prefix(a: dict, b: dict) -> int:
@@ -109,8 +109,8 @@ def table(rows: list[dict], a) -> str:
               num(r["skipped_frac"], ".2f"), num(r["reward_mean"], ".3f"), str(r["same_steps"]),
               f"{num(r['grad_norm_diff'], '.0e')} / {num(r['grad_norm_diff_max'], '.0e')}"] for r in rows]
     return head + "\n" + render_table(
-        ["skip", "steps/s", "per round", "vs off", "train positions", "train ms", "old pass ms", "rows skipped", "reward mean",
-         "same samples (steps)", "grad_norm rel. diff there (median / max)"], cells)
+        ["skip", "steps/s", "per round", "vs off", "train positions", "train ms", "old pass ms", "rows skipped",
+         "reward mean", "same samples (steps)", "grad_norm rel. diff there (median / max)"], cells)
 
 
 def bench(a, log_mlflow) -> list[dict]:
