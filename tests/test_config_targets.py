@@ -169,3 +169,33 @@ def test_an_unknown_option_is_rlruns_error_with_the_options(tmp_path, override, 
     r, _ = rlrun(tmp_path, override, "tracking=none")
     assert r.returncode == 2 and f"rlrun: error: {says}" in r.stderr, r.stderr[-1500:]
     assert "Traceback" not in r.stderr and "Config search path" not in r.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["train.lrr=0.1"], "train.lrr: 'lrr' is not a key of train. Did you mean train.lr=0.1? Its keys: batch_size,"),
+    (["trian.lr=0.1"], "trian.lr: 'trian' is not a key of the configuration. Did you mean train.lr=0.1?"),
+    (["model.lora.rnak=4"], "model.lora.rnak: 'rnak' is not a key of model.lora. Did you mean model.lora.rank=4?"),
+    (["-cn", "heads_equivalnce"], "there is no config named 'heads_equivalnce'; did you mean heads_equivalence? "
+                                  "`-cn NAME` runs one of: activations, batching, config,"),
+    (["pipeline_run=async_k1"], "pipeline_run is a config group of the sweep pipeline (sweeps/pipeline_run/), not of "
+                                "a single run. Run the sweep (rlrun -cn pipeline), or add the group to this run: "
+                                "+pipeline_run=async_k1."),
+])
+def test_a_typo_hydra_refuses_is_rlruns_error_with_the_nearest_name(tmp_path, args, says):
+    """Names Hydra refuses while composing (before rlrun's validation): one line with the nearest valid name,
+    exit 2, no traceback, no Hydra search path, and no output folder written."""
+    r, _ = rlrun(tmp_path, *args, "tracking=none")
+    assert r.returncode == 2 and f"rlrun: error: {says}" in r.stderr, r.stderr[-1500:]
+    assert "Traceback" not in r.stderr and "Config search path" not in r.stderr and "HYDRA_FULL_ERROR" not in r.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_the_plus_form_a_typo_message_offers_runs():
+    """What the message for a sweep's group offers (+pipeline_run=async_k1) composes: the job's settings."""
+    from hydra import compose, initialize_config_dir
+
+    from rlrun.config import typos
+
+    with initialize_config_dir(str(typos.CONF), version_base="1.3"):
+        cfg = compose("config", ["+pipeline_run=async_k1", "hydra.searchpath=[file://" + str(typos.SWEEPS) + "]"])
+    assert cfg.rollout.pipeline == "async" and cfg.rollout.max_staleness == 1

@@ -24,7 +24,7 @@ import logging.handlers  # noqa: F401 (resolves_to looks names up in it)
 import re
 import sys
 
-from . import ConfigError
+from . import ConfigError, typos
 
 TARGETS = {"rlrun.sweep.SweepCallback"}  # the `_target_`s rlrun ships (conf/config.yaml: hydra.callbacks)
 PLUGINS = {"hydra.launcher": "Launcher", "hydra.sweeper": "Sweeper"}  # a `_target_` here: an installed plugin's
@@ -177,7 +177,7 @@ def guard() -> None:
         try:
             cfg = compose(self, *args, **kwargs)
         except Exception as e:  # noqa: BLE001 - only the errors rlrun can say better are caught; others go on
-            message = unknown_option(e) or unknown_option(e.__cause__ or e)
+            message = unknown_option(e) or unknown_option(e.__cause__ or e) or typos.message(e)
             if message is None:
                 raise
             print(f"rlrun: error: {message}", file=sys.stderr)
