@@ -63,8 +63,12 @@ def run(cfg: DictConfig, run_name: str | None = None, check_first: bool = False)
     """Validate (no torch import), then hand over to the runner with the recipe that trains `loss`. `check_first`:
     run `rlrun check` on the configuration before it trains (a sweep's job: report.check_jobs): a failed probe is a
     CheckError naming it; the probes' results are logged to the run (check/*, check.txt)."""
-    cfg = restored(cfg)
-    typed = validate(cfg)
+    try:
+        cfg = restored(cfg)
+        typed = validate(cfg)
+    except ConfigError as e:
+        e.before_start = True  # nothing built, nothing logged: the CLI leaves no output folder behind
+        raise
     from .runner import run as run_training
 
     on_start = checked(typed) if check_first else None
@@ -119,6 +123,10 @@ def _main(cfg: DictConfig):
             sys.exit(signals.exit_code())  # 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
         rank = f" rank {ranks.rank()}:" if ranks.world_size() > 1 else ""
         print(f"rlrun:{rank} error: {e}", file=sys.stderr)
+        if isinstance(e, ConfigError) and e.before_start and ranks.rank() == 0:
+            from .folders import discard_refused
+
+            discard_refused(hc.runtime.output_dir, hc.job.name)
         sys.exit(1 if isinstance(e, FaultError) else 2)  # 2: the user's input; 1: a fault outside it
 
 

@@ -6,6 +6,8 @@
   run, released by the kernel when the process dies (kill -9 included), so a stale lock never blocks a resume. A
   new run (not a resume) refuses a folder that already holds checkpoints: rotation would delete them.
 - A write that fails for space or permission says which path, how many bytes it needed and how many were free.
+- A run refused before it starts leaves no output folder: only what Hydra wrote there is removed, then the
+  folders left empty (`discard_refused`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,23 @@ def probe_write(folder: str) -> None:
     finally:
         os.close(fd)
     os.remove(probe)
+
+
+def discard_refused(run_dir: str, job_name: str, stop: str = ".") -> None:
+    """Remove what Hydra wrote into a refused run's output folder (its .hydra/ and `<job_name>.log`, nothing
+    else), then each folder left empty from `run_dir` up to `stop`'s level (outputs/<date>/<time>/ and the date
+    and outputs/ folders when empty). A folder that holds anything else (hydra.run.dir=. among the user's files)
+    keeps it all but Hydra's files."""
+    shutil.rmtree(os.path.join(run_dir, ".hydra"), ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(run_dir, f"{job_name}.log"))
+    folder, stop = os.path.abspath(run_dir), os.path.abspath(stop)
+    while folder != stop and inside(folder, stop):
+        try:
+            os.rmdir(folder)  # only an empty folder
+        except OSError:
+            return
+        folder = os.path.dirname(folder)
 
 
 def sha256(path: str) -> str:

@@ -32,6 +32,14 @@ def test_refused_config_exits_2_with_the_rule_and_imports_nothing_heavy(tmp_path
     assert "rlrun: error: 1 problem(s) in the configuration:" in r.stderr
     assert "logprob_policy=skip skips the reference pass, which needs loss.kl_coef=0 (got loss.kl_coef=0.1)" in r.stderr
     assert not list(tmp_path.glob("*.db"))  # no MLflow store touched
+    assert not list(tmp_path.iterdir())  # no output folder left behind (Hydra made one before rlrun refused)
+
+
+def test_a_refused_config_in_a_folder_of_yours_removes_only_what_hydra_wrote(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    r, _ = rlrun(tmp_path, "logprob_policy=skip", "loss.kl_coef=0.1", "hydra.run.dir=.")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
 def test_help_lists_groups_options_sweeps_and_imports_nothing_heavy(tmp_path):

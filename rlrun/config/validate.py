@@ -55,6 +55,8 @@ def choices(key: str) -> list:
 
 
 class ConfigError(ValueError):
+    before_start = False  # set where a run is refused before anything was built or logged (cli.run)
+
     def __init__(self, problems: list[str]):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
