@@ -310,7 +310,9 @@ def test_no_step_of_a_training_run_builds_full_logits(cfg_factory, loss):
     for head in heads:
         cfg = cfg_factory("experiment=smoke", f"loss={loss}", f"head={head}", f"head.size={size}", "train.steps=2",
                           f"model.vocab_size={vocab}", "rollout.max_new_tokens=16", "train.micro_batch=8",
-                          "rollout.temperature=1.0", "eval.every=0")  # eval generates [20, vocab] per token
+                          "rollout.temperature=1.0", "eval.every=0",  # eval generates [20, vocab] per token
+                          # every row trained: the dense head's whole micro-batch is the logits measured here
+                          *(["train.skip_zero_advantage=false"] if loss == "dapo" else []))
         with MaxVocabTensor(vocab) as mode:
             run(cfg)
         results[head] = mode.max_numel

@@ -26,7 +26,8 @@ def smoke(tmp_path_factory):  # 18 training jobs: only slow tests use it (and on
     """The shipped smoke sweep with offload=off only: on CPU offload=on moves nothing and gives the same run bit
     for bit (test_runs), so its 18 jobs would repeat the others'."""
     tmp = tmp_path_factory.mktemp("smoke")
-    r = sweep(tmp, "-cd", str(ROOT / "sweeps"), "-cn", "smoke", "offload=off")
+    # report.check_jobs=false: each job's `rlrun check` (~3 s) is tested in test_check.py and test_mlflow_ui.py
+    r = sweep(tmp, "-cd", str(ROOT / "sweeps"), "-cn", "smoke", "offload=off", "report.check_jobs=false")
     assert r.returncode == 0, r.stderr[-3000:]
     client, all_runs = runs(tmp / "mlflow.db")
     return tmp, client, all_runs
