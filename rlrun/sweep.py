@@ -133,8 +133,9 @@ class SweepCallback(Callback):
                 self.client.set_tag(run_id, "error", "the sweep ended before its jobs did (Ctrl-C, SIGTERM or a "
                                                      "launcher error)")
                 self.client.set_terminated(run_id, "KILLED")
-            print(f"rlrun: the sweep ended early; the parent run and {len(running)} running job(s) marked KILLED",
-                  file=sys.stderr)
+            jobs = (f"{len(running)} job(s) still running marked KILLED with it" if running else
+                    "no job was still running (each had already ended: FINISHED, FAILED or KILLED by its own process)")
+            print(f"rlrun: the sweep ended early; its parent run is marked KILLED, {jobs}", file=sys.stderr)
 
     def on_multirun_end(self, config, **kwargs):
         if self.parent_id is None:

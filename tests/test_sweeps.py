@@ -247,6 +247,27 @@ def test_sweep_parent_carries_the_table_and_children_get_short_full_names(tmp_pa
     assert names == {"loss=dapo", "loss=dpo", "loss=cispo"}
 
 
+@pytest.mark.parametrize("still_running", [0, 2])
+def test_a_sweep_that_ends_early_marks_its_parent_and_its_running_jobs_killed_and_says_which(tmp_path, capsys,
+                                                                                             still_running):
+    from rlrun.sweep import SweepCallback
+
+    client, parent, children = fake_sweep(tmp_path)  # three FINISHED jobs
+    exp = client.get_run(parent).info.experiment_id
+    running = [client.create_run(exp, tags={"mlflow.parentRunId": parent}).info.run_id for _ in range(still_running)]
+    cb = SweepCallback()
+    cb.client, cb.parent_id = client, parent
+    cb.end_interrupted()
+    said = capsys.readouterr().err
+    assert client.get_run(parent).info.status == "KILLED"
+    assert all(client.get_run(r).info.status == "KILLED" for r in running)
+    assert all(client.get_run(c.info.run_id).info.status == "FINISHED" for c in children)
+    if still_running:
+        assert "its parent run is marked KILLED, 2 job(s) still running marked KILLED with it" in said
+    else:
+        assert "its parent run is marked KILLED, no job was still running" in said and "0 " not in said
+
+
 @pytest.mark.slow
 def test_report_unknown_run_is_one_clear_message(tmp_path):
     fake_sweep(tmp_path)
