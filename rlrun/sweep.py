@@ -81,6 +81,8 @@ class SweepCallback(Callback):
         self.client = None
         self.parent_id = None
         self.ended = False
+        self.figures_dir: str | None = None  # where the comparison is drawn (hydra.sweep.dir/figures)
+        self.baseline = None  # report.baseline
 
     def on_run_start(self, config, config_name=None, **kwargs):
         refuse_unwritable(config.hydra.run.dir, "hydra.run.dir")
@@ -107,6 +109,8 @@ class SweepCallback(Callback):
                                            "mlflow.note.content": f"Sweep `{name}`: {count(config)} "
                                            "(the comparison appears here when the sweep ends)."})
         self.parent_id = run.info.run_id
+        self.figures_dir = os.path.join(str(config.hydra.sweep.dir), "figures")
+        self.baseline = OmegaConf.select(config, "report.baseline", default=None)
         ui.prepare(self.client, exp_id, tuple(ui.param_of(config, k) for k in keys),
                    tracking.metric_key("rewards/accuracy" if config.loss.name == "dpo" else "reward_mean"))
         tracking.log_params(self.client, self.parent_id, tracking.flatten(
@@ -136,6 +140,19 @@ class SweepCallback(Callback):
             jobs = (f"{len(running)} job(s) still running marked KILLED with it" if running else
                     "no job was still running (each had already ended: FINISHED, FAILED or KILLED by its own process)")
             print(f"rlrun: the sweep ended early; its parent run is marked KILLED, {jobs}", file=sys.stderr)
+            self.draw_finished()
+
+    def draw_finished(self) -> None:
+        """An interrupted sweep's comparison of the jobs that finished (figures, table, equivalence), as its end
+        would have drawn it for them: nothing they measured is left unread."""
+        from .tools import report
+
+        _, runs = report.child_runs(self.client, self.parent_id)
+        finished = [r for r in runs if r.info.status == "FINISHED"]
+        if finished and self.figures_dir:
+            print(f"rlrun: drawing the comparison of the {len(finished)} finished job(s): {self.figures_dir}",
+                  file=sys.stderr)
+            self.draw(report, finished, self.figures_dir, self.baseline)
 
     def on_multirun_end(self, config, **kwargs):
         if self.parent_id is None:

@@ -248,17 +248,21 @@ def test_sweep_parent_carries_the_table_and_children_get_short_full_names(tmp_pa
 
 
 @pytest.mark.parametrize("still_running", [0, 2])
-def test_a_sweep_that_ends_early_marks_its_parent_and_its_running_jobs_killed_and_says_which(tmp_path, capsys,
-                                                                                             still_running):
+def test_a_sweep_that_ends_early_marks_its_running_jobs_killed_and_draws_the_finished_ones(tmp_path, capsys,
+                                                                                        still_running):
     from rlrun.sweep import SweepCallback
 
     client, parent, children = fake_sweep(tmp_path)  # three FINISHED jobs
     exp = client.get_run(parent).info.experiment_id
     running = [client.create_run(exp, tags={"mlflow.parentRunId": parent}).info.run_id for _ in range(still_running)]
     cb = SweepCallback()
-    cb.client, cb.parent_id = client, parent
+    cb.client, cb.parent_id, cb.figures_dir = client, parent, str(tmp_path / "figures")
     cb.end_interrupted()
     said = capsys.readouterr().err
+    # the finished jobs' comparison is drawn as the sweep's end would have drawn it
+    assert f"drawing the comparison of the 3 finished job(s): {tmp_path / 'figures'}" in said
+    assert {"comparison.json", "curves.png"} <= {a.path for a in client.list_artifacts(parent)}
+    assert (tmp_path / "figures" / "curves.png").exists()
     assert client.get_run(parent).info.status == "KILLED"
     assert all(client.get_run(r).info.status == "KILLED" for r in running)
     assert all(client.get_run(c.info.run_id).info.status == "FINISHED" for c in children)
