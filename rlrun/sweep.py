@@ -176,7 +176,8 @@ class SweepCallback(Callback):
             raise
         finally:
             self.client.set_terminated(self.parent_id, status)
-        print(links(config.tracking.uri, self.client.get_run(self.parent_id).info.experiment_id, self.parent_id),
+        print(links(config.tracking.uri, self.client.get_run(self.parent_id).info.experiment_id, self.parent_id,
+                    OmegaConf.select(config, "tracking.ui_port", default=tracking.UI_PORT)),
               flush=True)
         if not runs:  # a sweeper that chose no job (the basic one refuses that before it starts)
             print("rlrun: error: the sweep ran no job; the parent run is marked FAILED", file=sys.stderr)
@@ -290,11 +291,12 @@ def swept_keys(config) -> list[str]:
     return [k for k in keys if len({job.get(k) for job in given}) > 1]
 
 
-def links(uri: str, exp_id: str, run_id: str) -> str:
+def links(uri: str, exp_id: str, run_id: str, port: int = tracking.UI_PORT) -> str:
     """Where a sweep's results are: the runs view and the parent run (MLflow's model-training view); for a store
-    that is neither a sqlite file nor a tracking server, its URI and the parent's id."""
+    that is neither a sqlite file nor a tracking server, its URI and the parent's id. `port`: tracking.ui_port."""
     if uri.startswith("sqlite:"):
-        base, head = "http://127.0.0.1:5000", f" mlflow ui --backend-store-uri {tracking.absolute_uri(uri)}, then"
+        base = f"http://127.0.0.1:{port}"
+        head = f" mlflow ui --port {port} --backend-store-uri {tracking.absolute_uri(uri)}, then"
     elif uri.startswith(("http://", "https://")):
         base, head = uri.rstrip("/"), ""
     else:

@@ -8,7 +8,7 @@ import sys
 from conftest import new_store
 from omegaconf import OmegaConf
 
-from rlrun import runner, tracking
+from rlrun import runner, sweep, tracking
 
 GRPO = {"reward_first": 0.1, "reward_last": 0.45, "eval_accuracy_first": 0.05, "eval_accuracy_last": 0.3,
         "step_s": 0.123, "gen_tokens_per_s": 1234.0, "train_tokens_per_s": 5678.0, "loss_last": 0.01,
@@ -39,7 +39,13 @@ def test_results_hint_gives_the_command_or_the_url(tmp_path, monkeypatch):
     tracker = tracking.MLflow(OmegaConf.create({"uri": "sqlite:///mlflow.db", "experiment": "rlrun",
                                                 "parent_run_id": None}), {}, "x")
     hint = runner.results_hint(cfg, tracker)
-    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db" in hint
+    assert f"mlflow ui --port 5000 --backend-store-uri sqlite:///{tmp_path}/mlflow.db" in hint
+    assert "http://127.0.0.1:5000/#/experiments/" in hint
+    other = OmegaConf.create({"tracking": {"name": "mlflow", "uri": "sqlite:///mlflow.db", "ui_port": 5055}})
+    hint = runner.results_hint(other, tracker)  # tracking.ui_port: the command and the links on that port
+    assert "mlflow ui --port 5055 --backend-store-uri" in hint and "http://127.0.0.1:5055/#/experiments/" in hint
+    assert "127.0.0.1:5000" not in hint
+    assert "mlflow ui --port 5055 " in sweep.links("sqlite:///mlflow.db", "1", "abc", 5055)
     assert f"/runs/{tracker.run_id}?workflowType=machine_learning" in hint  # opens on model training
     server = OmegaConf.create({"tracking": {"name": "mlflow", "uri": "http://127.0.0.1:5000"}})
     assert "http://127.0.0.1:5000/#/experiments/" in runner.results_hint(server, tracker)

@@ -69,11 +69,13 @@ def results_hint(cfg, tracker) -> str:
         except Exception:  # noqa: BLE001 - a hint only
             exp = None
         local = uri.startswith("sqlite:///")
-        base = "http://127.0.0.1:5000" if local else uri.rstrip("/")
+        port = getattr(cfg.tracking, "ui_port", None) or tracking.UI_PORT
+        base = f"http://127.0.0.1:{port}" if local else uri.rstrip("/")
         pages = [] if exp is None or not (local or uri.startswith(("http://", "https://"))) else [
             f"{tracking.ui.run_page(base, exp, run_id)}  (this run)", f"{tracking.ui.runs_page(base, exp)}  (all runs)"]
         if local:
-            lines.append(f"  results: mlflow ui --backend-store-uri {tracking.absolute_uri(uri)}, then open")
+            lines.append(f"  results: mlflow ui --port {port} --backend-store-uri {tracking.absolute_uri(uri)}, "
+                         "then open")
         lines += [f"  {'results:' if i == 0 and not local else ' ' * 8} {page}" for i, page in enumerate(pages)]
         if not pages:
             lines.append(f"  results: {uri}   (run {run_id})" if not local else f"           run {run_id}")

@@ -55,11 +55,13 @@ from .tags import (
 )
 from .tracker import Null, Tracker
 
+UI_PORT = 5000  # tracking.ui_port's default: `mlflow ui`'s own default port
+
 __all__ = ["EXPERIMENT_KIND", "MLflow", "Null", "SWEEP_KEYS_ENV", "SYSTEM_PREFIXES", "Tracker", "TrackingError",
-           "absolute_uri", "check_uri", "checkpoint_dir_of", "connect", "describe_run", "experiment_id", "flatten",
-           "git_commit", "headline", "is_run_id", "job_overrides", "log_figures", "log_metrics", "log_params",
-           "mark", "mark_experiment_kind", "metric_key", "open_client", "output_dir", "record_failure", "short_name",
-           "standard_tags", "start", "store_lock", "ui"]
+           "UI_PORT", "absolute_uri", "check_uri", "checkpoint_dir_of", "connect", "describe_run", "experiment_id",
+           "flatten", "git_commit", "headline", "is_run_id", "job_overrides", "log_figures", "log_metrics",
+           "log_params", "mark", "mark_experiment_kind", "metric_key", "open_client", "output_dir", "record_failure",
+           "short_name", "standard_tags", "start", "store_lock", "ui"]
 
 
 def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | None = None,
