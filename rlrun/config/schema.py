@@ -283,7 +283,7 @@ class MLflowTracking:
         "URI (sqlite:///mlflow.db or http(s)://HOST:PORT), or use tracking=none"))
     experiment: Annotated[str, Check(lambda v: v != "", "a non-empty experiment name")]
     parent_run_id: str | None  # set by the sweep callback through RLRUN_PARENT_RUN_ID
-    ui_port: PosInt  # the port of the `mlflow ui --port` command rlrun prints, and of its links
+    ui_port: PosInt = 5000  # the printed `mlflow ui --port` command's and its links' (absent in older runs' configs)
 
 
 @dataclass
