@@ -12,6 +12,7 @@ its learning is `eval/accuracy` at the end and over the run. Every mode trains w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import subprocess
@@ -23,23 +24,32 @@ MODES = {"sync": ["rollout.pipeline=sync"],
          "async_k2": ["rollout.pipeline=async", "rollout.max_staleness=2"]}
 
 
-def run_one(mode: str, seed: int, a) -> dict:
-    """One run of the default scenario in `mode` with `seed`: its step end times, held-out accuracy curve and the
-    pipeline's own account (seconds per step waiting / generating / idle)."""
-    from ..tracking import metric_key, open_client
+@contextlib.contextmanager
+def child_run(args: list[str]):
+    """`python -m rlrun ARGS` through the real entry point in a fresh process, with its own store in a temporary
+    folder: (client, its run), readable until the block ends."""
+    from ..tracking import open_client
 
     with tempfile.TemporaryDirectory() as tmp:
         uri = f"sqlite:///{tmp}/mlflow.db"
-        cmd = [sys.executable, "-m", "rlrun", f"seed={seed}", f"train.steps={a.steps}", "loss.tis.enabled=true",
-               "export.enabled=false", "progress=false", f"tracking.uri={uri}", f"hydra.run.dir={tmp}/out",
-               *MODES[mode], *a.rlrun_args]
+        cmd = [sys.executable, "-m", "rlrun", "progress=false", f"tracking.uri={uri}", f"hydra.run.dir={tmp}/out",
+               *args]
         env = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
         r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
         client = open_client(uri)
         [run] = client.search_runs([client.get_experiment_by_name("rlrun").experiment_id])
+        yield client, run
 
+
+def run_one(mode: str, seed: int, a) -> dict:
+    """One run of the default scenario in `mode` with `seed`: its step end times, held-out accuracy curve and the
+    pipeline's own account (seconds per step waiting / generating / idle)."""
+    from ..tracking import metric_key
+
+    with child_run([f"seed={seed}", f"train.steps={a.steps}", "loss.tis.enabled=true", "export.enabled=false",
+                    *MODES[mode], *a.rlrun_args]) as (client, run):
         def history(name):
             return sorted(client.get_metric_history(run.info.run_id, metric_key(name)), key=lambda m: m.step)
 

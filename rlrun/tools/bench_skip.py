@@ -17,31 +17,18 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 
-from .bench_pipeline import rounds
+from .bench_pipeline import child_run, rounds
 
 MODES = {"off": ["train.skip_zero_advantage=false"], "on": ["train.skip_zero_advantage=true"]}
 
 
 def run_one(mode: str, seed: int, a) -> dict:
     """One run in `mode` with `seed`: step end times and the per-step metrics the table reads."""
-    from ..tracking import metric_key, open_client
+    from ..tracking import metric_key
 
-    with tempfile.TemporaryDirectory() as tmp:
-        uri = f"sqlite:///{tmp}/mlflow.db"
-        cmd = [sys.executable, "-m", "rlrun", f"seed={seed}", f"train.steps={a.steps}", "export.enabled=false",
-               "eval.every=0", "progress=false", f"tracking.uri={uri}", f"hydra.run.dir={tmp}/out", *MODES[mode],
-               *a.rlrun_args]
-        env = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
-        r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-        client = open_client(uri)
-        [run] = client.search_runs([client.get_experiment_by_name("rlrun").experiment_id])
-
+    with child_run([f"seed={seed}", f"train.steps={a.steps}", "export.enabled=false", "eval.every=0", *MODES[mode],
+                    *a.rlrun_args]) as (client, run):
         def history(name):
             return [m.value for m in sorted(client.get_metric_history(run.info.run_id, metric_key(name)),
                                             key=lambda m: m.step)]
