@@ -74,9 +74,9 @@ def message(error: Exception) -> str | None:
     text = f"{error}\n{error.__cause__ or ''}"
     missing = re.search(r"Cannot find primary config '([^']+)'", text)
     if missing:
-        name = missing.group(1)
-        return (f"there is no config named {name!r}{nearest(name, configs())} `-cn NAME` runs one of: "
-                f"{', '.join(configs())} (sweeps/; `rlrun --help` describes them).")
+        name, names = missing.group(1), configs()
+        return (f"there is no config named {name!r}{nearest(name, names)} `-cn NAME` runs one of: "
+                f"{', '.join(names)} (sweeps/; `rlrun --help` describes them).")
     override = re.search(r"Could not override '([^']+)'", text)
     if not override:
         return None

@@ -49,36 +49,40 @@ def keep(micro, rows: torch.Tensor):
                                **{f: cut(getattr(micro, f)) for f in PER_TOKEN})
 
 
-def drop(micros) -> tuple[list, dict[str, int]]:
-    """(the micro-batches with only their trained rows, the counts dropped). A micro-batch left with none keeps its
-    first row with every token masked, so the pass makes as many forwards as before (padded: one row instead of
-    micro_batch; packed: nothing laid out)."""
-    out, counts = [], {"rows": 0, "skipped_rows": 0, "skipped_tokens": 0}
-    for m in micros:
-        rows = trained_rows(m)
+def cut(micro, rows: torch.Tensor):
+    """`micro` with only the rows where `rows` is true; with none, its first row with every token masked, so the
+    pass makes as many forwards as before (padded: one row instead of micro_batch; packed: nothing laid out)."""
+    if bool(rows.all()):
+        return micro
+    if bool(rows.any()):
+        return keep(micro, rows)
+    first = keep(micro, torch.arange(len(rows), device=rows.device) == 0)
+    return dataclasses.replace(first, mask=torch.zeros_like(first.mask))
+
+
+def drop(micros, trained: list[torch.Tensor] | None = None) -> tuple[list, dict[str, int]]:
+    """(the micro-batches with only their trained rows (`cut`), the counts dropped); `trained`: each one's
+    `trained_rows`, when already known."""
+    trained = trained if trained is not None else [trained_rows(m) for m in micros]
+    counts = {"rows": 0, "skipped_rows": 0, "skipped_tokens": 0}
+    for m, rows in zip(micros, trained):
         n = m.input_ids.shape[0]
         counts["rows"] += n
         counts["skipped_rows"] += n - int(rows.sum())
         counts["skipped_tokens"] += int(m.mask.view(n, -1)[~rows].sum())
-        if bool(rows.all()):
-            out.append(m)
-        elif bool(rows.any()):
-            out.append(keep(m, rows))
-        else:
-            first = keep(m, torch.arange(n, device=rows.device) == 0)
-            out.append(dataclasses.replace(first, mask=torch.zeros_like(first.mask)))
-    return out, counts
+    return [cut(m, rows) for m, rows in zip(micros, trained)], counts
 
 
 def logprobs(layout, model, micros, head, counts: dict) -> tuple[list, list[torch.Tensor], list[torch.Tensor]]:
     """A logprob pass (`layout.logprobs`) over the rows that will be trained only: (those rows' micro-batches,
     their logprobs, the logprobs back in each micro-batch's full layout: 0 for a dropped row, which is never
     trained, so never read)."""
-    kept, _ = drop(micros)
+    trained = [trained_rows(m) for m in micros]
+    kept, _ = drop(micros, trained)
     passed = layout.logprobs(model, kept, head, counts)
     full = []
-    for m, lp in zip(micros, passed):
-        out, rows = torch.zeros_like(m.gen_logprobs), trained_rows(m)
+    for m, rows, lp in zip(micros, trained, passed):
+        out = torch.zeros_like(m.gen_logprobs)
         if bool(rows.any()):
             out.view(m.input_ids.shape[0], -1)[rows] = lp.view(int(rows.sum()), -1)
         full.append(out)
