@@ -6,8 +6,8 @@
   run, released by the kernel when the process dies (kill -9 included), so a stale lock never blocks a resume. A
   new run (not a resume) refuses a folder that already holds checkpoints: rotation would delete them.
 - A write that fails for space or permission says which path, how many bytes it needed and how many were free.
-- A run refused before it starts leaves no output folder: only what Hydra wrote there is removed, then the
-  folders left empty (`discard_refused`).
+- A run refused before it starts leaves no output folder of Hydra's making: what Hydra wrote there is removed,
+  then the folders left empty; a folder you named is not touched (`discard_refused`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import shutil
 import socket
 import sys
@@ -48,10 +49,12 @@ def probe_write(folder: str) -> None:
 
 
 def discard_refused(run_dir: str, job_name: str, stop: str = ".") -> None:
-    """Remove what Hydra wrote into a refused run's output folder (its .hydra/ and `<job_name>.log`, nothing
-    else), then each folder left empty from `run_dir` up to `stop`'s level (outputs/<date>/<time>/ and the date
-    and outputs/ folders when empty). A folder that holds anything else (hydra.run.dir=. among the user's files)
-    keeps it all but Hydra's files."""
+    """A refused run's output folder, when it is Hydra's own fresh one (outputs/<date>/<time> below `stop`, the
+    working directory): what Hydra wrote there (.hydra/, `<job_name>.log`) is removed, then each folder left empty
+    up to `stop`. A folder you chose (hydra.run.dir=...) is left as it is: its log may hold earlier runs' lines."""
+    rel = os.path.relpath(os.path.abspath(run_dir), os.path.abspath(stop))
+    if not re.fullmatch(r"outputs/\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}", rel.replace(os.sep, "/")):
+        return
     shutil.rmtree(os.path.join(run_dir, ".hydra"), ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(run_dir, f"{job_name}.log"))

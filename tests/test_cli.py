@@ -35,11 +35,15 @@ def test_refused_config_exits_2_with_the_rule_and_imports_nothing_heavy(tmp_path
     assert not list(tmp_path.iterdir())  # no output folder left behind (Hydra made one before rlrun refused)
 
 
-def test_a_refused_config_in_a_folder_of_yours_removes_only_what_hydra_wrote(tmp_path):
+def test_a_refused_config_in_a_folder_of_yours_removes_nothing(tmp_path):
+    """hydra.run.dir names a folder of yours: its log may hold earlier runs' lines (Hydra appends), so nothing in
+    it is removed, your files least of all."""
     (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "cli.log").write_text("an earlier run's log\n")
     r, _ = rlrun(tmp_path, "logprob_policy=skip", "loss.kl_coef=0.1", "hydra.run.dir=.")
     assert r.returncode == 2, r.stderr[-2000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "cli.log").read_text().startswith("an earlier run's log\n")
 
 
 def test_help_lists_groups_options_sweeps_and_imports_nothing_heavy(tmp_path):
