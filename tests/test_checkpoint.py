@@ -174,7 +174,7 @@ def test_resume_by_run_id_restores_the_runs_config_and_applies_only_the_new_over
     code, err = finished(rlrun(tmp_path, f"resume={r.info.run_id}", "train.steps=4", "eval.every=2"), 300)
     assert code == 0, err[-2000:]
     client, (r2,) = runs(tmp_path / "mlflow.db")
-    assert r2.info.run_id == r.info.run_id and r2.info.status == "FINISHED"
+    assert r2.info.run_id == r.info.run_id and r2.info.status == "FINISHED", err[-3000:]
     assert [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")] == [0, 1, 2, 3]
     code, err = finished(rlrun(tmp_path, f"resume={r.info.run_id}", "train.steps=6", "loss=cispo"), 300)
     assert code == 2

@@ -152,6 +152,32 @@ def test_the_worker_scores_like_the_process_bit_for_bit():
     assert got == t.score(completions, ROWS) and got[0][:2] == [1.0, 0.5]
 
 
+def test_closing_the_worker_closes_each_descriptor_once(monkeypatch):
+    """The end of a run closes the worker while the tracking thread sends; a descriptor number closed twice would
+    by then be that thread's sqlite store (seen: "disk I/O error", the run left RUNNING). Here the number freed by
+    the first close is taken again at once, as another thread's open() would; it must survive close()."""
+    from rlrun.tasks import worker
+
+    task = task_of("appends")
+    with tasks.isolated(task, 30):
+        task.score(["7"] * 4, ROWS)
+        w, kill, taken = task.worker, worker._kill, []
+
+        def kill_then_reuse(proc, wait_s=0.0):
+            if not taken:  # the number close() just freed, reused
+                spare = os.open(os.devnull, os.O_RDONLY)
+                taken.append(os.dup2(spare, w.fd_out))
+                os.close(spare)
+            kill(proc, wait_s)
+
+        monkeypatch.setattr(worker, "_kill", kill_then_reuse)
+    assert len(taken) == 1
+    try:
+        os.fstat(taken[0])  # EBADF if close() closed it a second time
+    finally:
+        os.close(taken[0])
+
+
 def test_a_reward_worker_killed_between_batches_is_a_task_error_naming_the_rewards():
     """The OOM killer's way (SIGKILL while the trainer trains): the next batch is one message, not BrokenPipeError."""
     task = task_of("appends")

@@ -89,7 +89,10 @@ class RewardWorker:
         os.close(req_r)
         os.close(res_w)
         self.fd_out, self.fd_in, self.buffer = req_w, res_r, bytearray()
-        self._closer = weakref.finalize(self, _release, self.proc, req_w, res_r, self.progress, shared)
+        # the descriptors still open: each is closed once (a number closed twice may by then be another thread's
+        # file: the tracking sender's sqlite store, whose next read then fails with "disk I/O error")
+        self._open_fds = [req_w, res_r]
+        self._closer = weakref.finalize(self, _release, self.proc, self._open_fds, self.progress, shared)
         specs = [(r.spec, r.key, r.name, r.weight, r.kwargs, list(r.fields)) for r in self.rewards]
         self._send({"rewards": specs, "path": list(sys.path), "cwd": os.getcwd(), "seed": self.seed})
         sent = time.monotonic()
@@ -104,7 +107,8 @@ class RewardWorker:
         process a reward started is killed with it (its process group)."""
         if self.proc is None:
             return
-        os.close(self.fd_out)
+        self._open_fds.remove(self.fd_out)
+        os.close(self.fd_out)  # the worker sees its request pipe close and exits
         _kill(self.proc, wait_s=1.0)
         self._closer()  # closes the rest
         self.proc = None
@@ -210,13 +214,10 @@ class RewardWorker:
         return {r.name: values for r, values in zip(self.rewards, msg[1])}
 
 
-def _release(proc, fd_out, fd_in, progress, shared) -> None:
+def _release(proc, fds: list[int], progress, shared) -> None:
     _kill(proc)
-    for fd in (fd_out, fd_in):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    while fds:
+        os.close(fds.pop())
     progress.close()
     shared.close()
 
