@@ -24,6 +24,7 @@ def test_offload_moves_the_optimizer_states_tensors_and_leaves_its_scalars():
     """move_state counts and moves AdamW's moments; its `step` scalars stay where the optimizer keeps them (on a
     GPU, a step counter brought onto the device would make every optimizer step synchronise on it). The meta device
     stands in for a GPU here."""
+
     import torch
 
     from rlrun import offload
@@ -36,3 +37,19 @@ def test_offload_moves_the_optimizer_states_tensors_and_leaves_its_scalars():
     for state in opt.state.values():
         assert state["exp_avg"].is_meta and state["exp_avg_sq"].is_meta and state["step"].device.type == "cpu"
     assert offload.move_state(opt, "meta") == 0
+
+
+def test_the_cpu_backend_starts_without_deepspeeds_shm_kernel(monkeypatch):
+    """DeepSpeed compiles its shared-memory all-reduce kernel (g++, up to minutes) when its CPU backend starts, for
+    inference only; rlrun's process group starts without it, and DeepSpeed's builder is put back afterwards."""
+    import importlib
+
+    import torch
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # by name: the attribute is torch
+
+    built = []
+    monkeypatch.setattr(ds_torch, "build_shm_op", lambda: built.append(1) or "kernel")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with deepspeed._no_shm_kernel():
+        assert ds_torch.build_shm_op() is None
+    assert ds_torch.build_shm_op() == "kernel" and built == [1]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import logging
 import os
 import socket
@@ -37,8 +38,6 @@ DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.u
 @contextlib.contextmanager
 def weights_only_loads(ds):
     """DeepSpeed's checkpoint engine loads with torch.load(weights_only=True), DEEPSPEED_GLOBALS allowed."""
-    import importlib
-
     classes = []
     for name in DEEPSPEED_GLOBALS:
         module, _, attr = name.rpartition(".")
@@ -87,9 +86,27 @@ def init_distributed(backend: str, timeout_s: int) -> None:
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                   verbose=False)
+        with _no_shm_kernel():
+            deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                       verbose=False)
         _OWNED["group"] = True
+
+
+@contextlib.contextmanager
+def _no_shm_kernel():
+    """DeepSpeed's CPU backend compiles (g++ through ninja: 30-110 s on this project's CI machine, again for each
+    new venv) and loads a shared-memory all-reduce kernel when it starts. Only its inference all-reduce uses that
+    kernel, never training, so it is not built; all-reduce goes through the process group (gloo)."""
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # by name: the attribute is torch
+
+    if torch.cuda.is_available() or not hasattr(ds_torch, "build_shm_op"):
+        yield
+        return
+    built, ds_torch.build_shm_op = ds_torch.build_shm_op, lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = built
 
 
 def ds_config(cfg, grad_accum: int) -> dict:
