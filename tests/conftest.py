@@ -23,6 +23,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CONF = str(ROOT / "conf")
 sys.path.insert(0, str(ROOT / "tests"))  # helpers.py: reward functions used through task.reward
 
+# An xdist worker's tests, and the rlrun processes they start, use cores / workers threads (set before torch is
+# imported). torch's default, every core in each process, runs N workers' threads on N cores N times over, and its
+# OpenMP threads spin waiting on one another: tests/test_runs.py + test_pipeline.py with -n 2 on 2 cores took 278 s
+# that way and 119 s with one thread each (2026-11-26). An OMP_NUM_THREADS you set is kept.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 import helpers  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
