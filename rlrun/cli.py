@@ -24,6 +24,7 @@ from .errors import (
     FaultError,
     LinkError,
     ModelError,
+    RecordError,
     RolloutError,
     TaskError,
     TrackingError,
@@ -33,7 +34,7 @@ log = logging.getLogger("rlrun")
 
 # Errors that are the user's input, not a bug: shown as one clear message, no traceback.
 USER_ERRORS = (ConfigError, ModelError, TaskError, TrackingError, CheckpointError, ExportError, RolloutError,
-               LinkError, DivergedError, CheckError)
+               RecordError, LinkError, DivergedError, CheckError)
 # conf/ sits beside the package in the repository (install with `pip install -e .`).
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 

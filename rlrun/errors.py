@@ -30,6 +30,10 @@ class RolloutError(RuntimeError):
     """rollout=vllm cannot start (vLLM missing, or a setting it refuses)."""
 
 
+class RecordError(ValueError):
+    """A rollout record (rollout.record, rollout.path) that cannot be written, read or replayed by this config."""
+
+
 class LinkError(RuntimeError):
     """A symbolic link where rlrun would create or write a file of its own: refused, nothing written through it."""
 

@@ -32,7 +32,7 @@ REGISTRY: dict[str, dict[str, Any]] = {
     "model": {"tiny": "rlrun.models:tiny", "hf": "rlrun.models:hf"},  # (cfg, seed) -> (model, tokenizer)
     "task": {"arith": "rlrun.tasks.arith:read", "jsonl": "rlrun.tasks.jsonl:read",
              "dataset": "rlrun.tasks.dataset:read"},
-    "rollout": {"hf": "rlrun.rollout.hf", "vllm": "rlrun.rollout.vllm"},
+    "rollout": {"hf": "rlrun.rollout.hf", "vllm": "rlrun.rollout.vllm", "replay": "rlrun.rollout.replay"},
     "engine": {"single": "rlrun.engine.single", "deepspeed": "rlrun.engine.deepspeed"},
     "tracking": {"mlflow": "rlrun.tracking.mlflow:MLflow", "none": "rlrun.tracking.tracker:Null"},
     "recipe": {"dapo": "rlrun.recipes.grpo", "cispo": "rlrun.recipes.grpo", "gspo": "rlrun.recipes.grpo",

@@ -23,7 +23,8 @@ AXES = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml"))
         for g in ("loss", "head", "logprob_policy", "offload", "batching", "activations")}
 PIPELINES = ("sync", "async")  # rollout.pipeline: a key of the rollout group, an axis of its own
 # what an option needs beyond its YAML to be valid on its own
-REQUIRED = {"model=hf": ["model.path=/m"], "task=jsonl": ["task.path=/d.jsonl"], "task=dataset": ["task.path=/d"]}
+REQUIRED = {"model=hf": ["model.path=/m"], "task=jsonl": ["task.path=/d.jsonl"], "task=dataset": ["task.path=/d"],
+            "rollout=replay": ["rollout.path=/r"]}
 
 
 @functools.cache

@@ -83,6 +83,8 @@ def problems(obj, proto, where: str) -> list[str]:
             ret = typing.get_type_hints(want).get("return")
             if is_protocol(ret):
                 got = typing.get_type_hints(have).get("return")
+                if got is typing.NoReturn:  # an option that never builds one (rollout=replay: no sampler)
+                    continue
                 out += problems(got, ret, f"{at}()") if got is not None else [f"{at} does not say what it returns"]
         elif typing.get_origin(want) is type and is_protocol(typing.get_args(want)[0]):
             have = getattr(obj, name, None)

@@ -90,7 +90,10 @@ def build(cfg) -> Context:
     generator = trainer if source.generates_here else policy.build(
         cfg, "generator", base=models.build(cfg.model, cfg.seed)[0], state=trainer.state_dict(), device=device)
     prompts = probe_prompts(cfg, task, tokenizer)
-    sampler = registry.get("rollout", cfg.rollout.name).build(cfg.rollout, generator, tokenizer, torch.device(device))
+    # a rollout option with no sampler of its own (rollout=replay) names the one that draws the probe, at the same
+    # temperature, top_p and length (a record's rollouts were drawn by other weights than the probe's)
+    name = getattr(registry.get("rollout", cfg.rollout.name), "PROBE_SAMPLER", cfg.rollout.name)
+    sampler = registry.get("rollout", name).build(cfg.rollout, generator, tokenizer, torch.device(device))
     with torch.no_grad():
         roll = sampler.generate(generator, prompts, list(range(len(prompts))))
     advantages = torch.randn(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).to(device)

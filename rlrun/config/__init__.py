@@ -29,6 +29,7 @@ from .schema import (
     NoTracking,
     OffOffload,
     OnOffload,
+    ReplayRollout,
     RunConfig,
     SingleEngine,
     SkipPolicy,
@@ -44,5 +45,5 @@ from .validate import OPTIONS, ConfigError, choices, validate
 __all__ = ["OPTIONS", "ConfigError", "RunConfig", "choices", "validate", "AlwaysPolicy", "ArithTask",
            "CheckpointConfig", "ChunkedHead", "CispoLoss", "DapoLoss", "DeepSpeedEngine", "DenseHead", "DpoLoss",
            "GspoLoss", "HFModel", "HFRollout", "JsonlTask", "MLflowTracking", "NoTracking", "OffOffload",
-           "OnOffload", "SingleEngine", "SkipPolicy", "TiledHead", "TinyModel", "TisConfig", "TrainConfig",
-           "VLLMRollout", "WindowPolicy"]
+           "OnOffload", "ReplayRollout", "SingleEngine", "SkipPolicy", "TiledHead", "TinyModel", "TisConfig",
+           "TrainConfig", "VLLMRollout", "WindowPolicy"]

@@ -228,6 +228,7 @@ class HFRollout:
     worker_threads: PosInt | None
     worker_device: Device | None
     worker_timeout_s: Positive  # async: the trainer gives up on a generator without a heartbeat this long
+    record: str | None = None  # a folder: every rollout trained on is written there (rlrun/rollout/record.py)
 
 
 @dataclass
@@ -250,6 +251,19 @@ class VLLMRollout:
     worker_threads: PosInt | None
     worker_device: Device | None
     worker_timeout_s: Positive  # async: the trainer gives up on a generator without a heartbeat this long
+    record: str | None = None  # a folder: every rollout trained on is written there (rlrun/rollout/record.py)
+
+
+@dataclass
+class ReplayRollout:
+    """rollout=replay: the rollouts of a record, in order; the sampler's settings must be the record's."""
+
+    name: Literal["replay"]
+    path: str  # the rollout.record folder of an earlier run
+    temperature: Temperature
+    top_p: TopP
+    max_new_tokens: PosInt
+    pipeline: Literal["sync"]  # read in step, nothing to overlap
 
 
 # -- engine -------------------------------------------------------------------------------------------------------
@@ -395,6 +409,6 @@ class RunConfig:
     offload: OffOffload | OnOffload
     batching: PaddedBatching | PackedBatching | SharedPromptBatching
     activations: KeepActivations | CheckpointActivations | OffloadActivations
-    rollout: HFRollout | VLLMRollout
+    rollout: HFRollout | VLLMRollout | ReplayRollout
     engine: SingleEngine | DeepSpeedEngine
     tracking: MLflowTracking | NoTracking

@@ -141,7 +141,9 @@ def generate_parts(cfg, s, seq_len: int, world: int, weights: dict) -> dict[str,
 def asynchronous(cfg, s, gen: Phase, device_type: str) -> tuple[Phase, dict[str, int]]:
     """The generate phase as rollout.pipeline runs it and what the trainer's phases carry besides: the option's
     memory term (recipes/sources.py: sync changes nothing; async plans its worker's own copy of the weights)."""
-    return registry.get("pipeline", cfg.rollout.pipeline).memory(cfg, s, gen, device_type)
+    from ..axes import source_of
+
+    return source_of(cfg).memory(cfg, s, gen, device_type)
 
 
 def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, device_type: str = "cpu",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -23,8 +24,9 @@ import torch
 
 from .. import axes, evaluate, logprobs, losses, models, ranks, tasks
 from .. import batching as packing
+from ..rollout import record
 from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, setup
-from . import sampling, skipping
+from . import sampling, skipping, sources
 from .sampling import sample_seed  # noqa: F401 (rlrun.recipes.grpo.sample_seed, as before)
 
 
@@ -162,6 +164,9 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     drawn = sampling.Totals() if t.dynamic_sampling else None  # groups generated and dropped over the run
     # where the rollouts come from: generated here (sync) or by the generator process, ahead (async)
     source = s.axes.pipeline(cfg, s, prompts, window=window, grad_accum=grad_accum, drawn=drawn)
+    if getattr(cfg.rollout, "record", None):  # rollout.record=DIR: each rollout written as it is trained on
+        source = sources.Recording(source, record.Recorder(os.path.expanduser(cfg.rollout.record), cfg,
+                                                           resumed=resume is not None))
     stateful = {"prompts": prompts, "buffer": buffer, "passes": passes, **source.stateful()}
     if drawn is not None:
         stateful["sampling"] = drawn

@@ -125,8 +125,14 @@ def prompts_of(cfg, s, prompts, rollout: int, round_: int = 0):
 
 def scored(cfg, s, rows: list[dict], roll: Rollout) -> Drawn:
     """A generated round scored by the task's rewards, with the overlong penalty where asked."""
-    t = cfg.train
     totals, by_reward = s.data.score(roll.completions, rows)
+    return shape(cfg, rows, roll, totals, by_reward)
+
+
+def shape(cfg, rows: list[dict], roll: Rollout, totals: list[float], by_reward: dict) -> Drawn:
+    """A scored round (`totals`, `by_reward`: the task's rewards) with the overlong penalty where asked: a rollout
+    replayed from a record is shaped here too, since train.overlong is a training-side choice."""
+    t = cfg.train
     shaped = torch.tensor(totals, dtype=torch.float32)
     if t.overlong == "penalty":
         penalty = overlong_penalty(roll, cfg.rollout.max_new_tokens, t.overlong_buffer, t.overlong_penalty_factor)

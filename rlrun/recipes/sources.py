@@ -6,6 +6,9 @@ come from. The recipe asks `next(step, rollouts, got)` for the next one and neve
   a step changed them.
 - `Async`: taken in order from the generator process (rlrun/pipeline), which runs up to rollout.max_staleness
   optimizer steps ahead on its own copy of the policy (rlrun.policy, role generator).
+- `Replay` (rollout=replay, not an axis option: the rollout option's own source, axes.source_of): read in order
+  from a record (rlrun/rollout/record.py); nothing is generated. `Recording` wraps any of them for
+  rollout.record=DIR: each rollout is written as the recipe takes it.
 
 Each is built by the recipe as `Source(cfg, s, prompts, window=, grad_accum=, drawn=)`; `stateful()` is what it
 checkpoints, `open(cleanup, tracker, step)` starts it (after a checkpoint is restored), `ahead(step)` runs at the
@@ -14,10 +17,12 @@ start of every optimizer step. `memory` is its term for the planner (rlrun/plan/
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 from .. import pipeline
 from ..plan.phases import Phase
+from ..rollout import Rollout, record
 from ..runner import timed
 from . import sampling
 
@@ -118,3 +123,61 @@ class Async(Sync):
         if device is None or str(device).split(":")[0] == device_type:
             return gen, {"generator process on this device (weights, generate peak)": gen.peak}
         return gen, {}
+
+
+class Replay:
+    """rollout=replay: the rollouts of the record at rollout.path, in the order the recording run trained on them,
+    with its rewards and the versions of the weights that drew them (staleness is the record's). train.overlong's
+    shaping is applied here, as the training side chooses. The read is metered as the wait phase (the trainer waits
+    for its rollout): no generate phase, so no generation throughput is reported for tokens nobody generated."""
+
+    exactness = "baseline"  # the recording run's rollouts: with its config, its numbers bit for bit
+    phases: tuple[str, ...] = ("wait",)
+    generates_here = False  # no sampler is built
+
+    def __init__(self, cfg, s, prompts, *, window: int, grad_accum: int, drawn=None):
+        self.cfg, self.s = cfg, s
+        self.record = record.Record(os.path.expanduser(cfg.rollout.path))
+
+    def stateful(self) -> dict:
+        return {}  # the rollout number is the buffer's (checkpointed): a resumed replay reads on from there
+
+    def open(self, cleanup, tracker, step: int) -> None:
+        tracker.tags({"rlrun.replay": os.path.abspath(self.record.path), "rlrun.replay.digest": self.record.digest,
+                      "rlrun.replay.rollouts": len(self.record)})
+
+    def ahead(self, step: int) -> None:
+        pass
+
+    def next(self, step: int, rollouts: int, got):
+        with self.s.meter.phase("wait"):
+            t, meta = self.record.read(rollouts, self.s.engine.device)
+        roll = Rollout(input_ids=t["input_ids"], attention_mask=t["attention_mask"], prompt_len=meta["prompt_len"],
+                       response_mask=t["response_mask"], gen_logprobs=t["gen_logprobs"],
+                       completions=meta["completions"], finished=t["finished"])
+        return sampling.shape(self.cfg, meta["rows"], roll, meta["totals"], meta["by_reward"]), meta["version"]
+
+    @staticmethod
+    def memory(cfg, s, gen: Phase, device_type: str) -> tuple[Phase, dict[str, int]]:
+        """No generation: a recorded rollout's tensors (ids, masks, logprobs: kilobytes) are all it reads."""
+        return Phase({}, gen.resident), {}
+
+
+class Recording:
+    """rollout.record=DIR: `source`'s rollouts, each written to the record (rlrun/rollout/record.py) as the recipe
+    takes it, numbered as the recipe counts them (a resumed run writes again from its checkpoint's rollout)."""
+
+    def __init__(self, source, recorder: record.Recorder):
+        self.source, self.recorder = source, recorder
+
+    def __getattr__(self, name):  # stateful, ahead, memory, ...: the source's own
+        return getattr(self.source, name)
+
+    def open(self, cleanup, tracker, step: int) -> None:
+        tracker.tags({"rlrun.record": os.path.abspath(self.recorder.path)})
+        self.source.open(cleanup, tracker, step)
+
+    def next(self, step: int, rollouts: int, got):
+        d, version = self.source.next(step, rollouts, got)
+        self.recorder.write(rollouts, d, version, step)
+        return d, version

@@ -9,6 +9,7 @@ import os
 from .. import checkpoint, exportdir, faults, folders, ranks, registry, signals, tracking
 from ..config import ConfigError
 from ..errors import DivergedError
+from ..rollout import record
 from .console import end_table, results_hint
 
 log = logging.getLogger("rlrun")
@@ -21,6 +22,7 @@ def run(cfg, raw, run_name: str | None, train, on_start=None) -> dict:
     `on_start(tracker)`: called once the run exists (a sweep job logs its check there)."""
     signals.set_grace(cfg.checkpoint.stop_grace_s)  # after a signal, how long the step in flight may take
     faults.check_devices(cfg)  # before anything is built: a device the machine lacks is one message
+    check_rollouts(cfg)
     state = load_resume(cfg, raw) if cfg.resume else None
     checkpoint.check_writable(cfg.checkpoint.dir)
     main_rank = ranks.is_main()  # data parallel: only rank 0 talks to MLflow (and draws progress)
@@ -35,6 +37,17 @@ def run(cfg, raw, run_name: str | None, train, on_start=None) -> dict:
             return _tracked(cfg, raw, run_name, train, state, main_rank, on_start)
         except FloatingPointError as e:  # frame.NonFiniteLossError (the run is marked FAILED already)
             raise DivergedError(faults.diverged(cfg, e)) from None
+
+
+def check_rollouts(cfg) -> None:
+    """Before anything is built: the record a run replays must fit its config (rollout=replay: the rollout option's
+    `check`), and a folder to record to must be new, empty, or this run's own record when it resumes. (With
+    loss=dpo the config rules refuse both.)"""
+    fits = getattr(registry.get("rollout", cfg.rollout.name), "check", None)
+    if fits is not None:
+        fits(cfg)
+    if getattr(cfg.rollout, "record", None):
+        record.check_folder(os.path.expanduser(cfg.rollout.record), cfg, resumed=bool(cfg.resume))
 
 
 def _tracked(cfg, raw, run_name, train, state, main_rank, on_start=None) -> dict:

@@ -1,0 +1,221 @@
+"""A run's rollouts on disk (`rollout.record=DIR`) and read back in order (`rollout=replay rollout.path=DIR`).
+
+A record lets training-side variants (head, batching, activations, offload, logprob policy, precision, loss, micro
+batch) train on the very same rollouts: their curves then differ by their own arithmetic only, never by a sampled
+token that rounding flipped, and generation is paid once (docs/replay.md).
+
+The format (FORMAT 1), one folder:
+
+- `record.json`: {"format": 1, "fixed": {key: value}} - what the rollouts depend on (FIXED: the sampler's settings,
+  the group and rollout sizes, dynamic sampling, the seed, the task and the model), checked against a replaying
+  run's config;
+- `rollout_NNNNNN.safetensors`, one per rollout in the order the run trained on them: the tensors of TENSORS (the
+  left-padded prompt + response ids, masks, the sampler's logprobs of the sampled tokens, which rows ended with EOS)
+  and, as the safetensors metadata key `rlrun`, one JSON object: `prompt_len`, the task rows, the completions, each
+  row's total reward (`totals`) and each reward function's values (`by_reward`);
+- `rollouts.jsonl`, one line per rollout: {"n", "file", "sha256", "step", "version", "rows"}: the file's digest, the
+  first optimizer step that trained on it, and the optimizer steps of the weights that drew it. The record's digest
+  is the sha256 of this file.
+
+Each rollout's file is written under a temporary name and renamed, then its line appended (and fsynced): a run
+killed mid-write leaves every listed rollout whole. A resumed recording run (`resume=true`) cuts the index back to
+the rollouts its checkpoint had consumed and writes the rest again (a resume is bit-identical, so are they).
+Recording and replay are on one process (engine.world 1) for now: with data parallel each rank holds only its share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any
+
+from ..errors import RecordError
+from ..nofollow import write_replacing
+
+FORMAT = 1
+HEADER, INDEX = "record.json", "rollouts.jsonl"
+TENSORS = ("input_ids", "attention_mask", "response_mask", "gen_logprobs", "finished")
+# What a record's rollouts depend on: a replaying run must have the same (the training side is free).
+FIXED = ("rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "train.group_size",
+         "train.rollout_batch", "train.dynamic_sampling", "seed", "task", "model")
+
+
+def fixed(cfg) -> dict:
+    """The FIXED values of a config (typed or DictConfig), as plain JSON values; the model without model.lora (the
+    adapters are trained, a training-side choice)."""
+    from omegaconf import OmegaConf
+
+    out = {}
+    for key in FIXED:
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        value: Any = node
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            value = dataclasses.asdict(node)
+        elif OmegaConf.is_config(node):
+            value = OmegaConf.to_container(node, resolve=True)
+        if key == "model":
+            value = {k: v for k, v in value.items() if k != "lora"}
+        out[key] = json.loads(json.dumps(value, default=str))
+    return out
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _flat(value, prefix: str = ""):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _flat(v, f"{prefix}.{k}" if prefix else k)
+    else:
+        yield prefix, value
+
+
+def differences(recorded: dict, now: dict) -> list[str]:
+    """`key was X in the record, now Y` for each FIXED value (flattened) that differs."""
+    a, b = dict(_flat(recorded)), dict(_flat(now))
+    return [f"{k} was {a.get(k)!r} in the record, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]
+
+
+class Record:
+    """A record folder opened for reading: its header, its index (each line's file checked when read)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        header = os.path.join(path, HEADER)
+        if not os.path.isdir(path):
+            raise RecordError(f"rollout.path={path!r} is not a folder; give the rollout.record folder of an earlier "
+                              "run (docs/replay.md)")
+        try:
+            with open(header) as f:
+                self.header = json.load(f)
+        except (OSError, ValueError) as e:
+            raise RecordError(f"rollout.path={path!r}: {header} cannot be read ({type(e).__name__}: {e}); it is not "
+                              "a rollout record, or a damaged one. Record one with rollout.record=DIR.") from None
+        if self.header.get("format") != FORMAT:
+            raise RecordError(f"rollout.path={path!r}: record format {self.header.get('format')!r}, this rlrun "
+                              f"reads format {FORMAT}")
+        self.entries = read_index(path)
+
+    @property
+    def digest(self) -> str:
+        index = os.path.join(self.path, INDEX)
+        return _sha256(index) if os.path.exists(index) else hashlib.sha256(b"").hexdigest()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def read(self, n: int, device) -> tuple[dict, dict]:
+        """Rollout `n`: (its tensors on `device`, its metadata), after checking the file against its digest."""
+        from safetensors import safe_open
+
+        if n >= len(self.entries):
+            raise RecordError(f"rollout.path={self.path!r} holds {len(self.entries)} rollouts and this run needs "
+                              f"rollout {n + 1}: lower train.steps, or record a longer run")
+        entry = self.entries[n]
+        file = os.path.join(self.path, entry["file"])
+        if not os.path.exists(file) or _sha256(file) != entry["sha256"]:
+            raise RecordError(f"rollout.path={self.path!r}: {file} is missing or changed since it was recorded (its "
+                              "sha256 differs from rollouts.jsonl's); the record cannot be replayed. Record it again.")
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            tensors = {k: f.get_tensor(k) for k in TENSORS}
+            meta = json.loads(f.metadata()["rlrun"])
+        tensors["finished"] = tensors["finished"].bool()
+        tensors["response_mask"] = tensors["response_mask"].bool()
+        return tensors, {**meta, "version": entry["version"], "step": entry["step"]}
+
+
+def read_index(path: str) -> list[dict]:
+    """The index's entries, in order; RecordError naming the line that is not one."""
+    index = os.path.join(path, INDEX)
+    if not os.path.exists(index):
+        return []
+    entries: list[dict] = []
+    with open(index) as f:
+        for i, line in enumerate(f, 1):
+            try:
+                entry = json.loads(line)
+                ok = entry["n"] == len(entries) and {"file", "sha256", "step", "version"} <= set(entry)
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                raise RecordError(f"{index}: line {i} is not the record of rollout {len(entries)} (a torn or edited "
+                                  "index); the record cannot be read. Record it again.")
+            entries.append(entry)
+    return entries
+
+
+def check_folder(path: str, cfg, resumed: bool) -> list[dict]:
+    """The entries a recording run continues from: none for a new or empty folder; a record's, when this run
+    resumes the run that recorded it (same FIXED values). RecordError for any other folder."""
+    if not os.path.exists(os.path.join(path, HEADER)):
+        if os.path.isdir(path) and os.listdir(path):
+            raise RecordError(f"rollout.record={path!r} is a folder with other files; choose an empty or new folder "
+                              "for the record")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise RecordError(f"rollout.record={path!r} is a file; give a folder for the record")
+        return []
+    earlier = Record(path)
+    if not resumed:
+        raise RecordError(f"rollout.record={path!r} holds a record already ({len(earlier)} rollouts); a new run "
+                          "would mix its rollouts into it. Choose an empty folder, or resume=true to continue the "
+                          "run that recorded it.")
+    changed = differences(earlier.header["fixed"], fixed(cfg))
+    if changed:
+        raise RecordError(f"rollout.record={path!r} was recorded with another config: " + "; ".join(changed))
+    return earlier.entries
+
+
+class Recorder:
+    """Writes the rollouts of a run to `path` (check_folder says which folders it may write to)."""
+
+    def __init__(self, path: str, cfg, resumed: bool):
+        self.path = path
+        self.entries = check_folder(path, cfg, resumed)
+        if not os.path.exists(os.path.join(path, HEADER)):
+            os.makedirs(path, exist_ok=True)
+            header = {"format": FORMAT, "fixed": fixed(cfg)}
+            write_replacing(os.path.join(path, HEADER), (json.dumps(header, indent=1) + "\n").encode(), fsync=True)
+
+    def write(self, n: int, d, version: int, step: int) -> None:
+        """Rollout number `n` (sampling.Drawn `d`, drawn by the weights after `version` optimizer steps, first
+        trained at `step`). A resumed run writes from its checkpoint's rollout on: later lines are cut first."""
+        from safetensors.torch import save
+
+        if n > len(self.entries):
+            raise RecordError(f"rollout.record={self.path!r} holds {len(self.entries)} rollouts and this run is at "
+                              f"rollout {n}: a record must start with the run (set rollout.record when it starts)")
+        if n < len(self.entries):  # resumed: the rollouts after the checkpoint are recorded again
+            self.entries = self.entries[:n]
+            self._write_index()
+        roll = d.roll
+        tensors = {"input_ids": roll.input_ids, "attention_mask": roll.attention_mask,
+                   "response_mask": roll.response_mask.to(dtype=roll.input_ids.dtype),
+                   "gen_logprobs": roll.gen_logprobs, "finished": roll.finished.to(dtype=roll.input_ids.dtype)}
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        task_rewards = {k: v for k, v in d.by_reward.items() if k != "overlong_penalty"}  # shaping is re-applied
+        meta = {"prompt_len": roll.prompt_len, "rows": d.rows, "completions": roll.completions, "totals": d.totals,
+                "by_reward": task_rewards}
+        name = f"rollout_{n:06d}.safetensors"
+        # one metadata key: safetensors writes its metadata map in an arbitrary order, so a file's digest would vary
+        data = save(tensors, metadata={"rlrun": json.dumps(meta, default=str, sort_keys=True)})
+        write_replacing(os.path.join(self.path, name), data, fsync=True)
+        self.entries.append({"n": n, "file": name, "sha256": hashlib.sha256(data).hexdigest(), "step": step,
+                             "version": version, "rows": len(d.rows)})
+        with open(os.path.join(self.path, INDEX), "a") as f:
+            f.write(json.dumps(self.entries[-1]) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _write_index(self) -> None:
+        text = "".join(json.dumps(e) + "\n" for e in self.entries)
+        write_replacing(os.path.join(self.path, INDEX), text.encode(), fsync=True)

@@ -1,0 +1,209 @@
+"""rollout.record=DIR and rollout=replay (rlrun/rollout/record.py, replay.py; docs/replay.md): a replay of the recorded
+config is the recorded run bit for bit; training-side variants replayed agree with it to fp tolerance over every
+step; what a record fixes is refused by key; a changed, torn or short record is refused by file; a killed recording
+run resumed records the same rollouts, and a resumed replay trains the same."""
+
+import hashlib
+import json
+
+import pytest
+from conftest import make_cfg, new_store
+from helpers import runs
+
+from rlrun import cli
+from rlrun.config import validate
+from rlrun.errors import RecordError
+from rlrun.rollout import record, replay
+
+# two iterations per rollout and a KL term: the old and reference passes run on the replayed rollouts too; a constant
+# learning rate, so that a run of 2 steps resumed to 4 is the run of 4 (a cosine schedule depends on train.steps)
+BASE = ["experiment=smoke", "train.steps=4", "train.num_iterations=2", "loss.kl_coef=0.05", "export.enabled=false",
+        "train.lr_schedule=constant"]
+
+
+def run(folder, *overrides):
+    """One in-process run tracked into folder/mlflow.db; -> {MLflow key: [(step, value)]} of its train/* and eval/*
+    metrics."""
+    new_store(folder)
+    cli.run(make_cfg(*BASE, *overrides, tmp_path=folder), "replay-test")
+    client, (r,) = runs(folder / "mlflow.db")
+    keys = [k for k in r.data.metrics if k.startswith(("train/", "eval/"))]
+    return r, {k: [(m.step, m.value) for m in sorted(client.get_metric_history(r.info.run_id, k),
+                                                     key=lambda m: m.step)] for k in keys}
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A recorded smoke run: (its folder, the record's folder, its curves)."""
+    folder = tmp_path_factory.mktemp("recorded")
+    with pytest.MonkeyPatch.context() as mp:  # set up before each test's own working folder: MLflow's ./mlruns
+        mp.chdir(folder)
+        r, curves = run(folder, f"rollout.record={folder}/record")
+    assert r.data.tags["rlrun.record"] == str(folder / "record")
+    return folder, folder / "record", curves
+
+
+@pytest.mark.slow  # two short runs (the recorded one is the module's)
+def test_replaying_the_recorded_config_reproduces_every_curve_bit_for_bit(recorded, tmp_path):
+    _, rec, curves = recorded
+    r, again = run(tmp_path, "rollout=replay", f"rollout.path={rec}")
+    assert again == curves  # train/* and eval/*: every key, step and value
+    assert len(curves["train/loss"]) == 4 and any(v for _, v in curves["train/grad_norm"])
+    assert r.data.tags["rlrun.replay.digest"] == hashlib.sha256((rec / record.INDEX).read_bytes()).hexdigest()
+    assert "system/time/generate_s" not in r.data.metrics  # nothing generated; the read is the wait phase
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [["head=chunked", "head.size=16"], ["batching=packed", "batching.max_tokens=48"],
+                                     ["activations=checkpoint", "train.micro_batch=2"]],
+                         ids=["chunked", "packed", "checkpoint-micro2"])
+def test_training_side_variants_replayed_agree_with_the_record_over_every_step(recorded, tmp_path, variant):
+    """Exact axes on the same rollouts: the curves coincide to fp tolerance over the whole run (without replay they
+    part once rounding flips a sampled token)."""
+    _, rec, curves = recorded
+    _, got = run(tmp_path, "rollout=replay", f"rollout.path={rec}", *variant)
+    for key in ("train/loss", "train/grad_norm", "train/reward_mean", "train/clipfrac", "train/kl",
+                "train/mismatch/gen_vs_train_abs"):
+        if key not in curves:
+            continue
+        assert [s for s, _ in got[key]] == [s for s, _ in curves[key]], key
+        assert [v for _, v in got[key]] == pytest.approx([v for _, v in curves[key]], rel=1e-5, abs=1e-7), key
+    assert got["train/reward_mean"] == curves["train/reward_mean"]  # the recorded rewards themselves
+
+
+def test_what_the_record_fixes_is_refused_by_key_and_a_short_record_by_its_length(tmp_path):
+    (tmp_path / "rec").mkdir()
+    cfg = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={tmp_path}/rec"))
+    (tmp_path / "rec" / record.HEADER).write_text(json.dumps({"format": 1, "fixed": record.fixed(cfg)}))
+    with pytest.raises(RecordError, match="train.steps=4 needs 2 rollouts and the record holds 0"):
+        replay.check(cfg)
+    other = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={tmp_path}/rec", "rollout.temperature=0.7",
+                              "train.group_size=2", "model.hidden_size=48", "head=tiled", "loss=cispo"))
+    with pytest.raises(RecordError) as e:
+        replay.check(other)
+    named = [line.split()[1] for line in str(e.value).splitlines()[1:]]  # "  - KEY was ..." / "  - train.steps=4 ..."
+    assert named == ["model.hidden_size", "rollout.temperature", "train.group_size", "train.steps=4"], str(e.value)
+    assert "rollout.temperature was 1.0 in the record, now 0.7" in str(e.value)  # head, loss: the training side
+
+
+def test_a_record_that_is_not_one_is_refused_naming_the_file(tmp_path):
+    with pytest.raises(RecordError, match="is not a folder"):
+        record.Record(str(tmp_path / "missing"))
+    (tmp_path / "r").mkdir()
+    with pytest.raises(RecordError, match="record.json cannot be read"):
+        record.Record(str(tmp_path / "r"))
+    (tmp_path / "r" / record.HEADER).write_text(json.dumps({"format": 99, "fixed": {}}))
+    with pytest.raises(RecordError, match="record format 99"):
+        record.Record(str(tmp_path / "r"))
+    (tmp_path / "r" / record.HEADER).write_text(json.dumps({"format": 1, "fixed": {}}))
+    (tmp_path / "r" / record.INDEX).write_text('{"n": 0, "file": "a", "sha256": "x", "step": 0, "version": 0}\n{"n": 1')
+    with pytest.raises(RecordError, match="line 2 is not the record of rollout 1"):
+        record.Record(str(tmp_path / "r"))
+
+
+@pytest.mark.slow
+def test_a_changed_rollout_file_is_refused_naming_it(recorded, tmp_path):
+    import shutil
+
+    _, rec, _ = recorded
+    copy = tmp_path / "rec"
+    shutil.copytree(rec, copy)
+    data = bytearray((copy / "rollout_000001.safetensors").read_bytes())
+    data[-1] ^= 1  # one bit of the last rollout's last float
+    (copy / "rollout_000001.safetensors").write_bytes(bytes(data))
+    with pytest.raises(RecordError, match="rollout_000001.safetensors is missing or changed"):
+        run(tmp_path / "run", "rollout=replay", f"rollout.path={copy}")
+
+
+def test_a_record_folder_is_new_empty_or_this_runs_own_when_it_resumes(tmp_path):
+    cfg = validate(make_cfg(*BASE))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    with pytest.raises(RecordError, match="a folder with other files"):
+        record.check_folder(str(tmp_path / "full"), cfg, resumed=False)
+    assert record.check_folder(str(tmp_path / "new"), cfg, resumed=False) == []
+    record.Recorder(str(tmp_path / "rec"), cfg, resumed=False)
+    with pytest.raises(RecordError, match="holds a record already"):
+        record.check_folder(str(tmp_path / "rec"), cfg, resumed=False)
+    assert record.check_folder(str(tmp_path / "rec"), cfg, resumed=True) == []
+    other = validate(make_cfg(*BASE, "seed=1"))
+    with pytest.raises(RecordError, match="seed was 0 in the record, now 1"):
+        record.check_folder(str(tmp_path / "rec"), other, resumed=True)
+
+
+def test_record_and_replay_are_refused_with_dpo_and_on_several_ranks(monkeypatch):
+    from rlrun.config import ConfigError
+
+    with pytest.raises(ConfigError, match="loss=dpo generates none"):
+        validate(make_cfg("loss=dpo", "rollout.record=/tmp/r"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="rollout=replay runs on one process"):
+        validate(make_cfg("experiment=smoke", "engine=deepspeed", "rollout=replay", "rollout.path=/tmp/r"))
+
+
+@pytest.mark.slow  # four short runs
+def test_a_resumed_recording_records_the_same_and_a_resumed_replay_trains_the_same(recorded, tmp_path):
+    """Two steps, then resume=true to four: the record equals the uninterrupted run's file for file; a replay
+    stopped after two steps and resumed gives the uninterrupted replay's curves."""
+    _, rec, curves = recorded
+    ckpt = f"checkpoint.dir={tmp_path}/ckpt"
+    run(tmp_path / "a", f"rollout.record={tmp_path}/rec", ckpt, "train.steps=2", "checkpoint.every=2")
+    cli.run(make_cfg(*BASE, f"rollout.record={tmp_path}/rec", ckpt, "resume=true", tmp_path=tmp_path / "a"), "resumed")
+    assert (tmp_path / "rec" / record.INDEX).read_text() == (rec / record.INDEX).read_text()
+    assert sorted(p.name for p in (tmp_path / "rec").iterdir()) == sorted(p.name for p in rec.iterdir())
+
+    ckpt = f"checkpoint.dir={tmp_path}/ckpt2"
+    run(tmp_path / "c", "rollout=replay", f"rollout.path={rec}", ckpt, "train.steps=2", "checkpoint.every=2")
+    cli.run(make_cfg(*BASE, "rollout=replay", f"rollout.path={rec}", ckpt, "resume=true", tmp_path=tmp_path / "c"),
+            "resumed")
+    client, (r,) = runs(tmp_path / "c" / "mlflow.db")
+    for key in ("train/loss", "train/grad_norm", "train/reward_mean"):
+        got = sorted(client.get_metric_history(r.info.run_id, key), key=lambda m: m.step)
+        assert [(m.step, m.value) for m in got] == curves[key], key
+
+
+def test_a_resumed_recorder_writes_again_from_its_checkpoints_rollout(tmp_path):
+    """A run killed after recording rollouts its checkpoint does not hold: resumed, the recorder cuts the index back
+    to the checkpoint's rollout and writes on from there (the same rollouts again: a resume is bit-identical)."""
+    import torch
+
+    from rlrun.recipes.sampling import Drawn
+    from rlrun.rollout import Rollout
+
+    cfg = validate(make_cfg(*BASE))
+
+    def drawn(k):
+        ids = torch.full((2, 3), k)
+        roll = Rollout(ids, torch.ones(2, 3, dtype=torch.long), 1, torch.ones(2, 2, dtype=torch.bool),
+                       torch.full((2, 2), -0.5 * k), [f"c{k}", "d"], torch.tensor([True, False]))
+        return Drawn([{"prompt": "1+1=", "answer": "2"}] * 2, roll, [1.0, 0.0], {"r": [1.0, 0.0]}, torch.zeros(2))
+
+    first = record.Recorder(str(tmp_path), cfg, resumed=False)
+    for n in range(3):
+        first.write(n, drawn(n), version=n, step=n)
+    again = record.Recorder(str(tmp_path), cfg, resumed=True)  # the checkpoint had consumed rollout 0 only
+    again.write(1, drawn(7), version=1, step=1)
+    entries = record.read_index(str(tmp_path))
+    assert [e["n"] for e in entries] == [0, 1] and entries[0] == first.entries[0]
+    tensors, meta = record.Record(str(tmp_path)).read(1, "cpu")
+    assert tensors["input_ids"].eq(7).all() and meta["completions"] == ["c7", "d"] and meta["version"] == 1
+    assert tensors["finished"].tolist() == [True, False] and tensors["response_mask"].dtype == torch.bool
+    with pytest.raises(RecordError, match="holds 2 rollouts and this run is at rollout 3"):
+        again.write(3, drawn(3), version=3, step=3)
+
+
+@pytest.mark.slow  # builds the configuration and its baseline, draws a probe rollout (~10 s)
+def test_rlrun_check_passes_on_a_replay_of_training_side_options(recorded):
+    """A replay has no sampler: `rlrun check` draws its probe with rollout=hf at the replay's settings and proves
+    the training side (here chunked + packed + checkpointed activations)."""
+    import torch
+
+    from rlrun import check
+
+    _, rec, _ = recorded
+    cfg = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={rec}", "head=chunked", "batching=packed",
+                            "activations=checkpoint"))
+    with torch.random.fork_rng():
+        rows = check.run_probes(check.build(cfg))
+    assert rows and all(r.ok is not False for r in rows), [(r.probe, r.ok) for r in rows]
+    assert any(r.probe == "vs baseline" and r.ok for r in rows)
