@@ -207,3 +207,16 @@ def test_rlrun_check_passes_on_a_replay_of_training_side_options(recorded):
         rows = check.run_probes(check.build(cfg))
     assert rows and all(r.ok is not False for r in rows), [(r.probe, r.ok) for r in rows]
     assert any(r.probe == "vs baseline" and r.ok for r in rows)
+
+
+def test_a_rollout_file_of_another_layout_is_refused_naming_it(tmp_path):
+    import torch
+    from safetensors.torch import save
+
+    data = save({k: torch.zeros(1, 2) for k in record.TENSORS})  # no `rlrun` metadata: not this format's rollout
+    (tmp_path / "rollout_000000.safetensors").write_bytes(data)
+    (tmp_path / record.HEADER).write_text(json.dumps({"format": 1, "fixed": {}}))
+    (tmp_path / record.INDEX).write_text(json.dumps({"n": 0, "file": "rollout_000000.safetensors", "sha256":
+                                                     hashlib.sha256(data).hexdigest(), "step": 0, "version": 0}) + "\n")
+    with pytest.raises(RecordError, match="rollout_000000.safetensors is not a rollout of record format 1"):
+        record.Record(str(tmp_path)).read(0, "cpu")

@@ -126,9 +126,13 @@ class Record:
         if not os.path.exists(file) or _sha256(file) != entry["sha256"]:
             raise RecordError(f"rollout.path={self.path!r}: {file} is missing or changed since it was recorded (its "
                               "sha256 differs from rollouts.jsonl's); the record cannot be replayed. Record it again.")
-        with safe_open(file, framework="pt", device=str(device)) as f:
-            tensors = {k: f.get_tensor(k) for k in TENSORS}
-            meta = json.loads(f.metadata()["rlrun"])
+        try:
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                tensors = {k: f.get_tensor(k) for k in TENSORS}
+                meta = json.loads((f.metadata() or {})["rlrun"])
+        except (KeyError, ValueError, OSError) as e:  # e.g. written by another version of the format
+            raise RecordError(f"rollout.path={self.path!r}: {file} is not a rollout of record format {FORMAT} "
+                              f"({type(e).__name__}: {e}). Record it again.") from None
         tensors["finished"] = tensors["finished"].bool()
         tensors["response_mask"] = tensors["response_mask"].bool()
         return tensors, {**meta, "version": entry["version"], "step": entry["step"]}
