@@ -12,7 +12,6 @@ from typing import NoReturn
 from ..errors import RecordError
 from . import record
 
-
 # `rlrun check` draws its probe rollout with this sampler: a replay has none, and the probes test the training side
 PROBE_SAMPLER = "hf"
 
