@@ -74,8 +74,8 @@ def resolve(cfg, *, head_size: int | None = None, temperature: float = 1.0, top_
 def source_of(cfg):
     """Where GRPO's rollouts come from: the rollout option's own source when it has one (rollout=replay reads a
     record), else rollout.pipeline's (recipes/sources.Sync | Async)."""
-    own = getattr(registry.get("rollout", cfg.rollout.name), "source", None)
-    return own() if own is not None else registry.get("pipeline", cfg.rollout.pipeline)
+    own = getattr(registry.get("rollout", cfg.rollout.name), "SOURCE", None)
+    return registry.load(own) if own is not None else registry.get("pipeline", cfg.rollout.pipeline)
 
 
 def of(head="dense", size=16, temperature=1.0, batching="padded", max_tokens=64, activations="keep", every=1,

@@ -1,5 +1,5 @@
 """rollout=replay rollout.path=DIR: GRPO trains on the rollouts a run recorded (rollout.record=DIR), in their order,
-and generates nothing. The rollouts come from `source()` (recipes/sources.Replay) instead of rollout.pipeline's;
+and generates nothing. The rollouts come from SOURCE (recipes/sources.Replay) instead of rollout.pipeline's;
 `check` refuses, before anything is built, a record that is not one or a config whose rollouts would differ from
 the record's (rollout/record.FIXED)."""
 
@@ -14,13 +14,9 @@ from . import record
 
 # `rlrun check` draws its probe rollout with this sampler: a replay has none, and the probes test the training side
 PROBE_SAMPLER = "hf"
-
-
-def source():
-    """The class the GRPO recipe takes its rollouts from (recipes/sources.Replay)."""
-    from ..recipes.sources import Replay
-
-    return Replay
+# where GRPO takes this option's rollouts from (axes.source_of), instead of rollout.pipeline's source; by import path,
+# as the registry names options (recipes sit above rollout in the layers)
+SOURCE = "rlrun.recipes.sources:Replay"
 
 
 def build(cfg, model, tokenizer, device) -> NoReturn:

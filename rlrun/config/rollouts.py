@@ -1,0 +1,66 @@
+"""The rollout group's options (rollout=hf|vllm|replay), part of the schema (schema.py imports them): kept here so
+that each module stays short."""
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from .types import Check, Dtype, NonNegInt, PosInt, Positive
+
+# -- rollout ------------------------------------------------------------------------------------------------------
+Temperature = Annotated[float, Check(lambda v: v > 0, "> 0: the trainer's logprobs are taken at the sampling "
+                                                        "temperature")]
+TopP = Annotated[float, Check(lambda v: 0 < v <= 1, "in (0, 1]")]
+
+
+Device = Annotated[str, Check(lambda v: re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None, "cpu, cuda or cuda:N")]
+
+
+@dataclass
+class HFRollout:
+    name: Literal["hf"]
+    temperature: Temperature
+    top_p: TopP
+    max_new_tokens: PosInt
+    sync_weights: bool  # read by the GRPO recipe for every rollout; hf samples from the trainer's model itself
+    pipeline: Literal["sync", "async"]  # async: rlrun/pipeline
+    max_staleness: NonNegInt
+    worker_threads: PosInt | None
+    worker_device: Device | None
+    worker_timeout_s: Positive  # async: the trainer gives up on a generator without a heartbeat this long
+    record: str | None = None  # a folder: every rollout trained on is written there (rlrun/rollout/record.py)
+
+
+@dataclass
+class VLLMRollout:
+    name: Literal["vllm"]
+    temperature: Temperature
+    top_p: TopP
+    max_new_tokens: PosInt
+    mode: Literal["inprocess", "process"]
+    sync_weights: bool
+    dtype: Dtype
+    enforce_eager: bool
+    max_model_len: PosInt
+    kv_cache_gib: Positive
+    gpu_memory_utilization: Annotated[float, Check(lambda v: 0 < v <= 1, "in (0, 1]")]
+    tensor_parallel_size: PosInt
+    sleep: bool
+    pipeline: Literal["sync", "async"]
+    max_staleness: NonNegInt
+    worker_threads: PosInt | None
+    worker_device: Device | None
+    worker_timeout_s: Positive  # async: the trainer gives up on a generator without a heartbeat this long
+    record: str | None = None  # a folder: every rollout trained on is written there (rlrun/rollout/record.py)
+
+
+@dataclass
+class ReplayRollout:
+    """rollout=replay: the rollouts of a record, in order; the sampler's settings must be the record's."""
+
+    name: Literal["replay"]
+    path: str  # the rollout.record folder of an earlier run
+    temperature: Temperature
+    top_p: TopP
+    max_new_tokens: PosInt
+    pipeline: Literal["sync"]  # read in step, nothing to overlap
