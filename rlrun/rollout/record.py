@@ -32,6 +32,7 @@ import os
 from typing import Any
 
 from ..errors import RecordError
+from ..folders import sha256
 from ..nofollow import write_replacing
 
 FORMAT = 1
@@ -61,14 +62,6 @@ def fixed(cfg) -> dict:
             value = {k: v for k, v in value.items() if k != "lora"}
         out[key] = json.loads(json.dumps(value, default=str))
     return out
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _flat(value, prefix: str = ""):
@@ -109,7 +102,7 @@ class Record:
     @property
     def digest(self) -> str:
         index = os.path.join(self.path, INDEX)
-        return _sha256(index) if os.path.exists(index) else hashlib.sha256(b"").hexdigest()
+        return sha256(index) if os.path.exists(index) else hashlib.sha256(b"").hexdigest()
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -123,7 +116,7 @@ class Record:
                               f"rollout {n + 1}: lower train.steps, or record a longer run")
         entry = self.entries[n]
         file = os.path.join(self.path, entry["file"])
-        if not os.path.exists(file) or _sha256(file) != entry["sha256"]:
+        if not os.path.exists(file) or sha256(file) != entry["sha256"]:
             raise RecordError(f"rollout.path={self.path!r}: {file} is missing or changed since it was recorded (its "
                               "sha256 differs from rollouts.jsonl's); the record cannot be replayed. Record it again.")
         try:
