@@ -102,3 +102,8 @@ def write_replacing(path: str, data: bytes, fsync: bool = False) -> None:
             if not os.path.islink(tmp):
                 os.remove(tmp)
         raise
+
+
+def appending(path: str):
+    """`path` opened to append text to, created if missing; never through a symbolic link."""
+    return os.fdopen(open_existing(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")

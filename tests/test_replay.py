@@ -220,3 +220,22 @@ def test_a_rollout_file_of_another_layout_is_refused_naming_it(tmp_path):
                                                      hashlib.sha256(data).hexdigest(), "step": 0, "version": 0}) + "\n")
     with pytest.raises(RecordError, match="rollout_000000.safetensors is not a rollout of record format 1"):
         record.Record(str(tmp_path)).read(0, "cpu")
+
+
+def test_the_recorder_never_writes_through_a_link(tmp_path):
+    """A link planted at the index's name is refused (rlrun.nofollow), and the file it points to is untouched."""
+    import torch
+
+    from rlrun.errors import LinkError
+    from rlrun.recipes.sampling import Drawn
+    from rlrun.rollout import Rollout
+
+    cfg = validate(make_cfg(*BASE))
+    rec = record.Recorder(str(tmp_path / "rec"), cfg, resumed=False)
+    (tmp_path / "theirs.txt").write_text("not rlrun's")
+    (tmp_path / "rec" / record.INDEX).symlink_to(tmp_path / "theirs.txt")
+    roll = Rollout(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), 1,
+                   torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, 1), ["c"], torch.tensor([True]))
+    with pytest.raises(LinkError):
+        rec.write(0, Drawn([{"prompt": "p"}], roll, [1.0], {"r": [1.0]}, torch.zeros(1)), version=0, step=0)
+    assert (tmp_path / "theirs.txt").read_text() == "not rlrun's"

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..errors import RecordError
 from ..folders import sha256
-from ..nofollow import write_replacing
+from ..nofollow import appending, write_replacing
 
 FORMAT = 1
 HEADER, INDEX = "record.json", "rollouts.jsonl"
@@ -208,7 +208,7 @@ class Recorder:
         write_replacing(os.path.join(self.path, name), data, fsync=True)
         self.entries.append({"n": n, "file": name, "sha256": hashlib.sha256(data).hexdigest(), "step": step,
                              "version": version, "rows": len(d.rows)})
-        with open(os.path.join(self.path, INDEX), "a") as f:
+        with appending(os.path.join(self.path, INDEX)) as f:  # never through a link
             f.write(json.dumps(self.entries[-1]) + "\n")
             f.flush()
             os.fsync(f.fileno())

@@ -35,6 +35,7 @@ import threading
 import time
 
 from .. import nofollow
+from ..nofollow import appending
 
 log = logging.getLogger("rlrun")
 
@@ -262,11 +263,6 @@ def joined(group: list[dict]) -> dict:
     if len(group) == 1:
         return group[0]
     return {**group[0], "args": [row for r in group for row in r["args"]]}
-
-
-def appending(path: str):
-    """`path` opened to append text to, created if missing; never through a symbolic link (rlrun.nofollow)."""
-    return os.fdopen(nofollow.open_existing(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
 
 
 def count(path: str) -> int:
