@@ -131,7 +131,18 @@ def held():
 
 
 def stacks_on_sigusr1() -> None:
-    """`kill -USR1 <pid>`: every thread's Python stack on stderr, the process unharmed (faulthandler's C handler
-    runs even while the interpreter is blocked in a lock or a system call)."""
+    """`kill -USR1 <pid>`: every thread's Python stack on stderr, the process unharmed.
+
+    A Python-level handler, not `faulthandler.register`: faulthandler's C handler walks the other threads' frames
+    while they run, and a thread pushing or popping a frame (or ending) under it crashed the run with SIGSEGV
+    (CI saw it; tests/test_signals.py reproduces it). Run by the interpreter, the dump holds the GIL, so every
+    other thread's stack stands still while it is read. The cost: a main thread inside one long C call (a torch
+    op) prints when that call returns; one blocked on a lock, a sleep or a system call prints at once (PEP 475).
+    faulthandler writes straight to the file descriptor, so a dump that lands mid-print cannot trip over
+    sys.stderr's own lock."""
     if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        signal.signal(signal.SIGUSR1, _dump_stacks)
+
+
+def _dump_stacks(signum, frame) -> None:
+    faulthandler.dump_traceback(all_threads=True)
