@@ -1,5 +1,6 @@
 """engine=deepspeed in this process: the config it hands to DeepSpeed (the 2-rank runs are in test_distributed)."""
 
+import pytest
 from conftest import make_cfg
 
 from rlrun.engine import deepspeed
@@ -53,3 +54,17 @@ def test_the_cpu_backend_starts_without_deepspeeds_shm_kernel(monkeypatch):
     with deepspeed._no_shm_kernel():
         assert ds_torch.build_shm_op() is None
     assert ds_torch.build_shm_op() == "kernel" and built == [1]
+
+
+@pytest.mark.slow  # two short in-process runs
+def test_two_deepspeed_runs_in_one_process_like_a_sweeps_jobs():
+    """A sweep runs its jobs in one process: each engine=deepspeed run joins and leaves a process group, and the
+    next one must not meet the groups DeepSpeed cached from the last (it failed with "Group ... is not
+    registered")."""
+    from rlrun.cli import run
+
+    args = ["experiment=smoke", "train.steps=2", "engine=deepspeed", "export.enabled=false", "checkpoint.dir=null"]
+    first = run(make_cfg(*args), "first")
+    second = run(make_cfg(*args, "head=tiled"), "second")
+    # the same samples (sampling does not depend on the head) and an exact head: the same rewards
+    assert first["reward_first"] == second["reward_first"] and first["reward_last"] == second["reward_last"]

@@ -67,7 +67,24 @@ def shutdown() -> None:
     """Leave the process group this module joined (at the end of a run, failed or not)."""
     if _OWNED["group"] and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        _forget_groups()
     _OWNED["group"] = False
+
+
+def _forget_groups() -> None:
+    """DeepSpeed keeps the groups it made (a clone of the world group, made by its first engine) in module globals
+    and never drops them: after destroy_process_group they name a dead group, and the next run in this process (a
+    sweep's next job) failed on it ("Group ... is not registered"). Each run's engine makes its own again."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name, value in list(vars(groups).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(groups, name, None)
+        elif isinstance(value, dict) and any(isinstance(v, dist.ProcessGroup) for v in value.values()):
+            value.clear()
 
 
 def _free_port() -> int:
