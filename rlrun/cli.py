@@ -135,6 +135,11 @@ def sweep_job(cfg: DictConfig, run_name: str):
     """One job of a multirun: a failure is recorded (child run FAILED with its error) and the sweep goes on. With
     report.check_jobs (default), the job's configuration is checked first (`rlrun check`)."""
     try:
+        if OmegaConf.select(cfg, "report.replay", default=False):  # a paired sweep: job 0 records, the rest replay
+            from .rollout import paired
+
+            hc = HydraConfig.get()
+            cfg = paired.job_config(cfg, hc.job.num, hc.sweep.dir)
         return run(cfg, run_name, check_first=bool(OmegaConf.select(cfg, "report.check_jobs", default=False)))
     except KeyboardInterrupt:
         if cfg.tracking.name == "mlflow" and cfg.tracking.parent_run_id:

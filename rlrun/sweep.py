@@ -103,10 +103,19 @@ class SweepCallback(Callback):
         sweep_params = OmegaConf.to_container(params, resolve=False) if params else {}
         run_name = f"{name}: {','.join(overrides)}"[:250] if overrides else name
         keys = swept_keys(config)
+        paired_tags, pairing = {}, ""
+        if config.report.replay:  # the record every job trains on (rollout/paired.py)
+            from .rollout import paired
+
+            record_dir = paired.folder(str(config.hydra.sweep.dir))
+            paired_tags = {"rlrun.record": record_dir}
+            pairing = (f", paired: the first job records the rollouts it trains on to {record_dir} and the others "
+                       "replay them")
         run = self.client.create_run(exp_id, run_name=run_name,
                                      tags={"rlrun.kind": "sweep", "rlrun.sweep": name, **tracking.standard_tags(),
                                            ui.GROUP_TAG: f"{run_name} ({time.strftime('%Y-%m-%d %H:%M')})",
-                                           "mlflow.note.content": f"Sweep `{name}`: {count(config)} "
+                                           **paired_tags,
+                                           "mlflow.note.content": f"Sweep `{name}`: {count(config)}{pairing} "
                                            "(the comparison appears here when the sweep ends)."})
         self.parent_id = run.info.run_id
         self.figures_dir = os.path.join(str(config.hydra.sweep.dir), "figures")
@@ -327,6 +336,11 @@ def refuse_invalid_jobs(config, config_name) -> None:
     """Compose and validate every job's config before any job runs; refuse the sweep (exit 2) listing each invalid
     job in full. Only for Hydra's basic sweeper (other sweepers choose their jobs as they go)."""
     if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
+        if config.report.replay:  # job 0 must be the one that records, and every job known before any runs
+            print(f"rlrun: error: report.replay needs Hydra's basic sweeper (its jobs known up front, the first one "
+                  f"recording); this sweep uses {config.hydra.sweeper.get('_target_')}. Drop report.replay or the "
+                  "hydra/sweeper override", file=sys.stderr)
+            sys.exit(2)
         return
     from hydra import compose
 
@@ -336,18 +350,40 @@ def refuse_invalid_jobs(config, config_name) -> None:
     todo = jobs(config)
     if not todo:
         refuse_empty(config)
+    composed = []
     for overrides in todo:
         try:
-            validate(compose(config_name=config_name, overrides=overrides))
+            composed.append(compose(config_name=config_name, overrides=overrides))
+            validate(composed[-1])
         except ConfigError as e:
             bad.append(f"job {','.join(overrides)}:\n" + "\n".join(f"    - {p}" for p in e.problems))
         except Exception as e:  # noqa: BLE001 - a job that does not even compose is as invalid
             bad.append(f"job {','.join(overrides)}:\n    - {type(e).__name__}: {e}")
+    unpaired = refuse_unpaired(config, todo, composed) if config.report.replay and not bad else []
+    if unpaired:
+        print("rlrun: sweep refused, its jobs cannot share one record (report.replay; no job was run):\n  - "
+              + "\n  - ".join(unpaired), file=sys.stderr)
+        sys.exit(2)
     if bad:
         print(f"rlrun: sweep refused, {len(bad)} of {len(todo)} jobs are invalid (no job was run):\n"
               + "\n".join(bad), file=sys.stderr)
         sys.exit(2)
 
+
+
+def refuse_unpaired(config, todo: list[list[str]], composed) -> list[str]:
+    """report.replay: why the jobs cannot share one record (rollout/paired.py); a launcher that runs jobs side by
+    side cannot replay a record still being written."""
+    from .rollout import paired
+
+    if "BasicLauncher" not in str(config.hydra.launcher.get("_target_", "")):
+        return [f"report.replay: the jobs replay the first job's record, so they run one after another; the launcher "
+                f"{config.hydra.launcher.get('_target_')} runs them side by side. Drop hydra/launcher=... or "
+                "report.replay"]
+    keys = swept_keys(config)
+    names = [",".join(o for o in job if o.split("=", 1)[0].lstrip("+~") in keys) or str(n) for n, job in
+             enumerate(todo)]
+    return paired.problems(composed, names, str(config.hydra.sweep.dir))
 
 
 def refuse_empty(config) -> None:

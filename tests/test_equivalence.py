@@ -73,13 +73,18 @@ def test_differences_are_taken_over_the_common_steps():
 
 
 def sweep_jobs(name: str) -> list[dict[str, str]]:
-    """The flattened params of every job of a shipped sweep that the validator accepts (refused jobs never run)."""
+    """The flattened params of every job of a shipped sweep that the validator accepts (refused jobs never run); a
+    paired sweep's (report.replay) as its jobs log them: the first recording, the others replaying."""
+    from rlrun.rollout import paired
+
     with initialize_config_dir(config_dir=str(SWEEPS), version_base="1.3"):
         grid = compose(name, return_hydra_config=True).hydra.sweeper.params or {}
         axes = [[f"{k}={v}" for v in str(values).split(",")] for k, values in grid.items()]
         jobs = []
         for overrides in itertools.product(*axes):
             cfg = compose(name, overrides=list(overrides))
+            if cfg.report.replay:
+                cfg = paired.job_config(cfg, len(jobs), "/sweep")
             try:
                 validate(cfg)
             except ConfigError:
@@ -105,3 +110,6 @@ def test_every_shipped_sweep_over_efficiency_axes_has_its_equivalence_check(name
 def test_the_shipped_sweeps_include_the_ones_that_prove_equivalence():
     assert {"heads_equivalence", "logprob_policies", "smoke"} <= set(SHIPPED)
     assert len(eq.baselines(sweep_jobs("heads_equivalence"), [str(i) for i in range(6)])[0]) == 4  # tiled, chunked
+    paired = sweep_jobs("heads_paired")  # dense records, tiled and chunked replay it: still one group, dense its base
+    assert [j["rollout.name"] for j in paired] == ["hf", "replay", "replay"]
+    assert eq.baselines(paired, ["dense", "tiled", "chunked"]) == ({1: 0, 2: 0}, [])

@@ -327,6 +327,7 @@ class PlanConfig:
 class ReportConfig:
     baseline: str | None  # a sweep's equivalence baseline by run name; null: the reference setting of each axis
     check_jobs: bool  # every GRPO job of a sweep runs `rlrun check` first (rlrun/check/), logs check/*, fails on one
+    replay: bool = False  # a paired sweep: job 0 records its rollouts, the others replay them (rollout/paired.py)
 
 
 @dataclass

@@ -23,10 +23,24 @@ IGNORED = ("run_name", "tracking.", "progress", "report.", "log.", "checkpoint."
 COMPARED = ("loss", "reward_mean")  # the curves compared step by step
 
 
+def record_of(params: dict[str, str]) -> str | None:
+    """The record whose rollouts a run trained on: the one it wrote (rollout.record) or replayed (rollout.path)."""
+    for key in ("rollout.record", "rollout.path"):
+        if params.get(key) not in (None, "None", ""):
+            return params[key]
+    return None
+
+
 def group_key(params: dict[str, str]) -> tuple:
-    """What a run trains apart from its efficiency axes: runs with equal keys should train the same."""
+    """What a run trains apart from its efficiency axes: runs with equal keys should train the same. Runs on one
+    record (a paired sweep: the run that wrote it, the runs that replayed it) share their rollouts, whatever their
+    rollout option says (hf and replay; the record checked their sampler's settings equal)."""
     skip = tuple(f"{axis}." for axis in REFERENCE) + IGNORED
-    return tuple(sorted((k, v) for k, v in params.items() if not k.startswith(skip)))
+    rec = record_of(params)
+    if rec is not None:
+        skip += ("rollout.",)
+    own = [(k, v) for k, v in params.items() if not k.startswith(skip)]
+    return tuple(sorted(own + ([("rollouts of the record", rec)] if rec is not None else [])))
 
 
 def axis_values(params: dict[str, str]) -> dict[str, str | None]:

@@ -26,6 +26,7 @@ import statistics
 
 from .. import registry
 from ..meters import time_key
+from . import equivalence as eq
 
 WARMUP = 2  # first steps left out of the timings: the process's and the job's warm-up
 FP_TOL = 1e-4  # relative to the baseline's largest |loss|: an exact option's loss before the runs part
@@ -92,8 +93,9 @@ def parted_at(h: dict, base: dict) -> int | None:
     return next((s for s in sorted(want) if s in got and got[s] != want[s]), None)
 
 
-def same_result(h: dict, base: dict, exactness: str) -> tuple[bool | None, str]:
-    """(pass / fail / None: not judged, in words) of a run against its baseline under its options' exactness."""
+def same_result(h: dict, base: dict, exactness: str, paired: bool = False) -> tuple[bool | None, str]:
+    """(pass / fail / None: not judged, in words) of a run against its baseline under its options' exactness.
+    `paired`: both trained on one record's rollouts (a paired sweep), so sampling cannot part them."""
     if exactness not in EXACT:
         return None, f"{exactness}: compared by what it learns, not judged"
     if "loss" not in h or "loss" not in base:
@@ -105,7 +107,8 @@ def same_result(h: dict, base: dict, exactness: str) -> tuple[bool | None, str]:
         return None, "the runs part at their first step: compare what they learn"
     scale = max(abs(want[s]) for s in steps) or 1.0
     worst = max(abs(got[s] - want[s]) for s in steps) / scale
-    window = f"the {len(steps)} steps before sampling parts" if stop is not None else f"all {len(steps)} steps"
+    window = (f"the {len(steps)} steps before sampling parts" if stop is not None else
+              f"all {len(steps)} steps, on the same recorded rollouts" if paired else f"all {len(steps)} steps")
     return worst <= FP_TOL, f"loss off by {worst:.1e} of its scale at most, over {window} (tolerance {FP_TOL:.0e})"
 
 
@@ -125,7 +128,8 @@ def answer(names: list[str], data: list[dict], all_params: list[dict[str, str]],
     rows = {n: {"phase_s": cost[n][0], "phase_low": cost[n][1], "phase_high": cost[n][2], "step_s": whole[n][0],
                 "same": None, "same_text": "the baseline"} for n in names}
     for i, b in base_of.items():
-        ok, text = same_result(data[i], data[b], exactness_of(all_params[i], all_params[b]))
+        paired = eq.record_of(all_params[i]) is not None and eq.record_of(all_params[i]) == eq.record_of(all_params[b])
+        ok, text = same_result(data[i], data[b], exactness_of(all_params[i], all_params[b]), paired)
         rows[names[i]].update(same=ok, same_text=text)
     return headline(names, groups, phases, cost, base_of, rows), rows
 

@@ -1,0 +1,103 @@
+"""A paired sweep (report.replay=true; rlrun/rollout/paired.py, docs/replay.md): the first job records the rollouts
+it trains on, every other job replays them, so the jobs train on the same samples over the whole run and the sweep
+generates once; jobs that could not share one record are refused before any runs, each reason named."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_cfg
+from helpers import runs
+
+from rlrun.rollout import paired
+from rlrun.tools import equivalence
+
+ROOT = Path(__file__).resolve().parent.parent
+# this checkout's code first (not an editable install's of another worktree), then the tests' helpers
+ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+       "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+SMOKE = ["experiment=smoke", "train.steps=4", "report.replay=true", "report.check_jobs=false", "progress=false",
+         "export.enabled=false"]
+
+
+def sweep(tmp, *args):
+    return subprocess.run([sys.executable, "-m", "rlrun", "-m", *SMOKE, *args, f"hydra.sweep.dir={tmp}/sweep",
+                           f"tracking.uri=sqlite:///{tmp}/mlflow.db"], cwd=tmp, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+
+
+def history(client, run, key):
+    return [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+
+@pytest.mark.slow  # a sweep of two short jobs (~25 s)
+def test_a_paired_sweep_records_once_and_every_job_trains_on_those_rollouts(tmp_path):
+    r = sweep(tmp_path, "head=dense,tiled")
+    assert r.returncode == 0, r.stderr[-3000:]
+    record_dir = tmp_path / "sweep" / paired.FOLDER
+    assert len((record_dir / "rollouts.jsonl").read_text().splitlines()) == 4  # one rollout per step, written once
+    client, all_runs = runs(tmp_path / "mlflow.db")
+    (parent,) = [x for x in all_runs if x.data.tags.get("rlrun.kind") == "sweep"]
+    jobs = {x.data.tags["mlflow.runName"]: x for x in all_runs if x is not parent}
+    assert parent.data.tags["rlrun.record"] == str(record_dir)
+    dense, tiled = jobs["head=dense"], jobs["head=tiled"]
+    assert dense.data.params["rollout.record"] == str(record_dir) and dense.data.params["rollout.name"] == "hf"
+    assert tiled.data.params["rollout.path"] == str(record_dir) and tiled.data.params["rollout.name"] == "replay"
+    assert "system/time/generate_s" in dense.data.metrics and "system/time/generate_s" not in tiled.data.metrics
+    # the same samples at every step, so rewards are equal and the losses agree to fp tolerance over the whole run
+    assert history(client, tiled, "train/reward_mean") == history(client, dense, "train/reward_mean")
+    losses = zip(history(client, tiled, "train/loss"), history(client, dense, "train/loss"), strict=True)
+    assert all(a[0] == b[0] and abs(a[1] - b[1]) < 1e-6 for a, b in losses)
+    note = parent.data.tags["mlflow.note.content"]
+    assert f"paired: the first job records the rollouts it trains on to {record_dir}" in note
+    assert "same result: yes (loss off by" in note and "all 4 steps, on the same recorded rollouts" in note
+    assert parent.data.tags["rlrun.equivalence"] == "1 run(s) compared with their baseline"
+
+
+@pytest.mark.slow  # each refusal composes every job of its sweep in a new process (~5 s)
+@pytest.mark.parametrize("args, says", [
+    (["head=dense,tiled", "rollout.temperature=1.0,0.7"], "rollout.temperature was 1.0 in job head=dense,"
+                                                          "rollout.temperature=1.0, now 0.7"),
+    (["loss=dapo,dpo"], "job loss=dpo: loss=dpo trains on preference pairs"),
+    (["train.steps=4,5"], "job train.steps=5: needs 5 rollouts and job train.steps=4 records 4"),
+    (["head=dense,tiled", "rollout.pipeline=async"], "rollout.pipeline=async: a paired sweep replays in step"),
+    (["head=dense,tiled", "seed=0,1"], "seed was 0 in job head=dense,seed=0, now 1"),
+], ids=["sampler", "dpo", "length", "async", "seed"])
+def test_jobs_that_cannot_share_one_record_are_refused_before_any_runs(tmp_path, args, says):
+    r = sweep(tmp_path, *args)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "its jobs cannot share one record (report.replay; no job was run)" in r.stderr and says in r.stderr, \
+        r.stderr[-3000:]
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "sweep").exists()  # nothing written
+
+
+def test_a_paired_sweep_never_writes_into_an_earlier_record(tmp_path):
+    (tmp_path / "sweep" / paired.FOLDER).mkdir(parents=True)
+    jobs = [make_cfg(*SMOKE[:2], "head=dense"), make_cfg(*SMOKE[:2], "head=tiled")]
+    (problem,) = paired.problems(jobs, ["head=dense", "head=tiled"], str(tmp_path / "sweep"))
+    assert "exists already (an earlier sweep's record); set hydra.sweep.dir to a new folder" in problem
+    assert paired.problems(jobs, ["head=dense", "head=tiled"], str(tmp_path / "other")) == []
+
+
+def test_job_zero_records_and_the_others_replay_with_their_own_sampler_settings(tmp_path):
+    cfg = make_cfg("experiment=smoke", "rollout.temperature=0.7", "head=tiled")
+    first, other = paired.job_config(cfg, 0, str(tmp_path)), paired.job_config(cfg, 3, str(tmp_path))
+    assert first.rollout.name == "hf" and first.rollout.record == str(tmp_path / paired.FOLDER)
+    assert other.rollout.name == "replay" and other.rollout.path == str(tmp_path / paired.FOLDER)
+    assert other.rollout.temperature == 0.7 and other.head.name == "tiled" and cfg.rollout.get("record") is None
+
+
+def test_the_report_compares_the_recording_run_with_the_runs_that_replayed_it():
+    """hf + rollout.record and replay + rollout.path of one record: one group, the dense run its baseline; a run
+    that generated its own rollouts stays apart."""
+    common = {"loss.name": "dapo", "train.steps": "4", "rollout.temperature": "1.0"}
+    rec = {**common, "rollout.name": "hf", "rollout.record": "/s/record", "rollout.pipeline": "sync",
+           "rollout.sync_weights": "True", "head.name": "dense"}
+    rep = {**common, "rollout.name": "replay", "rollout.path": "/s/record", "rollout.pipeline": "sync",
+           "head.name": "tiled"}
+    own = {**common, "rollout.name": "hf", "rollout.record": "None", "rollout.pipeline": "sync",
+           "rollout.sync_weights": "True", "head.name": "chunked"}
+    pairs, problems = equivalence.baselines([rec, rep, own], ["dense", "tiled", "chunked"])
+    assert pairs == {1: 0} and problems == []
