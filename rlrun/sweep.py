@@ -219,7 +219,7 @@ class SweepCallback(Callback):
         log.info("figures: %s", out)
 
     def describe(self, report, runs, baseline=None):
-        """The comparison as the parent's description (`comparison_note`) and as the table `comparison.json`; the
+        """The comparison as the parent's description (tools/note.py) and as the table `comparison.json`; the
         children renamed to the overrides that tell them apart (already so where the sweep's jobs were known)."""
         names = report.labels(runs)
         data = report.collect(self.client, runs)
@@ -228,64 +228,26 @@ class SweepCallback(Callback):
                 self.client.set_tag(run.info.run_id, "mlflow.runName", name)
         note = self.client.get_run(self.parent_id).data.tags.get("mlflow.note.content", "").split(" (the ")[0]
         rows = report.rows_of(names, data)
-        from .tools import verdict
+        from .tools import noise_floor, verdict
+        from .tools import note as note_of
 
         params = [r.data.params for r in runs]
         answer = verdict.answer(names, data, params, report.eq.baselines(params, names, baseline)[0])
         for name, run in zip(names, runs):  # each job's `rlrun check` (report.check_jobs)
             if run.data.tags.get("rlrun.check"):
                 answer[1].setdefault(name, {})["check"] = run.data.tags["rlrun.check"]
-        text = (f"{comparison_note(rows, report.SPECS, answer)}\n\n{note.rstrip('.')}. Cost: the median seconds per "
-                f"step, after the first {verdict.WARMUP}, of the phases the varying options change, with their "
-                "interquartile range; runs whose ranges overlap: no difference measured. Reward / acc: the last "
-                "step's mean reward (GRPO) or reward accuracy (DPO); s/step: the job console's step time (evaluation "
-                "and checkpoints left out); tokens/s: trained tokens over that time; growth: the step's largest "
-                "phase at the median step. Figures and the table comparison.json: Artifacts.\n")
+        found = noise_floor.rows(names, data, params)  # a paired sweep: the options against the exact floor
+        text = (f"{note_of.comparison_note(rows, report.SPECS, answer)}"
+                + (f"\n\n{noise_floor.text(found)}" if found and found[1] else "")
+                + f"\n\n{note.rstrip('.')}. Cost: the median seconds per step, after the first {verdict.WARMUP}, "
+                "of the phases the varying options change, with their interquartile range; runs whose ranges "
+                "overlap: no difference measured. Reward / acc: the last step's mean reward (GRPO) or reward accuracy "
+                "(DPO); s/step: the job console's step time (evaluation and checkpoints left out); tokens/s: trained "
+                "tokens over that time; growth: the step's largest phase at the median step. Figures and the table "
+                "comparison.json: Artifacts.\n")
         self.client.set_tag(self.parent_id, "mlflow.note.content", text)
         self.client.log_table(self.parent_id, {c: [None if isinstance(r[c], float) and r[c] != r[c] else r[c]
                                                    for r in rows] for c in report.COLUMNS}, "comparison.json")
-
-
-# The comparison's columns a job's line shows (the rest are in comparison.json and the figures), and how each reads
-# in a sentence; a column not named here reads "column value".
-STEP = "step s (no eval)"  # report.COLUMNS' step time: the console's (evaluation and checkpoints left out)
-LINE = (STEP, "tokens/s (step)", "reward / acc", "growth MiB")
-PHRASES = {STEP: "{} s/step", "tokens/s (step)": "{} tokens/s", "reward / acc": "reward / acc {}",
-           "growth MiB": "growth {} MiB"}
-
-
-def comparison_note(rows: list[dict], specs: dict[str, str], answer=None) -> str:
-    """The sweep's comparison as markdown that MLflow's run page shows legibly: it folds a description after a few
-    lines and draws tables without borders or padding, so the answer in one bold line, then one short line per
-    job, cheapest first. `answer`: tools/verdict.answer's (headline, {run: its cost on the changed phases, its
-    spread and its same-result verdict}); without it (a bare table), the runs by step time."""
-    from .render import num, short
-
-    def esc(text):  # run names hold `_` and `*`, which markdown reads as emphasis
-        return str(text).replace("\\", "\\\\").replace("_", "\\_").replace("*", "\\*")
-
-    headline, verdicts = answer or (None, {})
-
-    def cost(r):
-        v = verdicts.get(r["run"], {}).get("phase_s", r.get(STEP, float("nan")))
-        return v if v == v else float("inf")  # NaN: no time, last
-
-    rows = sorted(rows, key=cost)
-    lines = [f"**{esc(headline)}**\n"] if headline else []
-    shown = [c for c in LINE if c in specs] or list(specs)
-    for r in rows:
-        cells = [PHRASES.get(c, c + " {}").format(num(r.get(c), specs[c]) if specs[c] else short(r.get(c)))
-                 for c in shown]
-        v: dict = verdicts.get(r["run"], {})
-        if "phase_s" in v:
-            cells.insert(0, f"changed phases {num(v['phase_s'], '.4f')} s [{num(v['phase_low'], '.4f')}, "
-                            f"{num(v['phase_high'], '.4f')}]")
-            same = {True: "yes", False: "NO", None: "–"}[v["same"]]
-            cells.append(f"same result: {same} ({esc(v['same_text'])})")
-        if "check" in v:
-            cells.append(f"check: {esc(v['check'])}")
-        lines.append(f"- **{esc(r['run'])}**: " + " · ".join(cells))
-    return "\n".join(lines)
 
 
 def swept_keys(config) -> list[str]:

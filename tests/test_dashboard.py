@@ -8,6 +8,7 @@ from conftest import new_store
 from omegaconf import OmegaConf
 
 from rlrun import runner, sweep, tracking
+from rlrun.tools import note
 from rlrun.tracking import ui
 
 CFG = {"experiment": "rlrun", "parent_run_id": None}
@@ -96,7 +97,7 @@ def test_results_open_on_model_training_and_mlflow_prints_no_genai_link(tmp_path
 
 def test_the_parent_description_leads_with_the_answer_then_one_line_per_job():
     nan = float("nan")
-    step = sweep.STEP  # the report's step-time column (the console's, without evaluation)
+    step = note.STEP  # the report's step-time column (the console's, without evaluation)
     rows = [{"run": "head=dense", "reward / acc": 0.5, step: 0.9, "growth MiB": 12.0},
             {"run": "log_samples=*", "reward / acc": 0.5, step: 0.3, "growth MiB": 1.0},
             {"run": "failed", "reward / acc": nan, step: nan, "growth MiB": nan}]
@@ -105,14 +106,14 @@ def test_the_parent_description_leads_with_the_answer_then_one_line_per_job():
                                "same_text": "the baseline"},
                 "log_samples=*": {"phase_s": 0.25, "phase_low": 0.2, "phase_high": 0.3, "same": True,
                                   "same_text": "loss off by 1e-08"}}
-    note = sweep.comparison_note(rows, specs, ("Cost of train against head=dense (head): no difference measured.",
-                                               verdicts))
-    lines = note.splitlines()
+    text = note.comparison_note(rows, specs, ("Cost of train against head=dense (head): no difference measured.",
+                                              verdicts))
+    lines = text.splitlines()
     assert lines[0] == "**Cost of train against head=dense (head): no difference measured.**"
     assert lines[2] == ("- **head=dense**: changed phases 0.2000 s [0.1900, 0.2100] · 0.9000 s/step · reward / acc "
                         "0.500 · growth 12 MiB · same result: – (the baseline)")  # cheapest on the changed phases
     assert lines[3].startswith(r"- **log\_samples=\***: changed phases 0.2500 s") and "same result: yes" in lines[3]
     assert lines[4].startswith("- **failed**: – s/step")
-    bare = sweep.comparison_note(rows, specs).splitlines()  # no answer: no ranking line, the jobs by step time
+    bare = note.comparison_note(rows, specs).splitlines()  # no answer: no ranking line, the jobs by step time
     assert bare[0].startswith(r"- **log\_samples=\***: 0.3000 s/step")
-    assert "|" not in note  # no table: MLflow's run page draws it without borders and folds it after a row
+    assert "|" not in text  # no table: MLflow's run page draws it without borders and folds it after a row

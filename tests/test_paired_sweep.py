@@ -54,6 +54,9 @@ def test_a_paired_sweep_records_once_and_every_job_trains_on_those_rollouts(tmp_
     assert f"paired: the first job records the rollouts it trains on to {record_dir}" in note
     assert "same result: yes (loss off by" in note and "all 4 steps, on the same recorded rollouts" in note
     assert parent.data.tags["rlrun.equivalence"] == "1 run(s) compared with their baseline"
+    # the exact option's largest difference over the run: the floor an inexact option would be measured against
+    assert "Paired against head=dense (the same rollouts, 4 steps): exact options' noise floor max |Δloss|" in note
+    assert (tmp_path / "sweep" / "figures" / "paired.png").exists()
 
 
 @pytest.mark.slow  # each refusal composes every job of its sweep in a new process (~5 s)

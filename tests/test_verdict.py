@@ -75,3 +75,18 @@ def test_the_verdict_takes_the_loosest_exactness_of_what_changed_and_a_pipeline_
     data = [run([0.1] * 5, generate=[1.0] * 5), run([0.1] * 5, generate=[0.5] * 5)]
     headline, _ = verdict.answer(["sync", "async"], data, runs, {})
     assert headline == "Fastest on the whole step: async, beyond every other run's spread."
+
+
+def test_a_paired_sweep_is_timed_without_generation_which_only_its_recording_job_ran():
+    """precision changes generation too, but in a paired sweep only the first job generates: timing `generate` would
+    charge it to that job alone. The same rollouts also make 'same result' hold over every step."""
+    rec = {"train.precision": "fp32", "rollout.record": "/s/record", "head.name": "dense"}
+    rep = {"train.precision": "bf16", "rollout.path": "/s/record", "rollout.name": "replay", "head.name": "dense"}
+    data = [run([0.1] * 6, generate=[1.0] * 6), run([0.1] * 6)]
+    headline, rows = verdict.answer(["fp32", "bf16"], data, [rec, rep], {1: 0})
+    assert headline.startswith("Cost of old_logprobs + ref_logprobs + train against fp32 (precision): bf16: no "
+                               "difference measured")
+    assert "generate" in verdict.changed_phases(["precision"], [rec, rep])  # unpaired, it would be timed
+    ok, text = verdict.same_result(run([0.1] * 4, loss=[1.0, 2.0, 3.0, 4.0]), run([0.1] * 4, loss=[1.0, 2.0, 3.0, 4.0]),
+                                   "fp_tolerance", paired=True)
+    assert ok and text.endswith("over all 4 steps, on the same recorded rollouts (tolerance 1e-04)")

@@ -9,8 +9,10 @@ phase), throughput.png (tokens/s of the whole step, step time by phase, each pha
 reward per step, one line per run), pipeline.png where a job ran rollout.pipeline=async (steps/s, the trainer's
 and the generator's working and idle time per step) and, where runs differ only in efficiency axes, equivalence.png and
 equivalence.txt (max difference of each curve from its group's baseline, tools/equivalence.py; a group with no
-baseline is named there, with the job to add). Step time and tokens/s leave evaluation and checkpoints out: the
-numbers each job's console prints at its end (tools/costs.py says how each number is taken).
+baseline is named there, with the job to add), and for a paired sweep (report.replay) paired.png (each job's
+per-step difference from the recording job, the exact options' noise floor beside the others, tools/noise_floor.py).
+Step time and tokens/s leave evaluation and checkpoints out: the numbers each job's console prints at its end
+(tools/costs.py says how each number is taken).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .. import nofollow, render
 from ..errors import LinkError
 from ..render import num
 from ..tracking import log_figures, metric_key, open_client, spill
-from . import costs
+from . import costs, noise_floor
 from . import equivalence as eq
 from .charts import DPI, FONT, colors, figure, hbars, panel_height, wrap
 from .cost_figures import (  # noqa: F401 (report.*)
@@ -77,7 +79,7 @@ CURVES = (("loss", "loss"), ("reward_mean", "mean reward (GRPO)"), ("rewards/acc
 
 
 def collect(client, runs):
-    return [histories(client, r, [k for k, _ in CURVES] + list(costs.KEYS)) for r in runs]
+    return [histories(client, r, [k for k, _ in CURVES] + list(costs.KEYS) + ["grad_norm"]) for r in runs]
 
 
 def curves_figure(names, data):
@@ -184,6 +186,9 @@ def figures(client, runs, device="cpu", baseline: str | None = None):
     rows, problems = equivalence(runs, names, data, baseline)
     if rows:
         figs["equivalence.png"] = equivalence_figure(rows)
+    paired = noise_floor.figure_of(names, data, params)  # a paired sweep: each option against the exact floor
+    if paired is not None:
+        figs["paired.png"] = paired
     return figs, (rows, problems)
 
 
