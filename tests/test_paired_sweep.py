@@ -59,21 +59,36 @@ def test_a_paired_sweep_records_once_and_every_job_trains_on_those_rollouts(tmp_
     assert (tmp_path / "sweep" / "figures" / "paired.png").exists()
 
 
-@pytest.mark.slow  # each refusal composes every job of its sweep in a new process (~5 s)
-@pytest.mark.parametrize("args, says", [
-    (["head=dense,tiled", "rollout.temperature=1.0,0.7"], "rollout.temperature was 1.0 in job head=dense,"
-                                                          "rollout.temperature=1.0, now 0.7"),
-    (["loss=dapo,dpo"], "job loss=dpo: loss=dpo trains on preference pairs"),
-    (["train.steps=4,5"], "job train.steps=5: needs 5 rollouts and job train.steps=4 records 4"),
-    (["head=dense,tiled", "rollout.pipeline=async"], "rollout.pipeline=async: a paired sweep replays in step"),
-    (["head=dense,tiled", "seed=0,1"], "seed was 0 in job head=dense,seed=0, now 1"),
-], ids=["sampler", "dpo", "length", "async", "seed"])
-def test_jobs_that_cannot_share_one_record_are_refused_before_any_runs(tmp_path, args, says):
-    r = sweep(tmp_path, *args)
+@pytest.mark.slow  # composes every job of the sweep in a new process (~5 s)
+def test_a_sweep_whose_jobs_cannot_share_one_record_is_refused_before_any_runs(tmp_path):
+    r = sweep(tmp_path, "head=dense,tiled", "rollout.temperature=1.0,0.7")
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "its jobs cannot share one record (report.replay; no job was run)" in r.stderr and says in r.stderr, \
-        r.stderr[-3000:]
+    assert "its jobs cannot share one record (report.replay; no job was run)" in r.stderr
+    assert "rollout.temperature was 1.0 in job head=dense,rollout.temperature=1.0, now 0.7" in r.stderr
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "sweep").exists()  # nothing written
+
+
+@pytest.mark.parametrize("jobs, says", [
+    ([["head=tiled", "seed=1"]], "job 1: its rollouts would differ from job 0's, which records them (a paired sweep "
+                                 "varies training-side options only; drop report.replay to sweep these):\n      "
+                                 "seed was 0 in job 0, now 1"),
+    ([["rollout.max_new_tokens=8"]], "rollout.max_new_tokens was 4 in job 0, now 8"),
+    ([["rollout.sync_weights=false"]], "rollout.sync_weights was True in job 0, now False"),
+    ([["loss=dpo"]], "job 1: loss=dpo trains on preference pairs from its data and draws no rollouts"),
+    ([["train.steps=5"]], "job 1: needs 5 rollouts and job 0 records 4: give every job the same train.steps"),
+    ([["rollout.pipeline=async"]], "job 1: rollout.pipeline=async: a paired sweep replays in step (sync)"),
+    ([["rollout.record=/elsewhere"]], "job 1: rollout.record=/elsewhere and report.replay both choose where"),
+    ([["rollout=replay", "rollout.path=/r"]], "job 1: report.replay records with the job's sampler, and "
+                                               "rollout=replay has none"),
+    ([["head=tiled", "loss.kl_coef=0.1", "train.precision=bf16", "train.steps=3"]], None),  # training side: fine
+], ids=["seed", "sampler", "rollout-key", "dpo", "length", "async", "own-record", "replay", "training-side"])
+def test_what_keeps_jobs_from_sharing_one_record_is_named(tmp_path, jobs, says):
+    configs = [make_cfg(*SMOKE[:2])] + [make_cfg(*SMOKE[:2], *job) for job in jobs]
+    problems = paired.problems(configs, [str(i) for i in range(len(configs))], str(tmp_path))
+    if says is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and says in problems[0], problems
 
 
 def test_a_paired_sweep_never_writes_into_an_earlier_record(tmp_path):
