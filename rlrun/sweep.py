@@ -90,6 +90,7 @@ class SweepCallback(Callback):
 
     def on_multirun_start(self, config, config_name=None, **kwargs):
         refuse_unwritable(config.hydra.sweep.dir, "hydra.sweep.dir")
+        expand_repeats(config)
         refuse_invalid_jobs(config, config_name)
         if config.tracking.name != "mlflow":
             return
@@ -235,12 +236,17 @@ class SweepCallback(Callback):
         answer = verdict.answer(names, data, params, report.eq.baselines(params, names, baseline)[0])
         for name, run in zip(names, runs):  # each job's `rlrun check` (report.check_jobs)
             if run.data.tags.get("rlrun.check"):
-                answer[1].setdefault(name, {})["check"] = run.data.tags["rlrun.check"]
+                answer[1].setdefault(verdict.option_of(name), {})["check"] = run.data.tags["rlrun.check"]
         found = noise_floor.rows(names, data, params)  # a paired sweep: the options against the exact floor
-        text = (f"{note_of.comparison_note(rows, report.SPECS, answer)}"
+        # one line per option: its first repeat's table row under the option's name (the cost pools the repeats)
+        firsts = {verdict.option_of(r["run"]): {**r, "run": verdict.option_of(r["run"])} for r in reversed(rows)}
+        repeats = max(v.get("repeats", 1) for v in answer[1].values())
+        spread = (f"over {repeats} interleaved repeats: the median of the repeats' medians, with their range"
+                  if repeats > 1 else "with their interquartile range")
+        text = (f"{note_of.comparison_note(list(firsts.values())[::-1], report.SPECS, answer)}"
                 + (f"\n\n{noise_floor.text(found)}" if found and found[1] else "")
                 + f"\n\n{note.rstrip('.')}. Cost: the median seconds per step, after the first {verdict.WARMUP}, "
-                "of the phases the varying options change, with their interquartile range; runs whose ranges "
+                f"of the phases the varying options change, {spread}; runs whose ranges "
                 "overlap: no difference measured. Reward / acc: the last step's mean reward (GRPO) or reward accuracy "
                 "(DPO); s/step: the job console's step time (evaluation and checkpoints left out); tokens/s: trained "
                 "tokens over that time; growth: the step's largest phase at the median step. Figures and the table "
@@ -298,9 +304,11 @@ def refuse_invalid_jobs(config, config_name) -> None:
     """Compose and validate every job's config before any job runs; refuse the sweep (exit 2) listing each invalid
     job in full. Only for Hydra's basic sweeper (other sweepers choose their jobs as they go)."""
     if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
-        if config.report.replay:  # job 0 must be the one that records, and every job known before any runs
-            print(f"rlrun: error: report.replay needs Hydra's basic sweeper (its jobs known up front, the first one "
-                  f"recording); this sweep uses {config.hydra.sweeper.get('_target_')}. Drop report.replay or the "
+        wanted = [k for k, on in (("report.replay", config.report.replay), ("report.repeats",
+                                                                           config.report.repeats > 1)) if on]
+        if wanted:  # job 0 must be the one that records; repeats are a key of the basic sweeper's grid
+            print(f"rlrun: error: {' and '.join(wanted)} need(s) Hydra's basic sweeper (its jobs known up front); "
+                  f"this sweep uses {config.hydra.sweeper.get('_target_')}. Drop {' and '.join(wanted)} or the "
                   "hydra/sweeper override", file=sys.stderr)
             sys.exit(2)
         return
@@ -331,6 +339,21 @@ def refuse_invalid_jobs(config, config_name) -> None:
               + "\n".join(bad), file=sys.stderr)
         sys.exit(2)
 
+
+
+def expand_repeats(config) -> None:
+    """report.repeats=N: every job N times, interleaved (every job once, then every job again), so that load on the
+    machine that comes and goes falls on every option alike. `report.repeat=0,...,N-1` becomes the basic sweeper's
+    first key (its outermost loop: the sweeper reads this same config when it builds its jobs)."""
+    n = int(OmegaConf.select(config, "report.repeats", default=1) or 1)
+    if n <= 1 or "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
+        return
+    from omegaconf import open_dict
+
+    with open_dict(config):
+        params = dict(config.hydra.sweeper.get("params") or {})
+        params.pop("report.repeat", None)
+        config.hydra.sweeper.params = {"report.repeat": ",".join(map(str, range(n))), **params}
 
 
 def refuse_unpaired(config, todo: list[list[str]], composed) -> list[str]:

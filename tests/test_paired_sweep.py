@@ -32,30 +32,39 @@ def history(client, run, key):
     return [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
 
 
-@pytest.mark.slow  # a sweep of two short jobs (~25 s)
+@pytest.mark.slow  # a sweep of four short jobs (~30 s)
 def test_a_paired_sweep_records_once_and_every_job_trains_on_those_rollouts(tmp_path):
-    r = sweep(tmp_path, "head=dense,tiled")
+    """Two heads, twice each (report.repeats=2, interleaved): the first job records, the three others replay."""
+    r = sweep(tmp_path, "head=dense,tiled", "report.repeats=2")
     assert r.returncode == 0, r.stderr[-3000:]
     record_dir = tmp_path / "sweep" / paired.FOLDER
     assert len((record_dir / "rollouts.jsonl").read_text().splitlines()) == 4  # one rollout per step, written once
     client, all_runs = runs(tmp_path / "mlflow.db")
     (parent,) = [x for x in all_runs if x.data.tags.get("rlrun.kind") == "sweep"]
-    jobs = {x.data.tags["mlflow.runName"]: x for x in all_runs if x is not parent}
+    children = sorted((x for x in all_runs if x is not parent), key=lambda x: x.info.start_time)
+    assert [x.data.tags["mlflow.runName"] for x in children] == [  # interleaved: every job, then every job again
+        "report.repeat=0,head=dense", "report.repeat=0,head=tiled", "report.repeat=1,head=dense",
+        "report.repeat=1,head=tiled"]
+    dense, tiled, dense_again, _ = children
     assert parent.data.tags["rlrun.record"] == str(record_dir)
-    dense, tiled = jobs["head=dense"], jobs["head=tiled"]
     assert dense.data.params["rollout.record"] == str(record_dir) and dense.data.params["rollout.name"] == "hf"
-    assert tiled.data.params["rollout.path"] == str(record_dir) and tiled.data.params["rollout.name"] == "replay"
-    assert "system/time/generate_s" in dense.data.metrics and "system/time/generate_s" not in tiled.data.metrics
-    # the same samples at every step, so rewards are equal and the losses agree to fp tolerance over the whole run
+    for job in children[1:]:
+        assert job.data.params["rollout.path"] == str(record_dir) and job.data.params["rollout.name"] == "replay"
+        assert "system/time/generate_s" not in job.data.metrics
+    assert "system/time/generate_s" in dense.data.metrics
+    # the same samples at every step, so rewards are equal and the losses agree to fp tolerance over the whole run;
+    # the recording job's replay is that job bit for bit
     assert history(client, tiled, "train/reward_mean") == history(client, dense, "train/reward_mean")
     losses = zip(history(client, tiled, "train/loss"), history(client, dense, "train/loss"), strict=True)
     assert all(a[0] == b[0] and abs(a[1] - b[1]) < 1e-6 for a, b in losses)
+    assert history(client, dense_again, "train/loss") == history(client, dense, "train/loss")
     note = parent.data.tags["mlflow.note.content"]
     assert f"paired: the first job records the rollouts it trains on to {record_dir}" in note
     assert "same result: yes (loss off by" in note and "all 4 steps, on the same recorded rollouts" in note
-    assert parent.data.tags["rlrun.equivalence"] == "1 run(s) compared with their baseline"
+    assert "- **head=tiled**: changed phases" in note and "over 2 repeats" in note  # one line per option
+    assert "over 2 interleaved repeats: the median of the repeats' medians, with their range" in note
     # the exact option's largest difference over the run: the floor an inexact option would be measured against
-    assert "Paired against head=dense (the same rollouts, 4 steps): exact options' noise floor max |Δloss|" in note
+    assert "Paired against report.repeat=0,head=dense (the same rollouts, 4 steps): exact options' noise floor" in note
     assert (tmp_path / "sweep" / "figures" / "paired.png").exists()
 
 

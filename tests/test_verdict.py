@@ -90,3 +90,38 @@ def test_a_paired_sweep_is_timed_without_generation_which_only_its_recording_job
     ok, text = verdict.same_result(run([0.1] * 4, loss=[1.0, 2.0, 3.0, 4.0]), run([0.1] * 4, loss=[1.0, 2.0, 3.0, 4.0]),
                                    "fp_tolerance", paired=True)
     assert ok and text.endswith("over all 4 steps, on the same recorded rollouts (tolerance 1e-04)")
+
+
+def test_repeats_pool_each_options_runs_so_load_on_one_repeat_is_spread_not_a_ranking():
+    """report.repeats=2: one repeat of tiled ran while the machine was busy (every step slower). Alone, that run's
+    steps agree with each other and would rank tiled 3x slower; pooled with its other repeat, the options' ranges
+    overlap: no difference measured."""
+    calm = [0.010, 0.0102, 0.0099, 0.0101, 0.010, 0.0098, 0.0101, 0.010]
+    names = ["report.repeat=0,head=dense", "report.repeat=0,head=tiled", "report.repeat=1,head=dense",
+             "report.repeat=1,head=tiled"]
+    data = [run(calm), run(calm[::-1]), run(calm), run([3 * t for t in calm])]
+    ps = [params(head="dense"), params(head="tiled")] * 2
+    headline, rows = verdict.answer(names, data, ps, {1: 0, 2: 0, 3: 0})
+    assert set(rows) == {"head=dense", "head=tiled"} and rows["head=tiled"]["repeats"] == 2
+    assert headline.startswith("Cost of old_logprobs + ref_logprobs + train against head=dense (head): head=tiled: no "
+                               "difference measured.")
+    assert rows["head=tiled"]["phase_low"] < 0.0102 < rows["head=tiled"]["phase_high"] == pytest.approx(0.030)
+    single, _ = verdict.answer(names[2:], data[2:], ps[2:], {1: 0})  # the loaded repeat alone: a ranking
+    assert "head=tiled: 3.00x" in single
+
+
+def test_repeats_are_the_sweepers_outermost_key_so_jobs_interleave():
+    from omegaconf import OmegaConf
+
+    from rlrun import sweep
+
+    config = OmegaConf.create({"report": {"repeats": 3},
+                               "hydra": {"sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper."
+                                                                 "BasicSweeper", "params": {"head": "dense,tiled"}},
+                                         "overrides": {"task": ["experiment=smoke"]}}})
+    sweep.expand_repeats(config)
+    order = [[o for o in job if o.split("=")[0] in ("report.repeat", "head")] for job in sweep.jobs(config)]
+    assert order == [["report.repeat=0", "head=dense"], ["report.repeat=0", "head=tiled"],
+                     ["report.repeat=1", "head=dense"], ["report.repeat=1", "head=tiled"],
+                     ["report.repeat=2", "head=dense"], ["report.repeat=2", "head=tiled"]]
+    assert sweep.swept_keys(config) == ["report.repeat", "head"]

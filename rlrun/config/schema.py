@@ -328,6 +328,8 @@ class ReportConfig:
     baseline: str | None  # a sweep's equivalence baseline by run name; null: the reference setting of each axis
     check_jobs: bool  # every GRPO job of a sweep runs `rlrun check` first (rlrun/check/), logs check/*, fails on one
     replay: bool = False  # a paired sweep: job 0 records its rollouts, the others replay them (rollout/paired.py)
+    repeats: PosInt = 1  # a sweep runs every job this many times, interleaved (sweep.expand_repeats)
+    repeat: NonNegInt = 0  # set by the sweep: which repeat a job is
 
 
 @dataclass

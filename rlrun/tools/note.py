@@ -35,8 +35,9 @@ def comparison_note(rows: list[dict], specs: dict[str, str], answer=None) -> str
                  for c in shown]
         v: dict = verdicts.get(r["run"], {})
         if "phase_s" in v:
+            over = f" over {v['repeats']} repeats" if v.get("repeats", 1) > 1 else ""
             cells.insert(0, f"changed phases {num(v['phase_s'], '.4f')} s [{num(v['phase_low'], '.4f')}, "
-                            f"{num(v['phase_high'], '.4f')}]")
+                            f"{num(v['phase_high'], '.4f')}]{over}")
             same = {True: "yes", False: "NO", None: "–"}[v["same"]]
             cells.append(f"same result: {same} ({esc(v['same_text'])})")
         if "check" in v:

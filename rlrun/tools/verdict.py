@@ -9,7 +9,9 @@ the noise of the measurement, and whether they train the same.
   step is shown beside it, labelled.
 - **Noise.** Each job's per-step times, after its first `WARMUP` steps, give a median and a spread (the
   interquartile range). Two jobs differ only where their ranges do not overlap; otherwise the answer is "no
-  difference measured", never a ranking.
+  difference measured", never a ranking. With repeats (`report.repeats=N`: every job N times, interleaved), an
+  option's cost is the median of its repeats' medians and its spread their range, so load that came and went
+  between repeats counts too.
 - **Same result.** An option's exactness (rlrun/axes.py: EXACTNESS) sets what its equivalence with the baseline
   must show: an exact option (bitwise, fp_tolerance) the baseline's loss to `FP_TOL` (relative) over the steps
   before the runs part (the first step whose rewards differ: a sampled token flipped by rounding, after which the
@@ -33,6 +35,7 @@ FP_TOL = 1e-4  # relative to the baseline's largest |loss|: an exact option's lo
 PARAM = {g: "train.precision" if g == "precision" else "rollout.pipeline" if g == "pipeline" else f"{g}.name"
          for g in registry.AXES}
 EXACT = ("baseline", "bitwise", "fp_tolerance")
+REPEAT = "report.repeat="  # a repeated job's name part (report.repeats; sweep.expand_repeats)
 
 
 def options(params: dict[str, str]) -> dict[str, str]:
@@ -119,21 +122,43 @@ def exactness_of(params: dict[str, str], base: dict[str, str]) -> str:
     return max(found, key=order.index, default="baseline")
 
 
+def option_of(name: str) -> str:
+    """A run's name without its repeat (report.repeats: `head=tiled,report.repeat=1` -> `head=tiled`)."""
+    return ",".join(p for p in name.split(",") if not p.startswith(REPEAT)) or name
+
+
+def pooled(values: list[list[float]]) -> tuple[float, float, float]:
+    """One option's cost over its runs: a single run's per-step spread; over repeats, the median of the repeats'
+    medians and their range (load that came and went between repeats is in it, not only within one)."""
+    if len(values) == 1:
+        return spread(values[0])
+    medians = [statistics.median(v) for v in values if v]
+    return (statistics.median(medians), min(medians), max(medians)) if medians else (float("nan"),) * 3
+
+
 def answer(names: list[str], data: list[dict], all_params: list[dict[str, str]], base_of: dict[int, int]):
-    """(the sweep's answer in one line, {name: {phase cost, spread, whole step, verdict}}) for its runs."""
+    """(the sweep's answer in one line, {option: {phase cost, spread, whole step, verdict, repeats}}); the repeats
+    of one option (report.repeats) are pooled under its name without `report.repeat=K`."""
     groups = varying(all_params)
     phases = changed_phases(groups, all_params)
     if any(eq.record_of(p) for p in all_params):  # a replaying run generates nothing: time the phases all ran
         phases = tuple(p for p in phases if p != "generate")
-    cost = {n: spread(series(h, phases)) for n, h in zip(names, data)}
-    whole = {n: spread(series(h, ("step",))) for n, h in zip(names, data)}
-    rows = {n: {"phase_s": cost[n][0], "phase_low": cost[n][1], "phase_high": cost[n][2], "step_s": whole[n][0],
-                "same": None, "same_text": "the baseline"} for n in names}
-    for i, b in base_of.items():
+    opts = list(dict.fromkeys(option_of(n) for n in names))
+    members = {o: [i for i, n in enumerate(names) if option_of(n) == o] for o in opts}
+    cost = {o: pooled([series(data[i], phases) for i in members[o]]) for o in opts}
+    whole = {o: pooled([series(data[i], ("step",)) for i in members[o]]) for o in opts}
+    rows = {o: {"phase_s": cost[o][0], "phase_low": cost[o][1], "phase_high": cost[o][2], "step_s": whole[o][0],
+                "same": None, "same_text": "the baseline", "repeats": len(members[o])} for o in opts}
+    base_opt = {}
+    for i, b in base_of.items():  # each option judged once, on its first repeat against its baseline's
+        o, ob = opts.index(option_of(names[i])), opts.index(option_of(names[b]))
+        if o == ob or o in base_opt:
+            continue
+        base_opt[o] = ob
         paired = eq.record_of(all_params[i]) is not None and eq.record_of(all_params[i]) == eq.record_of(all_params[b])
         ok, text = same_result(data[i], data[b], exactness_of(all_params[i], all_params[b]), paired)
-        rows[names[i]].update(same=ok, same_text=text)
-    return headline(names, groups, phases, cost, base_of, rows), rows
+        rows[opts[o]].update(same=ok, same_text=text)
+    return headline(opts, groups, phases, cost, base_opt, rows), rows
 
 
 def label_of(phases: tuple[str, ...]) -> str:
