@@ -238,6 +238,8 @@ class SweepCallback(Callback):
             if run.data.tags.get("rlrun.check"):
                 answer[1].setdefault(verdict.option_of(name), {})["check"] = run.data.tags["rlrun.check"]
         found = noise_floor.rows(names, data, params)  # a paired sweep: the options against the exact floor
+        if found and found[1]:  # in the answer's line: MLflow folds the description after a few lines
+            answer = (f"{answer[0]} {noise_floor.brief(found)}", answer[1])
         # one line per option: its first repeat's table row under the option's name (the cost pools the repeats)
         firsts = {verdict.option_of(r["run"]): {**r, "run": verdict.option_of(r["run"])} for r in reversed(rows)}
         repeats = max(v.get("repeats", 1) for v in answer[1].values())

@@ -34,6 +34,11 @@ def test_exact_runs_set_the_floor_and_inexact_ones_are_measured_against_it():
     assert "bf16: max |Δloss| 3.0e-03 (" in text and "x the floor)" in text and "max |Δgrad_norm| 1.0e+00 (50x" in text
     assert "tiled:" not in text  # an exact run is the floor, not an entry
     assert noise_floor.figure_of(names, data, params) is not None
+    assert noise_floor.brief((base, found)) == ("Paired on one record, each inexact option against the exact options' "
+                                               "noise floor: bf16 3e+05x (loss); cispo 0.5x (grad_norm).")
+    exact_only = [r for r in found if r["exact"]]
+    assert noise_floor.brief((base, exact_only)).startswith("Paired on one record: the exact options' noise floor is "
+                                                            "max |Δloss| 1.0e-08")
 
 
 def test_runs_that_did_not_replay_one_record_are_not_paired():

@@ -83,6 +83,23 @@ def text(paired: tuple[str, list[dict]]) -> str:
     return head + (". Inexact: " + "; ".join(parts) if parts else "") + "."
 
 
+def brief(paired: tuple[str, list[dict]]) -> str:
+    """One line for the top of the parent's description (MLflow folds it after a few lines): each inexact option as a
+    multiple of the exact floor on the metric where it is largest, or the floor itself when all are exact."""
+    low = floor(paired[1])
+    parts = []
+    for r in paired[1]:
+        if not r["exact"]:
+            ratios = {k: r[k] / low[k] for k in KEYS if low.get(k) and k in r}
+            k = max(ratios, key=ratios.__getitem__, default=None)
+            parts.append(f"{r['run']} {ratios[k]:.3g}x ({k})" if k else f"{r['run']}: no exact option to compare")
+    if parts:
+        return "Paired on one record, each inexact option against the exact options' noise floor: " + \
+            "; ".join(parts) + "."
+    return "Paired on one record: the exact options' noise floor is " + \
+        ", ".join(f"max |Δ{k}| {num(v, '.1e')}" for k, v in low.items()) + "."
+
+
 def figure_of(names: list[str], data: list[dict], params: list[dict[str, str]]):
     """paired.png: per step, each replaying run's |difference| from the recording run, one panel per KEYS (log
     scale): exact runs grey (their largest: the floor, a dashed line), inexact runs in colour. None: not paired."""
