@@ -33,11 +33,16 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from . import signals, tracking
+from .sweep_jobs import count, expand_repeats, jobs, refuse_invalid_jobs, swept_keys
 from .tracking import ui
 
 ENV = "RLRUN_PARENT_RUN_ID"
 KEYS_ENV = tracking.SWEEP_KEYS_ENV
 log = logging.getLogger("rlrun.sweep")
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def refuse_unwritable(folder, key: str) -> None:
@@ -83,6 +88,9 @@ class SweepCallback(Callback):
         self.ended = False
         self.figures_dir: str | None = None  # where the comparison is drawn (hydra.sweep.dir/figures)
         self.baseline = None  # report.baseline
+        self.total: int | None = None  # the jobs, where they are known and run in this process (progress lines)
+        self.times: list[float] = []  # each ended job's seconds
+        self.job_start = 0.0
 
     def on_run_start(self, config, config_name=None, **kwargs):
         refuse_unwritable(config.hydra.run.dir, "hydra.run.dir")
@@ -92,6 +100,9 @@ class SweepCallback(Callback):
         refuse_unwritable(config.hydra.sweep.dir, "hydra.sweep.dir")
         expand_repeats(config)
         refuse_invalid_jobs(config, config_name)
+        if "BasicLauncher" in str(config.hydra.launcher.get("_target_", "")):  # other launchers: jobs elsewhere
+            with contextlib.suppress(Exception):  # a sweeper that chooses its jobs as it goes: no count
+                self.total = len(jobs(config))
         if config.tracking.name != "mlflow":
             return
         self.client, exp_id = tracking.connect(config.tracking.uri, config.tracking.experiment)
@@ -134,6 +145,19 @@ class SweepCallback(Callback):
         signals.interrupt_on_signals()
         atexit.register(self.end_interrupted)
         log.info("sweep %s: MLflow parent run %s", name, self.parent_id)
+
+    def on_job_start(self, config, **kwargs):
+        self.job_start = time.monotonic()
+
+    def on_job_end(self, config, job_return, **kwargs):
+        """One line per ended job with the time left, from the mean job so far (a sweep runs for minutes to hours
+        and a job's own output scrolls its start away)."""
+        if self.total is None:
+            return
+        self.times.append(time.monotonic() - self.job_start)
+        left = (self.total - len(self.times)) * sum(self.times) / len(self.times)
+        log.info("sweep: job %d of %d ended after %s; %s", len(self.times), self.total, duration(self.times[-1]),
+                 f"about {duration(left)} left (the mean job so far)" if left else "the last one")
 
     def end_interrupted(self):
         """At exit, if the sweep never reached on_multirun_end: its RUNNING children and the parent -> KILLED."""
@@ -258,18 +282,6 @@ class SweepCallback(Callback):
                                                    for r in rows] for c in report.COLUMNS}, "comparison.json")
 
 
-def swept_keys(config) -> list[str]:
-    """The keys whose values differ between the sweep's jobs, in the order of the overrides ([] where the jobs
-    are not known up front)."""
-    try:
-        todo = jobs(config)
-    except Exception:  # noqa: BLE001 - a sweeper that is not the basic one
-        return []
-    given = [dict((k.lstrip("+~"), v) for k, v in (o.split("=", 1) for o in job if "=" in o)) for job in todo]
-    keys = dict.fromkeys(k for job in given for k in job)
-    return [k for k in keys if len({job.get(k) for job in given}) > 1]
-
-
 def links(uri: str, exp_id: str, run_id: str, port: int = tracking.UI_PORT) -> str:
     """Where a sweep's results are: the runs view and the parent run (MLflow's model-training view); for a store
     that is neither a sqlite file nor a tracking server, its URI and the parent's id. `port`: tracking.ui_port."""
@@ -282,106 +294,3 @@ def links(uri: str, exp_id: str, run_id: str, port: int = tracking.UI_PORT) -> s
         return f"rlrun: sweep results: {uri}, parent run {run_id}"
     return (f"rlrun: sweep results:{head}\n  runs:   {ui.runs_page(base, exp_id)}\n"
             f"  parent: {ui.run_page(base, exp_id, run_id)}")
-
-
-def jobs(config) -> list[list[str]]:
-    """Each job's overrides, as Hydra's basic sweeper will launch them (sweeper params, then the command line)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    params = config.hydra.sweeper.get("params") or {}
-    args = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
-    overrides = OverridesParser.create().parse_overrides(args)
-    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
-
-
-def count(config) -> str:
-    try:
-        return f"{len(jobs(config))} jobs"
-    except Exception:  # noqa: BLE001 - a sweeper that is not the basic one: its jobs are not known up front
-        return "jobs"
-
-
-def refuse_invalid_jobs(config, config_name) -> None:
-    """Compose and validate every job's config before any job runs; refuse the sweep (exit 2) listing each invalid
-    job in full. Only for Hydra's basic sweeper (other sweepers choose their jobs as they go)."""
-    if "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
-        wanted = [k for k, on in (("report.replay", config.report.replay), ("report.repeats",
-                                                                           config.report.repeats > 1)) if on]
-        if wanted:  # job 0 must be the one that records; repeats are a key of the basic sweeper's grid
-            print(f"rlrun: error: {' and '.join(wanted)} need(s) Hydra's basic sweeper (its jobs known up front); "
-                  f"this sweep uses {config.hydra.sweeper.get('_target_')}. Drop {' and '.join(wanted)} or the "
-                  "hydra/sweeper override", file=sys.stderr)
-            sys.exit(2)
-        return
-    from hydra import compose
-
-    from .config import ConfigError, validate
-
-    bad = []
-    todo = jobs(config)
-    if not todo:
-        refuse_empty(config)
-    composed = []
-    for overrides in todo:
-        try:
-            composed.append(compose(config_name=config_name, overrides=overrides))
-            validate(composed[-1])
-        except ConfigError as e:
-            bad.append(f"job {','.join(overrides)}:\n" + "\n".join(f"    - {p}" for p in e.problems))
-        except Exception as e:  # noqa: BLE001 - a job that does not even compose is as invalid
-            bad.append(f"job {','.join(overrides)}:\n    - {type(e).__name__}: {e}")
-    unpaired = refuse_unpaired(config, todo, composed) if config.report.replay and not bad else []
-    if unpaired:
-        print("rlrun: sweep refused, its jobs cannot share one record (report.replay; no job was run):\n  - "
-              + "\n  - ".join(unpaired), file=sys.stderr)
-        sys.exit(2)
-    if bad:
-        print(f"rlrun: sweep refused, {len(bad)} of {len(todo)} jobs are invalid (no job was run):\n"
-              + "\n".join(bad), file=sys.stderr)
-        sys.exit(2)
-
-
-
-def expand_repeats(config) -> None:
-    """report.repeats=N: every job N times, interleaved (every job once, then every job again), so that load on the
-    machine that comes and goes falls on every option alike. `report.repeat=0,...,N-1` becomes the basic sweeper's
-    first key (its outermost loop: the sweeper reads this same config when it builds its jobs)."""
-    n = int(OmegaConf.select(config, "report.repeats", default=1) or 1)
-    if n <= 1 or "BasicSweeper" not in str(config.hydra.sweeper.get("_target_", "")):
-        return
-    from omegaconf import open_dict
-
-    with open_dict(config):
-        params = dict(config.hydra.sweeper.get("params") or {})
-        params.pop("report.repeat", None)
-        config.hydra.sweeper.params = {"report.repeat": ",".join(map(str, range(n))), **params}
-
-
-def refuse_unpaired(config, todo: list[list[str]], composed) -> list[str]:
-    """report.replay: why the jobs cannot share one record (rollout/paired.py); a launcher that runs jobs side by
-    side cannot replay a record still being written."""
-    from .rollout import paired
-
-    if "BasicLauncher" not in str(config.hydra.launcher.get("_target_", "")):
-        return [f"report.replay: the jobs replay the first job's record, so they run one after another; the launcher "
-                f"{config.hydra.launcher.get('_target_')} runs them side by side. Drop hydra/launcher=... or "
-                "report.replay"]
-    keys = swept_keys(config)
-    names = [",".join(o for o in job if o.split("=", 1)[0].lstrip("+~") in keys) or str(n) for n, job in
-             enumerate(todo)]
-    return paired.problems(composed, names, str(config.hydra.sweep.dir))
-
-
-def refuse_empty(config) -> None:
-    """A sweep with no job (a swept key with no values, e.g. seed='range(0,0)'): one line and exit 2, before the
-    parent run exists (it used to end FAILED with exit 0)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    params = config.hydra.sweeper.get("params") or {}
-    args = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
-    empty = [a for a, o in zip(args, OverridesParser.create().parse_overrides(args))
-             if o.is_sweep_override() and not list(o.sweep_string_iterator())]
-    print(f"rlrun: error: the sweep has no jobs: {', '.join(empty) or 'its swept keys'} give(s) no values; give "
-          "every swept key at least one value, e.g. seed='range(0,3)' or seed=0,1,2", file=sys.stderr)
-    sys.exit(2)

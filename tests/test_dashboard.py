@@ -7,7 +7,7 @@ import json
 from conftest import new_store
 from omegaconf import OmegaConf
 
-from rlrun import runner, sweep, tracking
+from rlrun import runner, sweep, sweep_jobs, tracking
 from rlrun.tools import note
 from rlrun.tracking import ui
 
@@ -18,14 +18,14 @@ def test_a_sweep_names_its_jobs_by_the_keys_that_differ(monkeypatch):
     config = OmegaConf.create({"hydra": {"sweeper": {"params": {"loss": "dapo,cispo"}},
                                          "overrides": {"task": ["head=dense,tiled", "experiment=smoke",
                                                                 "+train.lr=1e-3"]}}})
-    assert sweep.swept_keys(config) == ["loss", "head"]
+    assert sweep_jobs.swept_keys(config) == ["loss", "head"]
     monkeypatch.setenv(tracking.SWEEP_KEYS_ENV, "loss,head")
     assert tracking.short_name(["loss=cispo", "head=tiled", "experiment=smoke", "+train.lr=1e-3"]) == \
         "loss=cispo,head=tiled"
     monkeypatch.setenv(tracking.SWEEP_KEYS_ENV, "")  # one job, or nothing differs: the full overrides stay
     assert tracking.short_name(["head=tiled", "experiment=smoke"]) is None
     one = OmegaConf.create({"hydra": {"sweeper": {"params": None}, "overrides": {"task": ["head=tiled", "x=1"]}}})
-    assert sweep.swept_keys(one) == []
+    assert sweep_jobs.swept_keys(one) == []
 
 
 def test_the_saved_view_has_the_metric_columns_and_adds_swept_params(tmp_path):
@@ -117,3 +117,22 @@ def test_the_parent_description_leads_with_the_answer_then_one_line_per_job():
     bare = note.comparison_note(rows, specs).splitlines()  # no answer: no ranking line, the jobs by step time
     assert bare[0].startswith(r"- **log\_samples=\***: 0.3000 s/step")
     assert "|" not in text  # no table: MLflow's run page draws it without borders and folds it after a row
+
+
+def test_each_ended_job_says_how_long_the_sweep_has_left(monkeypatch, caplog):
+    clock = iter([0.0, 10.0, 10.0, 40.0, 40.0, 70.0, 70.0, 71.0])
+    monkeypatch.setattr(sweep.time, "monotonic", lambda: next(clock))
+    cb = sweep.SweepCallback()
+    cb.total = 3  # three jobs, run in this process
+    with caplog.at_level("INFO", logger="rlrun.sweep"):
+        for _ in range(3):
+            cb.on_job_start(None)
+            cb.on_job_end(None, None)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["sweep: job 1 of 3 ended after 10 s; about 20 s left (the mean job so far)",
+                     "sweep: job 2 of 3 ended after 30 s; about 20 s left (the mean job so far)",
+                     "sweep: job 3 of 3 ended after 30 s; the last one"]
+    quiet = sweep.SweepCallback()  # jobs not known up front, or run by another launcher's workers: no line
+    quiet.on_job_start(None)
+    quiet.on_job_end(None, None)
+    assert len(caplog.records) == 3

@@ -113,15 +113,15 @@ def test_repeats_pool_each_options_runs_so_load_on_one_repeat_is_spread_not_a_ra
 def test_repeats_are_the_sweepers_outermost_key_so_jobs_interleave():
     from omegaconf import OmegaConf
 
-    from rlrun import sweep
+    from rlrun import sweep_jobs
 
     config = OmegaConf.create({"report": {"repeats": 3},
                                "hydra": {"sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper."
                                                                  "BasicSweeper", "params": {"head": "dense,tiled"}},
                                          "overrides": {"task": ["experiment=smoke"]}}})
-    sweep.expand_repeats(config)
-    order = [[o for o in job if o.split("=")[0] in ("report.repeat", "head")] for job in sweep.jobs(config)]
+    sweep_jobs.expand_repeats(config)
+    order = [[o for o in job if o.split("=")[0] in ("report.repeat", "head")] for job in sweep_jobs.jobs(config)]
     assert order == [["report.repeat=0", "head=dense"], ["report.repeat=0", "head=tiled"],
                      ["report.repeat=1", "head=dense"], ["report.repeat=1", "head=tiled"],
                      ["report.repeat=2", "head=dense"], ["report.repeat=2", "head=tiled"]]
-    assert sweep.swept_keys(config) == ["report.repeat", "head"]
+    assert sweep_jobs.swept_keys(config) == ["report.repeat", "head"]
