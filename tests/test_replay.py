@@ -40,7 +40,18 @@ def recorded(tmp_path_factory):
         mp.chdir(folder)
         r, curves = run(folder, f"rollout.record={folder}/record")
     assert r.data.tags["rlrun.record"] == str(folder / "record")
+    assert dataset_of(r, "recorded") == (hashlib.sha256((folder / "record" / record.INDEX).read_bytes()).hexdigest(), 2)
     return folder, folder / "record", curves
+
+
+def dataset_of(r, context: str):
+    """(the full sha256, the rollouts) of the run's one dataset input, which must be the record with `context`."""
+    (given,) = r.inputs.dataset_inputs
+    assert given.dataset.name == "rollouts record" and given.dataset.source_type == "local"
+    assert [(t.key, t.value) for t in given.tags] == [("mlflow.data.context", context)]
+    profile = json.loads(given.dataset.profile)
+    assert given.dataset.digest == profile["sha256"][:16]
+    return profile["sha256"], profile["rollouts"]
 
 
 @pytest.mark.slow  # two short runs (the recorded one is the module's)
@@ -50,6 +61,7 @@ def test_replaying_the_recorded_config_reproduces_every_curve_bit_for_bit(record
     assert again == curves  # train/* and eval/*: every key, step and value
     assert len(curves["train/loss"]) == 4 and any(v for _, v in curves["train/grad_norm"])
     assert r.data.tags["rlrun.replay.digest"] == hashlib.sha256((rec / record.INDEX).read_bytes()).hexdigest()
+    assert dataset_of(r, "replay") == (r.data.tags["rlrun.replay.digest"], 2)  # the run page's Datasets
     assert "system/time/generate_s" not in r.data.metrics  # nothing generated; the read is the wait phase
 
 

@@ -17,10 +17,12 @@ start of every optimizer step. `memory` is its term for the planner (rlrun/plan/
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Protocol
 
 from .. import pipeline
+from ..errors import RecordError
 from ..plan.phases import Phase
 from ..rollout import Rollout, record
 from ..runner import timed
@@ -145,6 +147,7 @@ class Replay:
     def open(self, cleanup, tracker, step: int) -> None:
         tracker.tags({"rlrun.replay": os.path.abspath(self.record.path), "rlrun.replay.digest": self.record.digest,
                       "rlrun.replay.rollouts": len(self.record)})
+        record.as_dataset(tracker, self.record.path, "replay")  # the run page's Datasets: what it trained on
 
     def ahead(self, step: int) -> None:
         pass
@@ -175,7 +178,13 @@ class Recording:
 
     def open(self, cleanup, tracker, step: int) -> None:
         tracker.tags({"rlrun.record": os.path.abspath(self.recorder.path)})
+        # when the run ends (finished, failed or stopped): the record as written, with its digest, in Datasets
+        cleanup.callback(self._as_dataset, tracker)
         self.source.open(cleanup, tracker, step)
+
+    def _as_dataset(self, tracker) -> None:
+        with contextlib.suppress(RecordError, OSError):  # a record left unreadable must not hide why the run ended
+            record.as_dataset(tracker, self.recorder.path, "recorded")
 
     def next(self, step: int, rollouts: int, got):
         d, version = self.source.next(step, rollouts, got)

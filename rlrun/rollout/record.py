@@ -172,6 +172,14 @@ def check_folder(path: str, cfg, resumed: bool) -> list[dict]:
     return earlier.entries
 
 
+def as_dataset(tracker, path: str, context: str) -> None:
+    """The record at `path` as a dataset of the run (MLflow: a dataset input, context `recorded` or `replay`), named
+    by its folder, its digest the record's (the sha256 of its index)."""
+    rec = Record(path)
+    tracker.dataset(f"rollouts {os.path.basename(os.path.abspath(path))}", rec.digest, path, context,
+                    {"rollouts": len(rec), "format": FORMAT})
+
+
 class Recorder:
     """Writes the rollouts of a run to `path` (check_folder says which folders it may write to)."""
 

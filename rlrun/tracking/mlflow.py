@@ -162,6 +162,10 @@ class MLflow:
         """Rows of equal keys as an MLflow table (`name` ends in .json); the UI shows it under Artifacts."""
         self._send("table", {"columns": {k: [r.get(k) for r in rows] for k in rows[0]}, "name": name})
 
+    def dataset(self, name: str, digest: str, source: str, context: str, profile: dict):
+        self._send("dataset", {"name": name, "digest": digest, "source": os.path.abspath(source),
+                               "context": context, "profile": profile})
+
     def artifacts(self, folder: str, name: str):
         self._send("artifacts", {"folder": os.path.abspath(folder), "name": name})
 

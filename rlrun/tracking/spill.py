@@ -75,6 +75,16 @@ def send_artifacts(client, run_id: str, folder: str, name: str) -> None:
         raise LostArtifacts(f"artifact {name!r}: {', '.join(missing[:5])} of {folder} are not in the run")
 
 
+def log_dataset(client, run_id: str, a: dict) -> None:
+    """A dataset input (the run page's Datasets): MLflow keeps 36 characters of a digest, so the first 16 hex digits
+    of a sha256 are the digest and the whole one is in the profile."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    profile = json.dumps({"sha256": a["digest"], **a["profile"]}, sort_keys=True)
+    data = Dataset(a["name"], a["digest"][:16], "local", json.dumps({"uri": a["source"]}), None, profile)
+    client.log_inputs(run_id, datasets=[DatasetInput(data, [InputTag("mlflow.data.context", a["context"])])])
+
+
 def apply(client, record: dict) -> None:
     """Send one record to the store (raises what the client raises)."""
     from mlflow.entities import Metric
@@ -93,6 +103,8 @@ def apply(client, record: dict) -> None:
         client.log_table(run_id, a["columns"], a["name"])
     elif op == "artifacts":
         send_artifacts(client, run_id, a["folder"], a["name"])
+    elif op == "dataset":
+        log_dataset(client, run_id, a)
     elif op == "status":
         client.set_terminated(run_id, status=a)
     else:

@@ -32,6 +32,10 @@ class Tracker(Protocol):
     def describe(self, text: str) -> None:
         """Append `text` to the run's description."""
 
+    def dataset(self, name: str, digest: str, source: str, context: str, profile: dict) -> None:
+        """A dataset the run read or wrote (MLflow: a dataset input with `digest`, its `context` tag and `profile`),
+        e.g. the rollout record a run wrote or replayed; `source`: the local folder."""
+
     def flush(self) -> None:
         """Return once everything logged so far is stored (or kept to send later)."""
 
@@ -66,6 +70,9 @@ class Null:
         pass
 
     def describe(self, text):
+        pass
+
+    def dataset(self, name, digest, source, context, profile):
         pass
 
     def flush(self):
