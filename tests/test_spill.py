@@ -326,3 +326,18 @@ def test_sync_says_which_artifacts_were_lost_and_sends_the_rest(tmp_path, capsys
     assert f"artifact 'model': {tmp_path / 'gone'} is gone or empty" in caplog.text
     assert [a.path for a in client.list_artifacts(run_id)] == ["plan"]
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_kept_dataset_record_is_sent_as_the_runs_dataset_input(tmp_path):
+    """A record's dataset input (rollout.record / rollout=replay) kept while the store was down reaches the run
+    when the spill is sent: name, the 16-digit digest MLflow can hold, its context, the full sha256 in the profile."""
+    client = tracking.open_client(new_store(tmp_path))
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    digest = "ab" * 32
+    spill.apply(client, {"op": "dataset", "run_id": run_id, "uri": "x",
+                         "args": {"name": "rollouts rec", "digest": digest, "source": "/data/rec", "context": "replay",
+                                  "profile": {"rollouts": 3, "format": 1}}})
+    (given,) = client.get_run(run_id).inputs.dataset_inputs
+    assert (given.dataset.name, given.dataset.digest) == ("rollouts rec", digest[:16])
+    assert json.loads(given.dataset.profile) == {"sha256": digest, "rollouts": 3, "format": 1}
+    assert json.loads(given.dataset.source) == {"uri": "/data/rec"} and given.tags[0].value == "replay"
