@@ -147,7 +147,7 @@ class Replay:
     def open(self, cleanup, tracker, step: int) -> None:
         tracker.tags({"rlrun.replay": os.path.abspath(self.record.path), "rlrun.replay.digest": self.record.digest,
                       "rlrun.replay.rollouts": len(self.record)})
-        record.as_dataset(tracker, self.record.path, "replay")  # the run page's Datasets: what it trained on
+        record.as_dataset(tracker, self.record, "replay")  # the run page's Datasets: what it trained on
 
     def ahead(self, step: int) -> None:
         pass
@@ -184,7 +184,7 @@ class Recording:
 
     def _as_dataset(self, tracker) -> None:
         with contextlib.suppress(RecordError, OSError):  # a record left unreadable must not hide why the run ended
-            record.as_dataset(tracker, self.recorder.path, "recorded")
+            record.as_dataset(tracker, record.Record(self.recorder.path), "recorded")
 
     def next(self, step: int, rollouts: int, got):
         d, version = self.source.next(step, rollouts, got)

@@ -108,22 +108,30 @@ class Record:
         return len(self.entries)
 
     def read(self, n: int, device) -> tuple[dict, dict]:
-        """Rollout `n`: (its tensors on `device`, its metadata), after checking the file against its digest."""
-        from safetensors import safe_open
+        """Rollout `n`: (its tensors on `device`, its metadata), after checking the file against its digest. The
+        file is read once: the bytes hashed are the bytes loaded."""
+        from safetensors.torch import load
 
         if n >= len(self.entries):
             raise RecordError(f"rollout.path={self.path!r} holds {len(self.entries)} rollouts and this run needs "
                               f"rollout {n + 1}: lower train.steps, or record a longer run")
         entry = self.entries[n]
         file = os.path.join(self.path, entry["file"])
-        if not os.path.exists(file) or sha256(file) != entry["sha256"]:
+        try:
+            with open(file, "rb") as f:
+                data = f.read()
+        except OSError:
+            data = None
+        if data is None or hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise RecordError(f"rollout.path={self.path!r}: {file} is missing or changed since it was recorded (its "
                               "sha256 differs from rollouts.jsonl's); the record cannot be replayed. Record it again.")
         try:
-            with safe_open(file, framework="pt", device=str(device)) as f:
-                tensors = {k: f.get_tensor(k) for k in TENSORS}
-                meta = json.loads((f.metadata() or {})["rlrun"])
-        except (KeyError, ValueError, OSError) as e:  # e.g. written by another version of the format
+            # safetensors' layout: an 8-byte little-endian header length, then the JSON header with __metadata__
+            header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+            meta = json.loads(header["__metadata__"]["rlrun"])
+            loaded = load(data)
+            tensors = {k: loaded[k].to(device) for k in TENSORS}
+        except (KeyError, ValueError, TypeError, OSError) as e:  # e.g. written by another version of the format
             raise RecordError(f"rollout.path={self.path!r}: {file} is not a rollout of record format {FORMAT} "
                               f"({type(e).__name__}: {e}). Record it again.") from None
         tensors["finished"] = tensors["finished"].bool()
@@ -172,11 +180,10 @@ def check_folder(path: str, cfg, resumed: bool) -> list[dict]:
     return earlier.entries
 
 
-def as_dataset(tracker, path: str, context: str) -> None:
-    """The record at `path` as a dataset of the run (MLflow: a dataset input, context `recorded` or `replay`), named
-    by its folder, its digest the record's (the sha256 of its index)."""
-    rec = Record(path)
-    tracker.dataset(f"rollouts {os.path.basename(os.path.abspath(path))}", rec.digest, path, context,
+def as_dataset(tracker, rec: Record, context: str) -> None:
+    """The record `rec` as a dataset of the run (MLflow: a dataset input, context `recorded` or `replay`), named by
+    its folder, its digest the record's (the sha256 of its index)."""
+    tracker.dataset(f"rollouts {os.path.basename(os.path.abspath(rec.path))}", rec.digest, rec.path, context,
                     {"rollouts": len(rec), "format": FORMAT})
 
 
