@@ -39,13 +39,26 @@ class SeededSampler(LogitsProcessor):
     def __init__(self, seeds: list[int], temperature: float, top_p: float):
         self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
         self.temperature, self.top_p = temperature, top_p
-        self.logprobs: list[torch.Tensor] = []  # [B] per generated token
+        self.size = len(seeds)
+        self.rows = torch.arange(self.size)  # the rows still sampled (`decode` drops the rows that have ended)
+        self.logprobs: list[torch.Tensor] = []  # [B] per generated token (0 for a row that had ended)
         self.last: torch.Tensor | None = None  # this step's log-distribution, read once the token is known
 
     def collect(self, tokens: torch.Tensor) -> None:
+        """Keep the logprob of `tokens`, this step's draw of the rows still sampled."""
         if self.last is not None:
-            self.logprobs.append(self.last.gather(-1, tokens[:, None]).squeeze(-1))
+            logp = self.last.gather(-1, tokens[:, None]).squeeze(-1)
+            if len(self.rows) < self.size:
+                logp = logp.new_zeros(self.size).index_copy_(0, self.rows.to(logp.device), logp)
+            self.logprobs.append(logp)
             self.last = None
+
+    def select(self, keep: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Only the running rows `keep` go on after this step's draw `tokens`. Their draws are unchanged: each row
+        has a generator of its own."""
+        self.collect(tokens)
+        self.generators = [self.generators[i] for i in keep.tolist()]
+        self.rows = self.rows[keep.cpu()]
 
     def __call__(self, input_ids, scores):
         self.collect(input_ids[:, -1])  # the token chosen at the previous step
@@ -69,7 +82,11 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     """The response tokens [B, <= max_new_tokens] of greedy decoding over `processor(ids, scores)` (None: raw
     scores): the steps of transformers' `generate` (left padding, dynamic KV cache, last-position logits in fp32,
     pad after EOS, stop when every row has ended), without its per-step configuration and validation work, which
-    dominates a small model's decode step. tests/test_rollout.py checks it token for token against `generate`."""
+    dominates a small model's decode step. tests/test_rollout.py checks it token for token against `generate`.
+
+    A row that ends leaves the running batch (its KV cache rows too), so the model and the sampler only work on
+    the rows still going: on long-tailed lengths most rows end long before the longest. A processor with a
+    `select(keep, tokens)` method is told which rows go on (SeededSampler); one without it sees every row."""
     lm = models.unwrap(model)
     if not fast_path(lm):
         out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
@@ -79,25 +96,35 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     from transformers import DynamicCache
 
     cache = DynamicCache(config=lm.config.get_text_config(decoder=True))
+    drop = processor is None or hasattr(processor, "select")  # may ended rows leave the batch
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-    ids, x, unfinished, tokens = input_ids, input_ids, torch.ones_like(input_ids[:, 0], dtype=torch.bool), []
-    for _ in range(max_new_tokens):
+    response = input_ids.new_full((input_ids.shape[0], max_new_tokens), pad_token_id)
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)  # the rows still running, in response
+    ids, x, unfinished, length = input_ids, input_ids, torch.ones_like(input_ids[:, 0], dtype=torch.bool), 0
+    for step in range(max_new_tokens):
         out = lm(input_ids=x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
                  use_cache=True, logits_to_keep=1)
         scores = out.logits[:, -1].to(dtype=torch.float32, copy=True)
         del out
         next_tokens = (processor(ids, scores) if processor else scores).argmax(-1)
         next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
-        tokens.append(next_tokens)
+        response[rows, step], length = next_tokens, step + 1
         if eos_token_id is not None:
             unfinished &= next_tokens != eos_token_id
         if not unfinished.any():
             break
+        if drop and not unfinished.all():
+            keep = unfinished.nonzero().squeeze(1)
+            if processor is not None:
+                processor.select(keep, next_tokens)
+            cache.batch_select_indices(keep)
+            rows, next_tokens, ids, unfinished = rows[keep], next_tokens[keep], ids[keep], unfinished[keep]
+            attention_mask, position_ids = attention_mask[keep], position_ids[keep]
         x = next_tokens[:, None]
         ids = torch.cat([ids, x], 1)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(x.shape)], 1)
         position_ids = position_ids[:, -1:] + 1
-    return torch.stack(tokens, 1)
+    return response[:, :length]
 
 
 _PROMPT_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {prompt: token ids}
@@ -124,7 +151,7 @@ def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int]
     sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p)
     response = decode(model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, processor=sampler)
-    sampler.collect(response[:, -1])
+    sampler.collect(response[sampler.rows.to(response.device), -1])  # the last draw of the rows still running
     gen_logprobs = torch.stack(sampler.logprobs, dim=1)
     return Rollout.from_response(input_ids, attention_mask, response, gen_logprobs, tokenizer)
 
