@@ -223,7 +223,7 @@ def record(name: str, times: int = 2, code_root: Path = CODE_ROOT) -> dict:
         "overrides": overrides,
         "launcher": launcher,
         "recorded_with": {"commit": git_commit(code_root), "torch": torch.__version__, "deepspeed": ds_version,
-                          "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(),
+                          "cpu_capability": launch_env(code_root)["ATEN_CPU_CAPABILITY"], "machine": platform.machine(),
                           "omp_num_threads": 1, "identical_recordings": times,
                           "dropped_nondeterministic": sorted(dropped), "seconds": [round(s, 1) for s in seconds]},
         "metrics": {k: v for k, v in first.items() if k not in dropped},
