@@ -1,5 +1,6 @@
 """rlrun.bench at the smallest sizes: its measurements, tables and MLflow run (never timings)."""
 
+import argparse
 import subprocess
 import sys
 
@@ -223,3 +224,21 @@ def test_batching_bench_agrees_with_padded_and_prints_the_ranks_loads(tmp_path):
     assert [line.split()[0] for line in text.splitlines()[-3:]] == ["padded", "packed", "shared_prompt"]
     assert bench_batching.rank_loads(a).startswith("ranks' token loads") and "2 ranks packed" in \
         bench_batching.rank_loads(a)
+
+
+def test_generate_bench_draws_the_same_tokens_and_computes_fewer_rows(tmp_path):
+    """`bench generate` on small rollouts of the default work (its warm start is cached by other tests): both modes draw the same tokens, and with
+    ended rows leaving the batch the model computes fewer rows (a count, not a time)."""
+    from rlrun.tools import bench_generate
+
+    a = argparse.Namespace(rollouts=2, seed=0, threads=1, tracking_uri=f"sqlite:///{tmp_path}/b.db",
+                           rlrun_args=["train.rollout_batch=32", "train.group_size=8",
+                                       "train.batch_size=32", "train.micro_batch=32"])
+    logged = []
+    every, leave = bench_generate.bench(a, lambda a, rows, text, kind: logged.append((rows, text, kind)))
+    assert every["same_tokens"] and leave["same_tokens"] and logged[0][2] == "generate"
+    assert leave["length_mean"] == every["length_mean"] and leave["longest_mean"] == every["longest_mean"]
+    # every row to the end: rows x (longest - 1) after the prompt pass; leaving: fewer, at least the tokens past 1
+    assert every["rows_computed"] == 32 * (every["longest_mean"] - 1)
+    assert 32 * (leave["length_mean"] - 1) <= leave["rows_computed"] < every["rows_computed"]
+    assert "ended rows leave" in logged[0][1] and "same tokens" in logged[0][1]

@@ -78,7 +78,7 @@ def fast_path(model) -> bool:
 
 @torch.no_grad()
 def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: int, pad_token_id: int,
-           processor=None) -> torch.Tensor:
+           processor=None, drop_ended: bool = True) -> torch.Tensor:
     """The response tokens [B, <= max_new_tokens] of greedy decoding over `processor(ids, scores)` (None: raw
     scores): the steps of transformers' `generate` (left padding, dynamic KV cache, last-position logits in fp32,
     pad after EOS, stop when every row has ended), without its per-step configuration and validation work, which
@@ -86,7 +86,8 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
 
     A row that ends leaves the running batch (its KV cache rows too), so the model and the sampler only work on
     the rows still going: on long-tailed lengths most rows end long before the longest. A processor with a
-    `select(keep, tokens)` method is told which rows go on (SeededSampler); one without it sees every row."""
+    `select(keep, tokens)` method is told which rows go on (SeededSampler); one without it sees every row, as does
+    `drop_ended=False` (every row to the end, as `generate` does: `python -m rlrun.bench generate` compares)."""
     lm = models.unwrap(model)
     if not fast_path(lm):
         out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
@@ -96,7 +97,7 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     from transformers import DynamicCache
 
     cache = DynamicCache(config=lm.config.get_text_config(decoder=True))
-    drop = processor is None or hasattr(processor, "select")  # may ended rows leave the batch
+    drop = drop_ended and (processor is None or hasattr(processor, "select"))  # may ended rows leave the batch
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     response = input_ids.new_full((input_ids.shape[0], max_new_tokens), pad_token_id)
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)  # the rows still running, in response
@@ -145,12 +146,13 @@ def encode(tokenizer, prompts: list[str], device):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int]) -> Rollout:
-    """`seeds`: one sampling seed per prompt (see the module docstring)."""
+def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int], drop_ended: bool = True) -> Rollout:
+    """`seeds`: one sampling seed per prompt (see the module docstring); `drop_ended`: see `decode`."""
     input_ids, attention_mask = encode(tokenizer, prompts, device)
     sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p)
     response = decode(model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, processor=sampler)
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, processor=sampler,
+                      drop_ended=drop_ended)
     sampler.collect(response[sampler.rows.to(response.device), -1])  # the last draw of the rows still running
     gen_logprobs = torch.stack(sampler.logprobs, dim=1)
     return Rollout.from_response(input_ids, attention_mask, response, gen_logprobs, tokenizer)
