@@ -62,6 +62,41 @@ def test_decode_samples_what_generate_samples(arch, tie, temperature, top_p, new
     torch.testing.assert_close(got.gen_logprobs, ref.gen_logprobs, rtol=0, atol=1e-6)
 
 
+class StepByStep:
+    """The seeded sampler drawn the plain way, the reference for SeededSampler's draws taken ahead: each row's
+    generator called once a step for that step's Gumbel noise."""
+
+    def __init__(self, seeds, temperature, top_p):
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids, scores):
+        logp = torch.log_softmax(hf.top_p_filter(scores.float() / self.temperature, self.top_p), -1)
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
+        return logp - torch.log((-torch.log(u.clamp(min=1e-20))).clamp(min=1e-20))
+
+
+@pytest.mark.parametrize("ahead_steps", [None, 3, 1])  # the default (every step at once here), 3 steps, one step
+def test_draws_taken_ahead_are_the_draws_of_each_step(monkeypatch, ahead_steps):
+    """SeededSampler takes a row's next steps' uniforms in one call; torch's CPU generator must give the same
+    numbers as one call a step (if a torch release changed that, the samples would change: this fails first)."""
+    model, tok = tiny()
+    prompts, seeds = prompts_and_seeds(16, 5)
+    likely_eos(model, tok, prompts)
+    vocab = model.config.vocab_size
+    if ahead_steps:
+        monkeypatch.setattr(hf, "AHEAD_FLOATS", ahead_steps * vocab + vocab // 2)
+    cfg = SimpleNamespace(temperature=0.8, top_p=0.95, max_new_tokens=12)
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**enc, do_sample=False, logits_processor=LogitsProcessorList([StepByStep(seeds, 0.8, 0.95)]),
+                         max_new_tokens=12, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    got = hf.generate(model, tok, prompts, cfg, "cpu", seeds)
+    ref = Rollout.from_response(enc.input_ids, enc.attention_mask, out[:, enc.input_ids.shape[1]:],
+                                torch.zeros(out.shape[0], out.shape[1] - enc.input_ids.shape[1]), tok)
+    assert torch.equal(got.input_ids, ref.input_ids) and got.completions == ref.completions
+    assert len(set(got.response_mask.sum(1).tolist())) > 1  # rows ended at different steps (and left the batch)
+
+
 def rows_per_forward(model) -> list[int]:
     """Filled with the number of rows of each forward call of `model`."""
     seen: list[int] = []

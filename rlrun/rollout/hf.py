@@ -33,12 +33,18 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
+AHEAD_FLOATS = 1 << 14  # uniform draws a row takes from its generator at once (64 KiB): a few steps' worth
+
+
 class SeededSampler(LogitsProcessor):
     """Turns greedy decoding into per-sequence seeded sampling and records the sampled tokens' logprobs."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, max_steps: int | None = None):
         self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        self.temperature, self.top_p = temperature, top_p
+        self.temperature, self.top_p, self.max_steps = temperature, top_p, max_steps
+        self.ahead: torch.Tensor | None = None  # [rows, steps, vocab]: the next steps' draws, taken at once
+        self.pick = torch.arange(0)  # the rows of `ahead` still sampled
+        self.used = 0  # steps of `ahead` used
         self.size = len(seeds)
         self.rows = torch.arange(self.size)  # the rows still sampled (`decode` drops the rows that have ended)
         self.logprobs: list[torch.Tensor] = []  # [B] per generated token (0 for a row that had ended)
@@ -58,14 +64,26 @@ class SeededSampler(LogitsProcessor):
         has a generator of its own."""
         self.collect(tokens)
         self.generators = [self.generators[i] for i in keep.tolist()]
-        self.rows = self.rows[keep.cpu()]
+        self.rows, self.pick = self.rows[keep.cpu()], self.pick[keep.cpu()]
+
+    def uniform(self, vocab: int) -> torch.Tensor:
+        """[rows, vocab]: this step's uniform draws, row i's from its own generator. A row draws the next steps'
+        numbers in one call (`AHEAD_FLOATS`), not one call a step: torch's CPU generator gives the same stream
+        either way (tests/test_rollout.py checks it), and a rollout's generators are used by it alone."""
+        if self.ahead is None or self.used == self.ahead.shape[1]:
+            steps = max(1, min(AHEAD_FLOATS // vocab, self.max_steps or AHEAD_FLOATS))
+            self.ahead = torch.stack([torch.rand(steps * vocab, generator=g) for g in self.generators])
+            self.ahead, self.used = self.ahead.view(len(self.generators), steps, vocab), 0
+            self.pick = torch.arange(len(self.generators))
+        self.used += 1
+        return self.ahead[self.pick, self.used - 1]
 
     def __call__(self, input_ids, scores):
         self.collect(input_ids[:, -1])  # the token chosen at the previous step
         logp = torch.log_softmax(top_p_filter(scores.float() / self.temperature, self.top_p), -1)
         self.last = logp
-        u = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators]).to(scores.device)
-        exponential = -torch.log(u.clamp_(min=1e-20))  # Exp(1); logp - log(Exp(1)) = logp + Gumbel(0, 1)
+        u = self.uniform(scores.shape[-1]).to(scores.device)
+        exponential = -torch.log(u.clamp(min=1e-20))  # Exp(1); logp - log(Exp(1)) = logp + Gumbel(0, 1)
         return logp - torch.log(exponential.clamp_(min=1e-20))
 
 
@@ -149,7 +167,7 @@ def encode(tokenizer, prompts: list[str], device):
 def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int], drop_ended: bool = True) -> Rollout:
     """`seeds`: one sampling seed per prompt (see the module docstring); `drop_ended`: see `decode`."""
     input_ids, attention_mask = encode(tokenizer, prompts, device)
-    sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p)
+    sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     response = decode(model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, processor=sampler,
                       drop_ended=drop_ended)
