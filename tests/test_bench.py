@@ -107,7 +107,7 @@ def test_trl_table_from_measured_runs():
     assert rows["trl"]["reward_mean"] == pytest.approx((0.15 + 0.45 + 0.75 + 0.85) / 4, abs=1e-12)
     assert rows["rlrun"]["tokens_per_s"] == 2.0 * 128 * 10.0 and rows["rlrun"]["peak_rss_mib"] == 1024
     text = bench_trl.table(list(rows.values()), a)
-    assert "rlrun / TRL steps/s: 2.22x" in text and "rlrun phases (median ms per step): generate 30" in text
+    assert "rlrun / trl steps/s: 2.22x" in text and "rlrun phases (median ms per step): generate 30" in text
 
 
 @pytest.mark.slow
@@ -242,3 +242,20 @@ def test_generate_bench_draws_the_same_tokens_and_computes_fewer_rows(tmp_path):
     assert every["rows_computed"] == 32 * (every["longest_mean"] - 1)
     assert 32 * (leave["length_mean"] - 1) <= leave["rows_computed"] < every["rows_computed"]
     assert "ended rows leave" in logged[0][1] and "same tokens" in logged[0][1]
+
+
+def test_trl_bench_varied_lengths_gives_both_the_same_work_and_rlrun_its_best_exact_settings():
+    """--task varied_lengths: rlrun's run is the variable-length work (its experiment, 40 new tokens) with
+    batching=shared_prompt; rlrun_async adds the async pipeline only; an unknown impl is refused by name."""
+    from rlrun.tools import bench_trl
+
+    args = bench_trl.rlrun_overrides("/m", 5, 0, "sqlite:///x.db", [], "varied_lengths", "rlrun")
+    assert args[0] == "experiment=varied_lengths" and "rollout.max_new_tokens=40" in args
+    assert "batching=shared_prompt" in args and not any("pipeline" in x for x in args)
+    cfg = bench_trl.compose(args)
+    assert cfg.task.max_terms == 12 and cfg.batching.name == "shared_prompt" and cfg.rollout.max_new_tokens == 40
+    run_async = bench_trl.rlrun_overrides("/m", 5, 0, "sqlite:///x.db", [], "varied_lengths", "rlrun_async")
+    assert set(run_async) - set(args) == {"rollout.pipeline=async", "rollout.max_staleness=1"}
+    assert "rollout.max_new_tokens=4" in bench_trl.rlrun_overrides("/m", 5, 0, "sqlite:///x.db", [], "default", "rlrun")
+    with pytest.raises(SystemExit, match="unknown --impls trl_fast; choose from rlrun,rlrun_async,trl,trl_cb"):
+        bench_trl.bench(trl_args("--impls", "rlrun,trl_fast"), lambda *a, **k: None)

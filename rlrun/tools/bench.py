@@ -364,7 +364,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--jobs", type=int, default=1, help="runs at a time; > 1 for learning parity only (the runs "
                    "overlap, so their speeds are not measured)")
-    t.add_argument("--impls", default="rlrun,trl")
+    t.add_argument("--impls", default="rlrun,trl", help="of " + ",".join(bench_trl.IMPLS) + ": rlrun_async is "
+                   "rollout.pipeline=async K=1, trl_cb TRL generating with transformers' continuous batching")
+    t.add_argument("--task", default="default", choices=list(bench_trl.TASKS),
+                   help="varied_lengths: experiment=varied_lengths, rlrun with batching=shared_prompt")
     t.add_argument("--rlrun-args", nargs="*", default=[], help="extra rlrun overrides, e.g. logprob_policy=always")
     t.add_argument("--figure", default="bench_trl.png", help="mean reward curves (PNG); '' for none")
     t.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")

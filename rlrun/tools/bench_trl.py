@@ -1,14 +1,17 @@
-"""`python -m rlrun.bench trl`: rlrun's default GRPO run and TRL's GRPOTrainer on the same work, side by side.
+"""`python -m rlrun.bench trl`: rlrun's GRPO run and TRL's GRPOTrainer on the same work, side by side.
 
 The workload (README, "rlrun and TRL side by side"): the embedded tiny Llama after its warm start, saved with
-save_pretrained and loaded by both; the arith task's training prompts in rlrun's order (TRL reads them unshuffled);
-rlrun's partial-credit reward; DAPO, clip 0.2 / 0.28, no KL; 8 prompts x 16 completions = 128 sequences per
-optimizer step, micro-batches of 64; lr 1e-3 constant, Adam betas (0.9, 0.99), grad clip 1.0; fp32; 4 new tokens.
-rlrun runs with its defaults otherwise (only evaluation and export are off, as TRL does neither here); TRL with
-the arguments that make its run the same work.
+save_pretrained and loaded by both; the task's training prompts in rlrun's order (TRL reads them unshuffled);
+rlrun's reward; DAPO, clip 0.2 / 0.28, no KL; 8 prompts x 16 completions = 128 sequences per optimizer step,
+micro-batches of 64; lr 1e-3 constant, Adam betas (0.9, 0.99), grad clip 1.0; fp32; the task's new tokens (4 by
+default; `--task varied_lengths`: sums of 2-12 operands with worked answers of 1-32 tokens, 40 at most). rlrun runs
+with its defaults otherwise plus the task's best exact settings (`TASKS`: batching=shared_prompt on
+varied_lengths), with only evaluation and export off (TRL does neither here); TRL with the arguments that make its
+run the same work. `--impls` adds rlrun_async (rollout.pipeline=async K=1: not exact, its learning beside it) and
+trl_cb (TRL generating with transformers' continuous batching).
 
-Each round runs both, one after the other, each in its own process (so peaks do not mix) with `--threads`
-threads, and alternates which goes first. A round's speed is the median wall time of its steps after the first
+Each round runs every impl, one after the other, each in its own process (so peaks do not mix) with `--threads`
+threads, and rotates which goes first. A round's speed is the median wall time of its steps after the first
 `--warmup`, from one step's end to the next (generation, scoring, logprob passes, update and logging included).
 Round r uses seed r, so the rounds also give the mean reward curve over seeds (learning parity).
 """
@@ -22,14 +25,21 @@ import resource
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 
 from .. import render
 from ..meters import MIB
 
-PROMPTS_PER_STEP, GROUP, MICRO, NEW_TOKENS, LR = 8, 16, 64, 4, 1e-3
-IMPLS = ("rlrun", "trl")
+PROMPTS_PER_STEP, GROUP, MICRO, LR = 8, 16, 64, 1e-3
+# --task: the rlrun overrides that make the work, and rlrun's best exact settings for it beyond the defaults
+# (logprob_policy=window and train.skip_zero_advantage are defaults already)
+TASKS = {"default": ([], []), "varied_lengths": (["experiment=varied_lengths"], ["batching=shared_prompt"])}
+# --impls: rlrun's runs (their overrides) and TRL's (GRPOConfig settings beyond the workload's)
+RLRUN = {"rlrun": [], "rlrun_async": ["rollout.pipeline=async", "rollout.max_staleness=1"]}
+TRL: dict[str, dict[str, Any]] = {"trl": {}, "trl_cb": {"use_transformers_continuous_batching": True}}
+IMPLS = (*RLRUN, *TRL)
 
 
 def available() -> bool:
@@ -50,14 +60,20 @@ def compose(overrides: list[str]):
         return hydra_compose("config", overrides=overrides)
 
 
-def prepare(folder: str, seed: int, steps: int) -> list[dict]:
+def work(task: str, seed: int):
+    """The validated config of `task`'s work with `seed` (model, task, rollout length)."""
+    from ..config import validate
+
+    return validate(compose(["tracking=none", f"seed={seed}", *TASKS[task][0]]))
+
+
+def prepare(folder: str, seed: int, steps: int, task_name: str = "default") -> list[dict]:
     """Write the warm-started embedded model to `folder` (save_pretrained) and return the first `steps` steps'
     prompt rows in the order rlrun draws them with `seed`."""
     from .. import export, models, tasks
-    from ..config import validate
     from ..warmstart import warm_start
 
-    cfg = validate(compose(["tracking=none", f"seed={seed}"]))
+    cfg = work(task_name, seed)
     policy, tokenizer = models.build(cfg.model, seed)
     task = tasks.load(cfg.task, seed, tokenizer)
     warm_start(policy, tokenizer, task.train, dataclasses.asdict(cfg.warm_start), seed, cache=cfg.warm_start.cache)
@@ -66,13 +82,18 @@ def prepare(folder: str, seed: int, steps: int) -> list[dict]:
     return [dict(next(stream)) for _ in range(steps * PROMPTS_PER_STEP)]
 
 
-def rlrun_overrides(model_dir: str, steps: int, seed: int, uri: str, extra: list[str]) -> list[str]:
-    """rlrun's default run on the workload: only what the workload fixes, and what TRL does not do here."""
-    return ["model=hf", f"model.path={model_dir}", f"train.steps={steps}", f"seed={seed}",
+def rlrun_overrides(model_dir: str, steps: int, seed: int, uri: str, extra: list[str], task: str = "default",
+                    impl: str = "rlrun") -> list[str]:
+    """rlrun's default run on the workload: only what the workload fixes, and what TRL does not do here; then the
+    task's best exact settings, the impl's (async) and `extra`."""
+    work_args, best = TASKS[task]
+    new_tokens = work(task, seed).rollout.max_new_tokens
+    return [*work_args, "model=hf", f"model.path={model_dir}", f"train.steps={steps}", f"seed={seed}",
             f"train.rollout_batch={PROMPTS_PER_STEP * GROUP}", f"train.batch_size={PROMPTS_PER_STEP * GROUP}",
             f"train.group_size={GROUP}", f"train.micro_batch={MICRO}", f"train.lr={LR}",
-            "train.lr_schedule=constant", f"rollout.max_new_tokens={NEW_TOKENS}", "loss=dapo", "loss.kl_coef=0",
-            "eval.every=0", "export.enabled=false", "progress=false", f"tracking.uri={uri}", *extra]
+            "train.lr_schedule=constant", f"rollout.max_new_tokens={new_tokens}", "loss=dapo", "loss.kl_coef=0",
+            "eval.every=0", "export.enabled=false", "progress=false", f"tracking.uri={uri}", *best, *RLRUN[impl],
+            *extra]
 
 
 @contextlib.contextmanager
@@ -91,12 +112,12 @@ def rlrun_run(overrides, run_name: str):
         yield lambda name: sorted(client.get_metric_history(run.info.run_id, metric_key(name)), key=lambda m: m.step)
 
 
-def rlrun_child(a, model_dir: str, seed: int, log_path: str, out_path: str) -> None:
+def rlrun_child(a, model_dir: str, seed: int, log_path: str, impl: str, out_path: str) -> None:
     """One rlrun run of the workload in this (fresh) process; saves per-step wall times, rewards and lengths."""
     render.quiet(log_path)
     torch.set_num_threads(a.threads)
-    with rlrun_run(lambda uri: rlrun_overrides(model_dir, a.steps, seed, uri, a.rlrun_args),
-                   "bench-trl-rlrun") as history:
+    with rlrun_run(lambda uri: rlrun_overrides(model_dir, a.steps, seed, uri, a.rlrun_args, a.task, impl),
+                   f"bench-trl-{impl}") as history:
         # a step's metrics are logged as it ends: consecutive timestamps (ms) bound each step's wall time
         ends = [m.timestamp / 1000 for m in history("loss")]
         phases = {k: [m.value for m in history(f"time/{k}_s")] for k in
@@ -108,8 +129,8 @@ def rlrun_child(a, model_dir: str, seed: int, log_path: str, out_path: str) -> N
     torch.save({**result, "rss": peak_rss()}, out_path)
 
 
-def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, out_path: str) -> None:
-    """One TRL GRPOTrainer run of the workload in this (fresh) process."""
+def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, impl: str, out_path: str) -> None:
+    """One TRL GRPOTrainer run of the workload in this (fresh) process (`impl`'s settings, TRL)."""
     render.quiet(log_path)
     torch.set_num_threads(a.threads)
     import datasets
@@ -117,9 +138,9 @@ def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, out
     from trl import GRPOConfig, GRPOTrainer
 
     from .. import tasks
-    from ..config import validate
 
-    task = tasks.load(validate(compose(["tracking=none", f"seed={seed}"])).task, seed)
+    cfg = work(a.task, seed)
+    task = tasks.load(cfg.task, seed)
 
     def reward(completions, answer, **_):  # rlrun's reward on the same rows
         return task.score(completions, [{"answer": x} for x in answer])[0]
@@ -140,10 +161,11 @@ def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, out
             output_dir=tmp, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=True,
             seed=seed, max_steps=a.steps, per_device_train_batch_size=MICRO,
             gradient_accumulation_steps=PROMPTS_PER_STEP * GROUP // MICRO, num_generations=GROUP,
-            max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0, shuffle_dataset=False,
+            max_completion_length=cfg.rollout.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+            shuffle_dataset=False,
             learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.99,
             weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
-            scale_rewards="group", bf16=False, fp16=False, model_init_kwargs={"dtype": torch.float32},
+            scale_rewards="group", bf16=False, fp16=False, model_init_kwargs={"dtype": torch.float32}, **TRL[impl],
         )
         record = Record()
         data = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
@@ -194,9 +216,12 @@ def mean_curve(curves: list[list[float]]) -> list[float]:
 
 
 def table(rows: list[dict], a) -> str:
-    lines = [f"GRPO (DAPO) on the embedded model, {PROMPTS_PER_STEP} prompts x {GROUP} completions per step, micro "
-             f"{MICRO}, {NEW_TOKENS} new tokens, fp32, {a.threads} thread(s); {a.rounds} interleaved round(s) of "
-             f"{a.steps} steps; medians over rounds of the median step after {a.warmup}"
+    work_args, best = TASKS[a.task]
+    lines = [f"GRPO (DAPO) on the embedded model, task {a.task}, {PROMPTS_PER_STEP} prompts x {GROUP} completions "
+             f"per step, micro {MICRO}, {work(a.task, 0).rollout.max_new_tokens} new tokens at most, fp32, "
+             f"{a.threads} thread(s) a process; rlrun with {' '.join([*best, *a.rlrun_args]) or 'its defaults'}; "
+             f"{a.rounds} interleaved round(s) of {a.steps} steps; medians over rounds of the median step after "
+             f"{a.warmup}"
              + (f"\n(--jobs {a.jobs}: the runs overlapped, so the speed columns are not measurements)"
                 if a.jobs > 1 else "")]
     num = render.num
@@ -206,11 +231,15 @@ def table(rows: list[dict], a) -> str:
     lines.append(render.table(["impl", "steps/s", "rounds", "step ms", "compl tok/s", "peak RSS MiB",
                                "reward, all steps", f"last {a.last}"], body))
     by = {r["impl"]: r for r in rows}
-    if len(by) == 2:
-        diff = {k: by["rlrun"][k] - by["trl"][k] for k in ("reward_mean", "reward_last")}
-        speed = by["rlrun"]["steps_per_s"] / by["trl"]["steps_per_s"]
-        lines.append(f"rlrun / TRL steps/s: {speed:.2f}x; mean reward (over seeds), rlrun - TRL: "
-                     f"{diff['reward_mean']:+.3f} over all steps, {diff['reward_last']:+.3f} over the last {a.last}")
+    trl = max((r for r in rows if r["impl"] in TRL), key=lambda r: r["steps_per_s"], default=None)
+    for r in rows:
+        if r["impl"] in RLRUN and trl is not None:
+            diff = {k: r[k] - trl[k] for k in ("reward_mean", "reward_last")}
+            lines.append(f"{r['impl']} / {trl['impl']} steps/s: {r['steps_per_s'] / trl['steps_per_s']:.2f}x; mean "
+                         f"reward (over seeds), {r['impl']} - {trl['impl']}: {diff['reward_mean']:+.3f} over all "
+                         f"steps, {diff['reward_last']:+.3f} over the last {a.last}")
+    if "rlrun_async" in by:
+        lines.append("(rlrun_async generates in a process of its own beside the trainer: two processes, not exact)")
     phases = [k for k in ("generate_s", "old_logprobs_s", "ref_logprobs_s", "train_s") if k in by.get("rlrun", {})]
     if phases:
         lines.append("rlrun phases (median ms per step): " + ", ".join(
@@ -218,11 +247,12 @@ def table(rows: list[dict], a) -> str:
     return "\n".join(lines)
 
 
-def figure(rows: list[dict], path: str) -> str:
+def figure(rows: list[dict], path: str, task: str = "default") -> str:
     fig, (ax,) = render.figure(7, [4])
     for r in rows:
         ax.plot(range(len(r["reward_curve"])), r["reward_curve"], label=f"{r['impl']} ({r['steps_per_s']:.2f} steps/s)")
-    ax.set(xlabel="optimizer step", ylabel="mean reward (mean over seeds)", title="rlrun vs TRL GRPOTrainer: same work")
+    ax.set(xlabel="optimizer step", ylabel="mean reward (mean over seeds)",
+           title=f"rlrun vs TRL GRPOTrainer: same work (task {task})")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -252,18 +282,21 @@ def bench(a, log_mlflow) -> list[dict]:
     """The benchmark; `log_mlflow` logs the result (rlrun.tools.bench's own, passed in so that this module does not
     import the one that imports it)."""
     impls = [i for i in a.impls.split(",") if i]
-    if "trl" in impls and not available():
-        print("(skipped trl: not installed; pip install -e '.[bench]')")
-        impls.remove("trl")
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown:
+        raise SystemExit(f"trl bench: unknown --impls {','.join(unknown)}; choose from {','.join(IMPLS)}")
+    if any(i in TRL for i in impls) and not available():
+        print("(skipped TRL's runs: TRL is not installed; pip install -e '.[bench]')")
+        impls = [i for i in impls if i not in TRL]
     todo = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
             model_dir = os.path.join(tmp, f"model-seed{r}")
-            rows = prepare(model_dir, r, a.steps)
-            for impl in impls if r % 2 == 0 else impls[::-1]:  # alternate who goes first
+            rows = prepare(model_dir, r, a.steps, a.task)
+            for impl in impls[r % len(impls):] + impls[:r % len(impls)]:  # rotate who goes first
                 log_path = os.path.join(tmp, f"{impl}-{r}.log")
-                call = ((rlrun_child, a, model_dir, r, log_path) if impl == "rlrun"
-                        else (trl_child, a, model_dir, rows, r, log_path))
+                call = ((rlrun_child, a, model_dir, r, log_path, impl) if impl in RLRUN
+                        else (trl_child, a, model_dir, rows, r, log_path, impl))
                 todo.append((r, impl, log_path, call))
         results = run_children(todo, a.jobs)
     rounds = [{impl: results[r, impl] for impl in impls} for r in range(a.rounds)]
@@ -271,7 +304,7 @@ def bench(a, log_mlflow) -> list[dict]:
     text = table(rows, a)
     print(text)
     if a.figure:
-        print(f"figure: {figure(rows, a.figure)}")
+        print(f"figure: {figure(rows, a.figure, a.task)}")
     log_mlflow(a, [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows], text, "trl",
                curves={f"reward_mean/{r['impl']}": r["reward_curve"] for r in rows},
                files=[a.figure] if a.figure else [])
