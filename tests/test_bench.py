@@ -116,7 +116,8 @@ def test_rlrun_learns_like_trl_on_the_same_work():
     over the seeds and steps agrees within 0.02. Skipped without TRL (pip install -e '.[bench]'). Two runs at a
     time: only the rewards matter here, not the speed."""
     pytest.importorskip("trl", reason="TRL is not installed: pip install -e '.[bench]'")
-    rows = {r["impl"]: r for r in bench.trl_bench(trl_args("--steps", "50", "--rounds", "3", "--jobs", "2"))}
+    a = trl_args("--steps", "50", "--rounds", "3", "--jobs", "2")
+    rows = {r["impl"]: r for r in a.func(a)}
     assert abs(rows["rlrun"]["reward_mean"] - rows["trl"]["reward_mean"]) <= 0.02, rows
     for r in rows.values():  # both learned: the curve rose from the warm start
         assert r["reward_last"] > r["reward_curve"][0] + 0.1
@@ -227,8 +228,9 @@ def test_batching_bench_agrees_with_padded_and_prints_the_ranks_loads(tmp_path):
 
 
 def test_generate_bench_draws_the_same_tokens_and_computes_fewer_rows(tmp_path):
-    """`bench generate` on small rollouts of the default work (its warm start is cached by other tests): both modes draw the same tokens, and with
-    ended rows leaving the batch the model computes fewer rows (a count, not a time)."""
+    """`bench generate` on small rollouts of the default work (its warm start is cached by other tests): both modes
+    draw the same tokens, and with ended rows leaving the batch the model computes fewer rows (a count, not a
+    time)."""
     from rlrun.tools import bench_generate
 
     a = argparse.Namespace(rollouts=2, seed=0, threads=1, tracking_uri=f"sqlite:///{tmp_path}/b.db",

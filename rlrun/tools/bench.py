@@ -307,8 +307,6 @@ def dpo_table(rows, heads, a) -> str:
     return "\n".join(lines)
 
 
-def trl_bench(a):
-    return bench_trl.bench(a, log_mlflow)
 
 
 def plan_bench(a):
@@ -355,23 +353,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
     d.set_defaults(func=dpo_bench, tokens=None, seqs=None)
-    t = sub.add_parser("trl", help="rlrun's default GRPO run vs TRL's GRPOTrainer on the same work (needs .[bench])",
-                       description=bench_trl.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--steps", type=int, default=50, help="optimizer steps per run")
-    t.add_argument("--rounds", type=int, default=3, help="interleaved rounds; round r uses seed r")
-    t.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of its median")
-    t.add_argument("--last", type=int, default=10, help="steps at the end whose mean reward is compared")
-    t.add_argument("--threads", type=int, default=1)
-    t.add_argument("--jobs", type=int, default=1, help="runs at a time; > 1 for learning parity only (the runs "
-                   "overlap, so their speeds are not measured)")
-    t.add_argument("--impls", default="rlrun,trl", help="of " + ",".join(bench_trl.IMPLS) + ": rlrun_async is "
-                   "rollout.pipeline=async K=1, trl_cb TRL generating with transformers' continuous batching")
-    t.add_argument("--task", default="default", choices=list(bench_trl.TASKS),
-                   help="varied_lengths: experiment=varied_lengths, rlrun with batching=shared_prompt")
-    t.add_argument("--rlrun-args", nargs="*", default=[], help="extra rlrun overrides, e.g. logprob_policy=always")
-    t.add_argument("--figure", default="bench_trl.png", help="mean reward curves (PNG); '' for none")
-    t.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
-    t.set_defaults(func=trl_bench)
+    bench_trl.add_parser(sub, log_mlflow)
     bench_plan.add_parser(sub, plan_bench, ints)
     bench_batching.add_parser(sub, batching_bench)
     bench_pipeline.add_parser(sub, log_mlflow)

@@ -309,3 +309,25 @@ def bench(a, log_mlflow) -> list[dict]:
                curves={f"reward_mean/{r['impl']}": r["reward_curve"] for r in rows},
                files=[a.figure] if a.figure else [])
     return rows
+
+
+def add_parser(sub, log_mlflow) -> None:
+    import argparse
+
+    t = sub.add_parser("trl", help="rlrun's default GRPO run vs TRL's GRPOTrainer on the same work (needs .[bench])",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--steps", type=int, default=50, help="optimizer steps per run")
+    t.add_argument("--rounds", type=int, default=3, help="interleaved rounds; round r uses seed r")
+    t.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of its median")
+    t.add_argument("--last", type=int, default=10, help="steps at the end whose mean reward is compared")
+    t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--jobs", type=int, default=1, help="runs at a time; > 1 for learning parity only (the runs "
+                   "overlap, so their speeds are not measured)")
+    t.add_argument("--impls", default="rlrun,trl", help="of " + ",".join(IMPLS) + ": rlrun_async is "
+                   "rollout.pipeline=async K=1, trl_cb TRL generating with transformers' continuous batching")
+    t.add_argument("--task", default="default", choices=list(TASKS),
+                   help="varied_lengths: experiment=varied_lengths, rlrun with batching=shared_prompt")
+    t.add_argument("--rlrun-args", nargs="*", default=[], help="extra rlrun overrides, e.g. logprob_policy=always")
+    t.add_argument("--figure", default="bench_trl.png", help="mean reward curves (PNG); '' for none")
+    t.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
+    t.set_defaults(func=lambda a: bench(a, log_mlflow))
