@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import resource
 import statistics
@@ -330,4 +331,5 @@ def add_parser(sub, log_mlflow) -> None:
     t.add_argument("--rlrun-args", nargs="*", default=[], help="extra rlrun overrides, e.g. logprob_policy=always")
     t.add_argument("--figure", default="bench_trl.png", help="mean reward curves (PNG); '' for none")
     t.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
-    t.set_defaults(func=lambda a: bench(a, log_mlflow))
+    # a partial, not a lambda: `a` (func included) is pickled into each child process
+    t.set_defaults(func=functools.partial(bench, log_mlflow=log_mlflow))
