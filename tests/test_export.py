@@ -115,6 +115,7 @@ out = export.export(engine.model, tok, folder, engine=engine)
 assert (out is not None) == (engine.rank == 0)
 if engine.rank == 0:
     torch.save(full, folder + "-reference.pt")
+ds_engine.shutdown()  # leave the process group as a run does: exiting with gloo's threads alive can abort a rank
 '''
 
 
