@@ -23,18 +23,13 @@ MODES = {"every row to the end": False, "ended rows leave": True}
 
 def model_and_rollouts(a):
     """The warm-started policy, its tokenizer, the rollout config and `a.rollouts + 1` rollouts (prompts, seeds)."""
-    import dataclasses
-
-    from .. import models, tasks
+    from .. import tasks
     from ..config import validate
     from ..recipes.sampling import sample_seed
-    from ..warmstart import warm_start
-    from .bench_trl import compose
+    from .bench_trl import compose, warm_policy
 
     cfg = validate(compose(["tracking=none", f"seed={a.seed}", *a.rlrun_args]))
-    policy, tokenizer = models.build(cfg.model, a.seed)
-    task = tasks.load(cfg.task, a.seed, tokenizer)
-    warm_start(policy, tokenizer, task.train, dataclasses.asdict(cfg.warm_start), a.seed, cache=cfg.warm_start.cache)
+    policy, tokenizer, task = warm_policy(cfg, a.seed)
     policy.eval()
     stream, t = tasks.prompt_stream(task.train, a.seed), cfg.train
     rollouts = []

@@ -68,16 +68,23 @@ def work(task: str, seed: int):
     return validate(compose(["tracking=none", f"seed={seed}", *TASKS[task][0]]))
 
 
-def prepare(folder: str, seed: int, steps: int, task_name: str = "default") -> list[dict]:
-    """Write the warm-started embedded model to `folder` (save_pretrained) and return the first `steps` steps'
-    prompt rows in the order rlrun draws them with `seed`."""
-    from .. import export, models, tasks
+def warm_policy(cfg, seed: int):
+    """(policy, tokenizer, task) of `cfg`: the embedded model after its warm start, what a run starts from."""
+    from .. import models, tasks
     from ..warmstart import warm_start
 
-    cfg = work(task_name, seed)
     policy, tokenizer = models.build(cfg.model, seed)
     task = tasks.load(cfg.task, seed, tokenizer)
     warm_start(policy, tokenizer, task.train, dataclasses.asdict(cfg.warm_start), seed, cache=cfg.warm_start.cache)
+    return policy, tokenizer, task
+
+
+def prepare(folder: str, seed: int, steps: int, task_name: str = "default") -> list[dict]:
+    """Write the warm-started embedded model to `folder` (save_pretrained) and return the first `steps` steps'
+    prompt rows in the order rlrun draws them with `seed`."""
+    from .. import export, tasks
+
+    policy, tokenizer, task = warm_policy(work(task_name, seed), seed)
     export.export(policy, tokenizer, folder)
     stream = tasks.prompt_stream(task.train, seed)
     return [dict(next(stream)) for _ in range(steps * PROMPTS_PER_STEP)]
