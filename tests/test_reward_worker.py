@@ -64,6 +64,14 @@ def spawns(completion, answer):
     return 1.0
 
 
+def clock_reads_zero(completion, answer):
+    """From its first call on, the worker's clock reads 0, as a time half-written into a record shared without a
+    lock can read (CI once saw a 60 s reward timeout fire in a test that took under 40 s)."""
+    time.monotonic = lambda: 0.0
+    time.sleep(0.3)  # long enough for the trainer to look at the record while a call runs
+    return 1.0
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie waiting for init to reap it is not)."""
     try:
@@ -98,6 +106,11 @@ def test_a_reward_call_is_bounded_and_the_error_names_the_reward_and_the_row():
         score_isolated(task_of("hangs"), timeout_s=1.0)
     assert str(e.value).startswith(f"reward 'hangs' (test_reward_worker:hangs) {WHERE} did not return within 1 s "
                                    "(task.reward_timeout_s=1)"), str(e.value)
+
+
+def test_a_call_is_timed_by_the_trainers_clock_not_by_a_time_the_worker_wrote():
+    totals, _ = score_isolated(task_of("clock_reads_zero"), timeout_s=30.0)
+    assert totals == [1.0] * 4  # was: completion 1 "did not return within 30 s" at once
 
 
 @pytest.mark.parametrize("fn,needle", [

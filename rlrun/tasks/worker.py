@@ -16,9 +16,11 @@ cannot take the run down or hold it forever.
 
 Protocol, over two pipes: length-prefixed pickles. The trainer sends the rewards' specs once (the worker imports
 and binds them itself), then one `(number, completions, rows)` request per batch; the worker answers once per
-batch, ("ok", values per reward) or ("error", message). Which call is running, and since when, is in a small
-record both processes map (`PROGRESS`, written before each call): the trainer reads it only while it waits, to
-bound the call and to name it; so a batch costs two pipe messages, not one per call.
+batch, ("ok", values per reward) or ("error", message). Which call is running is in a small record both processes
+map (`PROGRESS`, written before each call): the trainer reads it only while it waits, to bound the call and to name
+it; so a batch costs two pipe messages, not one per call. A call is timed by the trainer's own clock from when the
+trainer first saw it begin (at most one poll late), never from a time the worker wrote: a record read while it is
+being written (the two processes share no lock) must not make a call look older than it is.
 
 Rewards that draw random numbers draw from the worker's `random` (and numpy's / torch's, when the reward module
 imported them), seeded with the run's seed when the worker starts; a resumed run starts them afresh.
@@ -47,9 +49,9 @@ GRACE_S = 3.0  # after a deferred SIGTERM / Ctrl-C, how long a running reward ma
 IMPORT_S = 120.0  # the least time importing the rewards in the worker may take (a module may import a big library)
 POLL_S = 0.2  # how often a wait on the worker looks at the clock and at signals
 _HEADER = struct.Struct("<Q")  # a message's length, then its pickle
-PROGRESS = struct.Struct("<qqd")
+PROGRESS = struct.Struct("<qq")  # shared by both processes: request number, index of the call running
 OOM = ("; SIGKILL is how the kernel's OOM killer ends a process when memory runs out (`dmesg` says so if it did), "
-       "or someone ran kill -9")  # shared by both processes: request number, call index, time.monotonic() it began
+       "or someone ran kill -9")
 
 
 def _write(fd: int, obj) -> None:
@@ -95,8 +97,7 @@ class RewardWorker:
         self._closer = weakref.finalize(self, _release, self.proc, self._open_fds, self.progress, shared)
         specs = [(r.spec, r.key, r.name, r.weight, r.kwargs, list(r.fields)) for r in self.rewards]
         self._send({"rewards": specs, "path": list(sys.path), "cwd": os.getcwd(), "seed": self.seed})
-        sent = time.monotonic()
-        reply = self._receive(lambda: ("importing the rewards in the reward worker", sent),
+        reply = self._receive(lambda: ("importing the rewards in the reward worker", "import"),
                               max(self.timeout_s, IMPORT_S))
         if reply[0] != "ready":
             self.close()
@@ -135,7 +136,7 @@ class RewardWorker:
     def _ended(self, running) -> TaskError:
         """The error for a worker that is gone: the call it was in (`running()`, when it had begun one of this
         batch), else the rewards it runs; how it ended, and the fix."""
-        request = PROGRESS.unpack_from(self.progress)[0]  # read before the progress record goes with the worker
+        request = self._progress()[0]  # read before the progress record goes with the worker
         what = running()[0] if running is not None and request == self.requests else None
         how = self._abandon()
         oom = OOM if "SIGKILL" in how else ""
@@ -146,6 +147,14 @@ class RewardWorker:
         return TaskError(f"the reward worker process, which runs the rewards {names}, ended between two batches "
                          f"({how}){oom}. Nothing was scored since; rerun, with more memory if it was the OOM killer, "
                          "or make the reward use less.")
+
+    def _progress(self) -> tuple[int, int]:
+        """The progress record, read until two reads agree: the worker writes it field by field, byte by byte
+        (struct), so a single read may catch half a write."""
+        now = PROGRESS.unpack_from(self.progress)
+        while (again := PROGRESS.unpack_from(self.progress)) != now:
+            now = again
+        return now
 
     def _frame(self):
         if len(self.buffer) < _HEADER.size:
@@ -158,17 +167,21 @@ class RewardWorker:
         return msg
 
     def _receive(self, running, bound: float | None = None):
-        """The worker's next message. `running()` -> (what the worker is running now, since when); TaskError
-        when that outlasts `bound` (default: the reward timeout) or ends the worker; KeyboardInterrupt when a
-        held-back signal has waited GRACE_S for it."""
+        """The worker's next message. `running()` -> (what the worker is running now, a key of that call);
+        TaskError when that call outlasts `bound` (default: the reward timeout) or ends the worker;
+        KeyboardInterrupt when a held-back signal has waited GRACE_S for it. A call's time counts from when this
+        loop first saw its key."""
         from .. import signals
 
         bound = self.timeout_s if bound is None else bound
+        key, since = None, 0.0
         while True:
             msg = self._frame()
             if msg is not None:
                 return msg
-            (what, since), now, asked = running(), time.monotonic(), signals.stop_asked()
+            (what, now_key), now, asked = running(), time.monotonic(), signals.stop_asked()
+            if now_key != key:  # another call has begun since the last look
+                key, since = now_key, now
             if asked is not None and now - asked > GRACE_S:
                 self._abandon()
                 log.warning("%s was still running %.0f s after the signal: stopping now, without finishing the "
@@ -194,13 +207,13 @@ class RewardWorker:
         if self.proc is None:
             self.start()
         self.requests += 1
-        number, n, sent = self.requests, len(rows), time.monotonic()
+        number, n = self.requests, len(rows)
 
-        def running():  # the call the worker is in (its progress record), and since when
-            request, k, since = PROGRESS.unpack_from(self.progress)
-            k, since = (k, since) if request == number else (0, sent)  # not begun yet: the first call, from now
-            r, i = self.rewards[k // n], k % n
-            return _context(r, i, n, completions[i], rows[i]), since
+        def running():  # the call the worker is in (its progress record), and a key of it
+            request, k = self._progress()
+            k = k if request == number else -1  # not begun yet: the first call is next
+            r, i = self.rewards[max(k, 0) // n], max(k, 0) % n
+            return _context(r, i, n, completions[i], rows[i]), k
 
         self._send((number, completions, rows))
         try:
@@ -258,7 +271,7 @@ def _load(init: dict) -> list:
 
 def _serve(requests, fd: int, progress, rewards: list, home: str) -> None:
     """Answer each request with all its values, or the first error; before each call, the progress record says
-    which call is running and since when (the trainer reads it to bound and name a call: no message per call)."""
+    which call is running (the trainer reads it to bound and name a call: no message per call)."""
     from .scoring import call_one
 
     while (request := _read(requests)) is not None:
@@ -269,7 +282,7 @@ def _serve(requests, fd: int, progress, rewards: list, home: str) -> None:
             for j, r in enumerate(rewards):
                 values.append([])
                 for i, (c, row) in enumerate(zip(completions, rows)):
-                    PROGRESS.pack_into(progress, 0, number, j * n + i, time.monotonic())
+                    PROGRESS.pack_into(progress, 0, number, j * n + i)
                     values[-1].append(call_one(r, i, n, c, row, home, isolated=True))
             _write(fd, ("ok", values))
         except TaskError as e:
