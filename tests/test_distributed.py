@@ -110,6 +110,40 @@ def test_async_two_ranks_match_one(tmp_path):
     assert run.data.metrics["train/staleness_max"] == 2.0
 
 
+def test_a_record_made_on_two_ranks_is_one_process_record_and_replays_on_two_ranks(tmp_path):
+    """rollout.record on 2 ranks: rank 0 writes the whole rollouts, the very ones a 1-process run records (same
+    tokens, rewards and padding; the sampler's logprobs to float reduction order). The 1-process record replayed on
+    2 ranks (each rank its rows) trains as the 2-rank run that generated them."""
+    import torch
+
+    from rlrun.rollout import record
+
+    one = single_process(tmp_path / "one", f"rollout.record={tmp_path}/one/rec")
+    (tmp_path / "two").mkdir()
+    out = rlrun(2, tmp_path / "two", *EQUIV, "engine=deepspeed", "engine.zero_stage=2",
+                f"rollout.record={tmp_path}/two/rec")
+    assert out.returncode == 0, out.stderr[-3000:]
+    two = curves(tmp_path / "two" / "mlflow.db")[1]
+    assert_close(two, one)
+    a, b = record.Record(str(tmp_path / "one" / "rec")), record.Record(str(tmp_path / "two" / "rec"))
+    assert len(a) == len(b) == 2
+    for n in range(2):
+        (ta, ma), (tb, mb) = a.read(n, "cpu"), b.read(n, "cpu")
+        assert {k: ma[k] for k in ("prompt_len", "rows", "completions", "totals", "by_reward", "version")} == \
+            {k: mb[k] for k in ("prompt_len", "rows", "completions", "totals", "by_reward", "version")}
+        for k in ("input_ids", "attention_mask", "response_mask", "finished"):
+            assert torch.equal(ta[k], tb[k]), (n, k)
+        torch.testing.assert_close(ta["gen_logprobs"], tb["gen_logprobs"], rtol=RTOL, atol=1e-6)
+
+    (tmp_path / "replay").mkdir()
+    out = rlrun(2, tmp_path / "replay", *EQUIV, "engine=deepspeed", "engine.zero_stage=2", "rollout=replay",
+                f"rollout.path={tmp_path}/one/rec")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run, replayed = curves(tmp_path / "replay" / "mlflow.db")
+    assert run.data.tags["rlrun.replay.rollouts"] == "2" and run.data.tags["rlrun.world_size"] == "2"
+    assert_close(replayed, two)
+
+
 @pytest.mark.parametrize("tied", [False, True])  # tied: the lm-head weight is also the embedding ZeRO-3 gathers
 def test_heads_under_zero3_match_dense_and_one_process(tmp_path, tied):
     import json

@@ -143,14 +143,51 @@ def test_a_record_folder_is_new_empty_or_this_runs_own_when_it_resumes(tmp_path)
         record.check_folder(str(tmp_path / "rec"), other, resumed=True)
 
 
-def test_record_and_replay_are_refused_with_dpo_and_on_several_ranks(monkeypatch):
+def test_record_and_replay_are_refused_with_dpo_and_accepted_on_several_ranks(monkeypatch):
     from rlrun.config import ConfigError
 
     with pytest.raises(ConfigError, match="loss=dpo generates none"):
         validate(make_cfg("loss=dpo", "rollout.record=/tmp/r"))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="rollout=replay runs on one process"):
-        validate(make_cfg("experiment=smoke", "engine=deepspeed", "rollout=replay", "rollout.path=/tmp/r"))
+    for given in (["rollout=replay", "rollout.path=/tmp/r"], ["rollout.record=/tmp/r"]):
+        validate(make_cfg("experiment=smoke", "engine=deepspeed", *given))
+
+
+def ragged_share(rank: int, prompt: int, response: int, pad: int = 0):
+    """One rank's share of a rollout as parts_of gives it: 2 rows, prompts left-padded to `prompt`, responses
+    right-padded to `response` (row 1 shorter on both sides), values that say where they came from."""
+    import torch
+
+    ids = torch.full((2, prompt + response), pad)
+    mask = torch.zeros(2, prompt + response, dtype=torch.long)
+    for row, (p, r) in enumerate([(prompt, response), (prompt - 1, response - 1)]):
+        ids[row, prompt - p:prompt + r] = 100 * rank + 10 * row + torch.arange(1, p + r + 1)
+        mask[row, prompt - p:prompt + r] = 1
+    tensors = {"input_ids": ids, "attention_mask": mask, "response_mask": mask[:, prompt:].clone(),
+               "gen_logprobs": -mask[:, prompt:].float() * (rank + 1), "finished": torch.tensor([1, 0])}
+    meta = {"prompt_len": prompt, "rows": [{"prompt": f"r{rank}"}] * 2, "completions": [f"c{rank}a", f"c{rank}b"],
+            "totals": [float(rank), 0.5], "by_reward": {"r": [float(rank), 0.5]}}
+    return tensors, meta
+
+
+def test_the_ranks_shares_join_into_one_rollout_and_each_rank_takes_its_share_back():
+    """Data parallel: rank 0 writes the shares of 2 ranks as one rollout, padded as one process pads (to the widest
+    prompt, left, and the longest response, right); a replaying rank's share of it is what that rank had, to the
+    column: the widths it pads its own rollout to."""
+    import torch
+
+    parts = [ragged_share(0, prompt=4, response=3), ragged_share(1, prompt=2, response=5)]
+    whole, meta = record.join(parts, pad_id=0)
+    assert whole["input_ids"].shape == (4, 4 + 5) and meta["prompt_len"] == 4
+    assert meta["completions"] == ["c0a", "c0b", "c1a", "c1b"] and meta["by_reward"] == {"r": [0.0, 0.5, 1.0, 0.5]}
+    assert whole["attention_mask"][2:, :2].eq(0).all()  # rank 1's prompts, 2 wide, left-padded to 4
+    for rank, (tensors, m) in enumerate(parts):
+        got, got_meta = record.share(whole, meta, rank, world=2)
+        assert got_meta == m
+        for k in record.TENSORS:
+            assert torch.equal(got[k], tensors[k]), (rank, k)
+    one, _ = record.share(whole, meta, 0, world=1)
+    assert all(torch.equal(one[k], whole[k]) for k in record.TENSORS)
 
 
 @pytest.mark.slow  # four short runs
@@ -192,16 +229,16 @@ def test_a_resumed_recorder_writes_again_from_its_checkpoints_rollout(tmp_path):
 
     first = record.Recorder(str(tmp_path), cfg, resumed=False)
     for n in range(3):
-        first.write(n, drawn(n), version=n, step=n)
+        first.write(n, *record.parts_of(drawn(n)), version=n, step=n)
     again = record.Recorder(str(tmp_path), cfg, resumed=True)  # the checkpoint had consumed rollout 0 only
-    again.write(1, drawn(7), version=1, step=1)
+    again.write(1, *record.parts_of(drawn(7)), version=1, step=1)
     entries = record.read_index(str(tmp_path))
     assert [e["n"] for e in entries] == [0, 1] and entries[0] == first.entries[0]
     tensors, meta = record.Record(str(tmp_path)).read(1, "cpu")
     assert tensors["input_ids"].eq(7).all() and meta["completions"] == ["c7", "d"] and meta["version"] == 1
     assert tensors["finished"].tolist() == [True, False] and tensors["response_mask"].dtype == torch.bool
     with pytest.raises(RecordError, match="holds 2 rollouts and this run is at rollout 3"):
-        again.write(3, drawn(3), version=3, step=3)
+        again.write(3, *record.parts_of(drawn(3)), version=3, step=3)
 
 
 @pytest.mark.slow  # builds the configuration and its baseline, draws a probe rollout (~10 s)
@@ -249,5 +286,6 @@ def test_the_recorder_never_writes_through_a_link(tmp_path):
     roll = Rollout(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), 1,
                    torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, 1), ["c"], torch.tensor([True]))
     with pytest.raises(LinkError):
-        rec.write(0, Drawn([{"prompt": "p"}], roll, [1.0], {"r": [1.0]}, torch.zeros(1)), version=0, step=0)
+        rec.write(0, *record.parts_of(Drawn([{"prompt": "p"}], roll, [1.0], {"r": [1.0]}, torch.zeros(1))), version=0,
+                  step=0)
     assert (tmp_path / "theirs.txt").read_text() == "not rlrun's"

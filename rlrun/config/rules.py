@@ -197,7 +197,7 @@ def async_with_replicated_weights(c, world):
 
 
 @rule("rollout.name", "rollout.record", "loss.name")
-def record_and_replay_on_one_grpo_process(c, world):
+def record_and_replay_are_for_grpo(c, world):
     recording = getattr(c.rollout, "record", None)
     what = "rollout=replay" if c.rollout.name == "replay" else "rollout.record" if recording else None
     if what is None:
@@ -205,9 +205,6 @@ def record_and_replay_on_one_grpo_process(c, world):
     if c.loss.name == "dpo":
         yield (f"{what} is for GRPO's rollouts (loss=dapo, cispo, gspo); loss=dpo generates none (its pairs are "
                "data). Leave it unset with loss=dpo.")
-    if world > 1:
-        yield (f"{what} runs on one process: with data parallel each rank holds only its share of a rollout, and "
-               "recording or replaying a whole rollout across ranks is not built yet. Run on one process.")
 
 
 @rule("model.lora.enabled", "rollout.name")

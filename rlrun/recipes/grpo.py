@@ -165,8 +165,9 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     # where the rollouts come from: generated here (sync) or by the generator process, ahead (async)
     source = s.axes.pipeline(cfg, s, prompts, window=window, grad_accum=grad_accum, drawn=drawn)
     if getattr(cfg.rollout, "record", None):  # rollout.record=DIR: each rollout written as it is trained on
-        source = sources.Recording(source, record.Recorder(os.path.expanduser(cfg.rollout.record), cfg,
-                                                           resumed=resume is not None))
+        recorder = record.Recorder(os.path.expanduser(cfg.rollout.record), cfg, resumed=resume is not None) \
+            if engine.main else None  # rank 0 writes the whole rollout; the other ranks send it their shares
+        source = sources.Recording(source, recorder, engine, s.tokenizer.pad_token_id)
     stateful = {"prompts": prompts, "buffer": buffer, "passes": passes, **source.stateful()}
     if drawn is not None:
         stateful["sampling"] = drawn

@@ -153,8 +153,11 @@ class Replay:
         pass
 
     def next(self, step: int, rollouts: int, got):
+        engine = self.s.engine
         with self.s.meter.phase("wait"):
-            t, meta = self.record.read(rollouts, self.s.engine.device)
+            t, meta = self.record.read(rollouts, engine.device)
+            if engine.world > 1:  # data parallel: this rank's rows of the whole rollout the record holds
+                t, meta = record.share(t, meta, engine.rank, engine.world)
         roll = Rollout(input_ids=t["input_ids"], attention_mask=t["attention_mask"], prompt_len=meta["prompt_len"],
                        response_mask=t["response_mask"], gen_logprobs=t["gen_logprobs"],
                        completions=meta["completions"], finished=t["finished"])
@@ -168,25 +171,33 @@ class Replay:
 
 class Recording:
     """rollout.record=DIR: `source`'s rollouts, each written to the record (rlrun/rollout/record.py) as the recipe
-    takes it, numbered as the recipe counts them (a resumed run writes again from its checkpoint's rollout)."""
+    takes it, numbered as the recipe counts them (a resumed run writes again from its checkpoint's rollout). With
+    data parallel every rank sends its share to rank 0, the only one with a `recorder`, which writes the whole
+    rollout."""
 
-    def __init__(self, source, recorder: record.Recorder):
-        self.source, self.recorder = source, recorder
+    def __init__(self, source, recorder: record.Recorder | None, engine, pad_id: int):
+        self.source, self.recorder, self.engine, self.pad_id = source, recorder, engine, pad_id
 
     def __getattr__(self, name):  # stateful, ahead, memory, ...: the source's own
         return getattr(self.source, name)
 
     def open(self, cleanup, tracker, step: int) -> None:
-        tracker.tags({"rlrun.record": os.path.abspath(self.recorder.path)})
-        # when the run ends (finished, failed or stopped): the record as written, with its digest, in Datasets
-        cleanup.callback(self._as_dataset, tracker)
+        if self.recorder is not None:
+            tracker.tags({"rlrun.record": os.path.abspath(self.recorder.path)})
+            # when the run ends (finished, failed or stopped): the record as written, with its digest, in Datasets
+            cleanup.callback(self._as_dataset, tracker, self.recorder.path)
         self.source.open(cleanup, tracker, step)
 
-    def _as_dataset(self, tracker) -> None:
+    @staticmethod
+    def _as_dataset(tracker, path: str) -> None:
         with contextlib.suppress(RecordError, OSError):  # a record left unreadable must not hide why the run ended
-            record.as_dataset(tracker, record.Record(self.recorder.path), "recorded")
+            record.as_dataset(tracker, record.Record(path), "recorded")
 
     def next(self, step: int, rollouts: int, got):
         d, version = self.source.next(step, rollouts, got)
-        self.recorder.write(rollouts, d, version, step)
+        tensors, meta = record.parts_of(d)
+        if self.engine.world > 1:  # every rank's share, in rank order: the rollout's rows in their global order
+            tensors, meta = record.join(self.engine.gather((tensors, meta)), self.pad_id)
+        if self.recorder is not None:
+            self.recorder.write(rollouts, tensors, meta, version, step)
         return d, version

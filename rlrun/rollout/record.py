@@ -20,7 +20,11 @@ The format (FORMAT 1), one folder:
 Each rollout's file is written under a temporary name and renamed, then its line appended (and fsynced): a run
 killed mid-write leaves every listed rollout whole. A resumed recording run (`resume=true`) cuts the index back to
 the rollouts its checkpoint had consumed and writes the rest again (a resume is bit-identical, so are they).
-Recording and replay are on one process (engine.world 1) for now: with data parallel each rank holds only its share.
+With data parallel (engine=deepspeed, W ranks) a record is still the whole rollout: the recording run gathers the
+ranks' shares onto rank 0, which writes them in rank order, padded as one process pads (`join`); a replaying run of
+any world reads the whole rollout and takes its rank's rows (`share`). The rows are a run's global order either
+way (sampling.prompts_of), so a record made on 2 ranks holds the rollouts one process would record, and replays on 1
+or 4.
 """
 
 from __future__ import annotations
@@ -139,6 +143,64 @@ class Record:
         return tensors, {**meta, "version": entry["version"], "step": entry["step"]}
 
 
+def parts_of(d) -> tuple[dict, dict]:
+    """A drawn rollout (sampling.Drawn) as a record holds it: (its tensors of TENSORS on the CPU, its metadata)."""
+    roll = d.roll
+    tensors = {"input_ids": roll.input_ids, "attention_mask": roll.attention_mask,
+               "response_mask": roll.response_mask.to(dtype=roll.input_ids.dtype),
+               "gen_logprobs": roll.gen_logprobs, "finished": roll.finished.to(dtype=roll.input_ids.dtype)}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    task_rewards = {k: v for k, v in d.by_reward.items() if k != "overlong_penalty"}  # shaping is re-applied
+    meta = {"prompt_len": roll.prompt_len, "rows": d.rows, "completions": roll.completions, "totals": d.totals,
+            "by_reward": task_rewards}
+    return tensors, meta
+
+
+def join(parts: list[tuple[dict, dict]], pad_id: int) -> tuple[dict, dict]:
+    """The ranks' shares of one rollout (`parts_of` each, in rank order) as the whole rollout: every share's prompts
+    left-padded and responses right-padded to the widest share (with `pad_id`, masks 0, logprobs 0), as one
+    process pads the rollout it generates whole."""
+    import torch
+
+    prompt = max(m["prompt_len"] for _, m in parts)
+    width = max(t["input_ids"].shape[1] - m["prompt_len"] for t, m in parts)  # the longest response
+
+    def padded(t: dict, m: dict) -> dict:
+        left, right = prompt - m["prompt_len"], width - (t["input_ids"].shape[1] - m["prompt_len"])
+        out = {}
+        for k in ("input_ids", "attention_mask"):
+            fill = pad_id if k == "input_ids" else 0
+            out[k] = torch.nn.functional.pad(t[k], (left, right), value=fill)
+        for k in ("response_mask", "gen_logprobs"):
+            out[k] = torch.nn.functional.pad(t[k], (0, right), value=0)
+        out["finished"] = t["finished"]
+        return out
+
+    tensors = [padded(t, m) for t, m in parts]
+    whole = {k: torch.cat([t[k] for t in tensors]) for k in TENSORS}
+    metas = [m for _, m in parts]
+    meta = {"prompt_len": prompt, **{k: [x for m in metas for x in m[k]] for k in ("rows", "completions", "totals")},
+            "by_reward": {name: [x for m in metas for x in m["by_reward"][name]] for name in metas[0]["by_reward"]}}
+    return whole, meta
+
+
+def share(tensors: dict, meta: dict, rank: int, world: int) -> tuple[dict, dict]:
+    """Rank `rank`'s rows of a whole rollout (a contiguous block of whole groups, as sampling.prompts_of gives each
+    rank), without the columns none of them uses: the prompt and response widths that rank pads its own to."""
+    n = len(meta["rows"]) // world
+    rows = slice(rank * n, (rank + 1) * n)
+    used = tensors["attention_mask"][rows].ne(0).any(0).nonzero().flatten().tolist()
+    first, last = min(used[0], meta["prompt_len"]), max(used[-1] + 1, meta["prompt_len"])
+    response = slice(0, last - meta["prompt_len"])
+    out = {k: tensors[k][rows, first:last] for k in ("input_ids", "attention_mask")}
+    out.update({k: tensors[k][rows, response] for k in ("response_mask", "gen_logprobs")})
+    out["finished"] = tensors["finished"][rows]
+    mine = {"prompt_len": meta["prompt_len"] - first,
+            **{k: meta[k][rows] for k in ("rows", "completions", "totals")},
+            "by_reward": {name: values[rows] for name, values in meta["by_reward"].items()}}
+    return out, {**meta, **mine}
+
+
 def read_index(path: str) -> list[dict]:
     """The index's entries, in order; RecordError naming the line that is not one."""
     index = os.path.join(path, INDEX)
@@ -198,9 +260,10 @@ class Recorder:
             header = {"format": FORMAT, "fixed": fixed(cfg)}
             write_replacing(os.path.join(path, HEADER), (json.dumps(header, indent=1) + "\n").encode(), fsync=True)
 
-    def write(self, n: int, d, version: int, step: int) -> None:
-        """Rollout number `n` (sampling.Drawn `d`, drawn by the weights after `version` optimizer steps, first
-        trained at `step`). A resumed run writes from its checkpoint's rollout on: later lines are cut first."""
+    def write(self, n: int, tensors: dict, meta: dict, version: int, step: int) -> None:
+        """Rollout number `n` (`parts_of` a drawn rollout, or the ranks' shares `join`ed; drawn by the weights after
+        `version` optimizer steps, first trained at `step`). A resumed run writes from its checkpoint's rollout on:
+        later lines are cut first."""
         from safetensors.torch import save
 
         if n > len(self.entries):
@@ -209,20 +272,12 @@ class Recorder:
         if n < len(self.entries):  # resumed: the rollouts after the checkpoint are recorded again
             self.entries = self.entries[:n]
             self._write_index()
-        roll = d.roll
-        tensors = {"input_ids": roll.input_ids, "attention_mask": roll.attention_mask,
-                   "response_mask": roll.response_mask.to(dtype=roll.input_ids.dtype),
-                   "gen_logprobs": roll.gen_logprobs, "finished": roll.finished.to(dtype=roll.input_ids.dtype)}
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        task_rewards = {k: v for k, v in d.by_reward.items() if k != "overlong_penalty"}  # shaping is re-applied
-        meta = {"prompt_len": roll.prompt_len, "rows": d.rows, "completions": roll.completions, "totals": d.totals,
-                "by_reward": task_rewards}
         name = f"rollout_{n:06d}.safetensors"
         # one metadata key: safetensors writes its metadata map in an arbitrary order, so a file's digest would vary
         data = save(tensors, metadata={"rlrun": json.dumps(meta, default=str, sort_keys=True)})
         write_replacing(os.path.join(self.path, name), data, fsync=True)
         self.entries.append({"n": n, "file": name, "sha256": hashlib.sha256(data).hexdigest(), "step": step,
-                             "version": version, "rows": len(d.rows)})
+                             "version": version, "rows": len(meta["rows"])})
         with appending(os.path.join(self.path, INDEX)) as f:  # never through a link
             f.write(json.dumps(self.entries[-1]) + "\n")
             f.flush()

@@ -46,7 +46,7 @@ def check_rollouts(cfg) -> None:
     fits = getattr(registry.get("rollout", cfg.rollout.name), "check", None)
     if fits is not None:
         fits(cfg)
-    if getattr(cfg.rollout, "record", None):
+    if getattr(cfg.rollout, "record", None) and ranks.is_main():  # rank 0 writes it (the others may see it begun)
         record.check_folder(os.path.expanduser(cfg.rollout.record), cfg, resumed=bool(cfg.resume))
 
 
