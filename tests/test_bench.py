@@ -149,6 +149,24 @@ def test_plan_table_and_figure_from_measured_runs(tmp_path):
     assert (tmp_path / "plan.png").stat().st_size > 10_000 and path.endswith("plan.png")
 
 
+def test_plan_bench_checks_combinations_an_all_pairs_array_of_the_options_that_change_the_plan():
+    from rlrun.tools import bench_plan
+
+    points, axes = bench_plan.pair_points(), bench_plan.pair_axes()
+    for a in axes:  # every pair of options of two axes is a point
+        for b in axes:
+            if a < b:
+                assert {(p[a], p[b]) for p in points} == {(x, y) for x in axes[a] for y in axes[b]}, (a, b)
+    assert len(points) < 20 and len({bench_plan.label(p) for p in points}) == len(points)
+    lora = next(p for p in points if p["lora"] and p["activations"] == "checkpoint")
+    shape = bench_plan.overrides(lora, 3, "sqlite:///x.db")
+    assert {"model.lora.enabled=true", "activations=checkpoint", f"train.micro_batch={lora['micro']}",
+            f"batching={lora['batching']}", f"train.precision={lora['precision']}"} <= set(shape)
+    results = [{"train": (100.0, 101.0)}, {"train": (100.0, 150.0)}]
+    text = bench_plan.table(bench_plan.rows_of(points[:2], results))
+    assert "combinations (all-pairs covering array): 1 of 2 phases within the target" in text
+
+
 def test_pipeline_bench_rotates_the_order_and_compares_with_sync(tmp_path):
     """The pipeline bench's logic on made-up runs: every round runs every mode, no mode always first; steps/s is
     the median step of each round, then the median over rounds; accuracy per seed; the ratio to sync's."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import make_cfg
 
-from rlrun import check, policy, precision
+from rlrun import check, pairs, policy, precision
 from rlrun.config import validate
 
 COMBINATION = ["loss=cispo", "head=tiled", "batching=shared_prompt", "activations=checkpoint", "train.precision=bf16",
@@ -128,33 +128,12 @@ def test_each_injected_failure_fails_its_probe(monkeypatch, inject, overrides, p
 
 # -- the exact axes' options, every pair of them checked (an all-pairs covering array) -----------------------------
 
-AXES = {"head": ["dense", "tiled", "chunked"], "batching": ["padded", "packed", "shared_prompt"],
-        "activations": ["keep", "checkpoint", "offload"], "logprob_policy": ["always", "window", "skip"],
-        "offload": ["off", "on"], "train.precision": ["fp32", "bf16"]}
-
-
-def all_pairs(axes: dict[str, list[str]]) -> list[dict[str, str]]:
-    """A small set of configurations in which every pair of options of two axes appears at least once (greedy:
-    each new configuration takes, axis by axis, the option in the most missing pairs it can still complete)."""
-    keys = list(axes)
-    missing = {(a, x, b, y) for i, a in enumerate(keys) for b in keys[i + 1:] for x in axes[a] for y in axes[b]}
-    out = []
-    while missing:
-        row: dict[str, str] = {}
-
-        def gain(k, v, row=row, missing=missing):
-            return sum(1 for a, x, b, y in missing if (a, x) == (k, v) and row.get(b, y) == y
-                       or (b, y) == (k, v) and row.get(a, x) == x)
-
-        for k in keys:
-            row[k] = max(axes[k], key=lambda v, k=k: gain(k, v))
-        missing -= {(a, row[a], b, row[b]) for i, a in enumerate(keys) for b in keys[i + 1:]}
-        out.append(row)
-    return out
+AXES = pairs.exact_axes()  # from the registry: head, logprob_policy, offload, batching, activations, precision
 
 
 def test_the_covering_array_covers_every_pair():
-    rows = all_pairs(AXES)
+    assert set(AXES) == {"head", "logprob_policy", "offload", "batching", "activations", "train.precision"}
+    rows = pairs.all_pairs(AXES)
     keys = list(AXES)
     for i, a in enumerate(keys):
         for b in keys[i + 1:]:
@@ -165,7 +144,7 @@ def test_the_covering_array_covers_every_pair():
 @pytest.mark.slow  # ~10 checks of ~10 s
 def test_every_probe_passes_on_an_all_pairs_covering_array_of_the_exact_axes():
     failed = {}
-    for row in all_pairs(AXES):
+    for row in pairs.all_pairs(AXES):
         got = verdicts(*(f"{k}={v}" for k, v in row.items()))
         bad = [p for p, ok in got.items() if ok is False]
         if bad:

@@ -16,6 +16,11 @@ Shape points (--widths x --layers, vocab 32000, 32 rows x 16 new tokens per micr
 models wider and deeper than the default's, where the backbone's activations and gradients matter, with each head
 and with chunked under train.precision=bf16. The auto points: head.size=auto within --auto-budget MiB, the first
 head call (forward and backward) of a fresh process measured against the budget, lm head trained and frozen.
+
+Combination points (--pairs): the planner holds for each option alone, so these check options together: an
+all-pairs covering array (rlrun/pairs.py) of the options that change its terms (PAIR_AXES: head, batching,
+activations, precision, LoRA, and one micro-batch or four that accumulate), each a shape point of hidden 256, 4
+layers, vocab 32000; the table's last line counts them apart.
 """
 
 from __future__ import annotations
@@ -36,12 +41,28 @@ TOKENS = {512: (64, 8), 2048: (128, 16)}  # tokens per micro-batch -> (micro_bat
 SHAPE_VARIANTS = (("dense", "fp32"), ("tiled", "fp32"), ("chunked", "fp32"), ("chunked", "bf16"))
 
 
+def pair_axes() -> dict[str, list]:
+    """The options that change the planner's terms, from the registry; `micro`: rows per micro-batch (32: four
+    micro-batches accumulate into the step's 128 rows; 128: one)."""
+    return {"head": list(registry.REGISTRY["head"]), "batching": list(registry.REGISTRY["batching"]),
+            "activations": list(registry.REGISTRY["activations"]), "precision": list(registry.REGISTRY["precision"]),
+            "lora": [False, True], "micro": [32, 128]}
+
+
+def pair_points() -> list[dict]:
+    from ..pairs import all_pairs
+
+    return [dict(row, vocab=32000, hidden=256, layers=4, pair=True,
+                 extra=(f"batching={row['batching']}", f"activations={row['activations']}"))
+            for row in all_pairs(pair_axes())]
+
+
 def overrides(point: dict, steps: int, uri: str) -> list[str]:
     if "hidden" in point:  # a shape point: 32 rows x 16 new tokens per micro-batch, 4 micro-batches per step
         h, heads = point["hidden"], max(1, point["hidden"] // 64)
         size = [f"model.hidden_size={h}", f"model.intermediate_size={4 * h}", f"model.layers={point['layers']}",
-                f"model.heads={heads}", f"model.kv_heads={heads}", "train.micro_batch=32", "rollout.max_new_tokens=16",
-                f"train.precision={point['precision']}"]
+                f"model.heads={heads}", f"model.kv_heads={heads}", f"train.micro_batch={point.get('micro', 32)}",
+                "rollout.max_new_tokens=16", f"train.precision={point['precision']}"]
     else:
         micro, new = TOKENS[point["tokens"]]
         size = [f"train.micro_batch={micro}", f"rollout.max_new_tokens={new}"]
@@ -104,10 +125,13 @@ def points(a) -> list[dict]:
         grid.append(dict(head=head, vocab=int(vocab), tokens=int(tokens), lora=True))
     grid += [dict(head=head, vocab=32000, hidden=h, layers=n, precision=p) for h in a.widths for n in a.layers
              for head, p in SHAPE_VARIANTS]
-    return grid
+    return grid + (pair_points() if a.pairs else [])
 
 
 def label(p: dict) -> str:
+    if p.get("pair"):
+        return "+".join([p["head"], p["batching"], p["activations"], p["precision"], *(["lora"] if p["lora"] else []),
+                         f"mb{p['micro']}"])
     if "hidden" in p:
         return f"{p['head']}-h{p['hidden']}-L{p['layers']}" + ("-bf16" if p["precision"] == "bf16" else "")
     return f"{p['head']}-v{p['vocab']}-n{p['tokens']}" + ("-lora" if p["lora"] else "")
@@ -122,7 +146,7 @@ def rows_of(grid: list[dict], results: list[dict]) -> list[dict]:
         for phase, (pred, meas) in r.items():
             rows.append({"impl": f"{label(p)}/{phase}", "point": label(p), "phase": phase, "predicted_mib": pred,
                          "measured_mib": meas, "error_pct": 100.0 * (pred - meas) / max(meas, 1e-9),
-                         "ok": phase not in CHECKED or within(pred, meas)})
+                         "ok": phase not in CHECKED or within(pred, meas), "pair": bool(p.get("pair"))})
     return rows
 
 
@@ -137,6 +161,10 @@ def table(rows: list[dict]) -> str:
                      render.num(r["measured_mib"], ".0f"), render.num(r["error_pct"], "+.1f") + "%", target])
     lines = [render.table(["run", "phase", "predicted MiB", "measured MiB", "error", "target"], body, left=2)]
     checked = [r for r in rows if r.get("phase") in CHECKED]
+    pairs = [r for r in checked if r.get("pair")]
+    if pairs:
+        lines.append(f"combinations (all-pairs covering array): {sum(r['ok'] for r in pairs)} of {len(pairs)} phases "
+                     "within the target")
     lines.append(f"{sum(r['ok'] for r in checked)} of {len(checked)} train / logprob phases within "
                  f"{TOLERANCE:.0%} or {FLOOR_MIB:.0f} MiB")
     return "\n".join(lines)
@@ -223,6 +251,8 @@ def add_parser(sub, func, ints) -> None:
     m.add_argument("--widths", type=ints, default=[128, 256, 512], help="hidden sizes of the shape points ('' none)")
     m.add_argument("--layers", type=ints, default=[2, 8], help="layer counts of the shape points")
     m.add_argument("--auto-budget", type=int, default=24, help="MiB for the head.size=auto points (0: none)")
+    m.add_argument("--pairs", action=argparse.BooleanOptionalAction, default=True,
+                   help="the combination points: an all-pairs covering array of the options that change the plan")
     m.add_argument("--steps", type=int, default=3)
     m.add_argument("--figure", default="plan_accuracy.png", help="predicted vs measured (PNG); '' for none")
     m.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
