@@ -5,6 +5,8 @@ options that change its terms (`python -m rlrun.bench plan`, the `pairs` points)
 
 from __future__ import annotations
 
+import functools
+
 from . import registry
 
 
@@ -29,7 +31,7 @@ def all_pairs(axes: dict[str, list]) -> list[dict]:
                        or (b, y) == (k, v) and row.get(a, x) == x)
 
         for k in keys:
-            row[k] = max(axes[k], key=lambda v, k=k: gain(k, v))
+            row[k] = max(axes[k], key=functools.partial(gain, k))
         missing -= {(a, row[a], b, row[b]) for i, a in enumerate(keys) for b in keys[i + 1:]}
         out.append(row)
     return out
