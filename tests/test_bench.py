@@ -1,6 +1,7 @@
 """rlrun.bench at the smallest sizes: its measurements, tables and MLflow run (never timings)."""
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -157,7 +158,9 @@ def test_plan_bench_checks_combinations_an_all_pairs_array_of_the_options_that_c
         for b in axes:
             if a < b:
                 assert {(p[a], p[b]) for p in points} == {(x, y) for x in axes[a] for y in axes[b]}, (a, b)
-    assert len(points) < 20 and len({bench_plan.label(p) for p in points}) == len(points)
+    labels = {bench_plan.label(p) for p in points}
+    assert len(points) < 20 and len(labels) == len(points)
+    assert all(re.fullmatch(r"[\w\-. :/]+", label) for label in labels)  # MLflow metric names (its rows are logged)
     lora = next(p for p in points if p["lora"] and p["activations"] == "checkpoint")
     shape = bench_plan.overrides(lora, 3, "sqlite:///x.db")
     assert {"model.lora.enabled=true", "activations=checkpoint", f"train.micro_batch={lora['micro']}",

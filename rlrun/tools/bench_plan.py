@@ -130,8 +130,8 @@ def points(a) -> list[dict]:
 
 def label(p: dict) -> str:
     if p.get("pair"):
-        return "+".join([p["head"], p["batching"], p["activations"], p["precision"], *(["lora"] if p["lora"] else []),
-                         f"mb{p['micro']}"])
+        return "-".join([p["head"], p["batching"], p["activations"], p["precision"], *(["lora"] if p["lora"] else []),
+                         f"mb{p['micro']}"])  # an MLflow metric name's characters
     if "hidden" in p:
         return f"{p['head']}-h{p['hidden']}-L{p['layers']}" + ("-bf16" if p["precision"] == "bf16" else "")
     return f"{p['head']}-v{p['vocab']}-n{p['tokens']}" + ("-lora" if p["lora"] else "")
