@@ -98,8 +98,9 @@ def batch_tensors(tokenizer, prompts: list[str], answers: list[str], encode=None
     return input_ids, mask, labels
 
 
-def fit(model, tokenizer, rows: list[dict], cfg: dict, seed: int) -> float:
-    """`cfg["steps"]` AdamW steps on batches of rows drawn with the seed, noisy labels; returns the last loss."""
+def fit(model, tokenizer, rows: list[dict], cfg: dict, seed: int, progress=None) -> float:
+    """`cfg["steps"]` AdamW steps on batches of rows drawn with the seed, noisy labels; returns the last loss.
+    `progress(total)`: an iterator over range(total) that shows it (the run's console bar); none by default."""
     rng = random.Random(f"rlrun-warmstart-{seed}")
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.99), weight_decay=cfg["weight_decay"],
@@ -108,7 +109,8 @@ def fit(model, tokenizer, rows: list[dict], cfg: dict, seed: int) -> float:
     was_training = model.training
     model.train()
     loss = torch.tensor(float("nan"))
-    for _ in range(cfg["steps"]):
+    steps = progress(cfg["steps"]) if progress is not None else range(cfg["steps"])
+    for _ in steps:
         batch = [rows[rng.randrange(len(rows))] for _ in range(cfg["batch_size"])]
         answers = [noisy_answer(r["answer"], rng, cfg["wrong_prob"], cfg["offsets"]) for r in batch]
         prompts = [r["prompt"] for r in batch]
@@ -117,6 +119,7 @@ def fit(model, tokenizer, rows: list[dict], cfg: dict, seed: int) -> float:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    getattr(steps, "close", lambda: None)()  # a bar ends its line before the run's own starts
     model.train(was_training)
     return loss.item()
 
@@ -176,9 +179,10 @@ def _save_cached(path: Path, model) -> None:
                     "writable folder, or warm_start.cache=false)", path, getattr(e, "strerror", None) or e)
 
 
-def warm_start(model, tokenizer, rows: list[dict], cfg, seed: int, cache: bool = True):
+def warm_start(model, tokenizer, rows: list[dict], cfg, seed: int, cache: bool = True, progress=None):
     """Warm-start `model` in place on the training `rows` ({"prompt", "answer"}), or load the cached result of
     the same warm start; returns the model. `cfg`: the options (see DEFAULTS), a dict or an OmegaConf node.
+    `progress`: as `fit`'s (a cached warm start shows none: it loads in a moment).
     Call it on the plain model before any engine wraps or partitions it, and copy the reference model after."""
     opts, rows = options(cfg), distinct(rows)
     path = cache_dir() / f"{cache_key(model, rows, opts, seed)}.pt" if cache else None
@@ -191,7 +195,7 @@ def warm_start(model, tokenizer, rows: list[dict], cfg, seed: int, cache: bool =
         log.warning("warm-start cache entry %s does not fit the model (other weights); recomputing it", path)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        fit(model, tokenizer, rows, opts, seed)
+        fit(model, tokenizer, rows, opts, seed, progress)
     if path is not None:
         _save_cached(path, model)
     return model

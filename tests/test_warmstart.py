@@ -60,6 +60,30 @@ def test_cache_hit_is_bit_identical_to_a_fresh_warm_start():
     assert_identical(weights(model), fresh)
 
 
+def test_a_warm_start_shows_its_steps_and_a_cached_one_shows_none(capsys):
+    """Minutes on CPU when not cached: the run shows a bar (here the plain lines a log gets), step by step, and the
+    weights are those of a warm start without one."""
+    from rlrun.runner import console
+
+    shown = []
+
+    def bar(n):
+        shown.append(n)
+        return console.progress(0, n, "warm start", enabled=True, every=2)
+
+    model, tok = tiny_model()
+    warmstart.warm_start(model, tok, ROWS, CFG, seed=0, progress=bar)
+    quiet, _ = tiny_model()
+    warmstart.warm_start(quiet, tok, ROWS, CFG, seed=0, cache=False)
+    assert_identical(weights(model), weights(quiet))
+    assert shown == [4]
+    err = capsys.readouterr().err
+    assert "warm start: step 2/4" in err and "warm start: step 4/4" in err
+    again, _ = tiny_model()
+    warmstart.warm_start(again, tok, ROWS, CFG, seed=0, progress=bar)  # cached: loaded at once, no bar
+    assert shown == [4]
+
+
 def test_the_rng_outside_is_left_alone():
     model, tok = tiny_model()
     torch.manual_seed(123)

@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import axes, batching, models, plan, policy, registry, warmstart
+from .. import axes, batching, models, plan, policy, ranks, registry, warmstart
 from ..engine.protocol import Engine
 from ..meters import OFFLOAD_PHASES, Meter
 from ..rollout.protocol import Sampler
+from . import console
 
 log = logging.getLogger("rlrun")
 
@@ -73,8 +74,11 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
         if notice:  # the user's data: asked for, so say what it trains on
             log.warning("%s", notice)
         with timed(tracker, "warm_start"):
+            # minutes on CPU when not cached (300 steps): a bar, as the run's steps have
+            shown = cfg.progress and ranks.is_main()
             warmstart.warm_start(base, tokenizer, data.warm_rows, dataclasses.asdict(cfg.warm_start), cfg.seed,
-                                 cache=cfg.warm_start.cache)
+                                 cache=cfg.warm_start.cache,
+                                 progress=lambda n: console.progress(0, n, "warm start", enabled=shown))
     # LoRA's adapters_off: the reference pass runs the policy with its adapters disabled (models.reference)
     reference = None
     if with_reference and not models.adapters_off_reference(cfg.model.lora, reference_path):
