@@ -66,10 +66,11 @@ def test_packed_two_ranks_match_one_padded(tmp_path, stage, batching):
     assert len(moved) == 2 and sum(moved) > 0  # each rollout (every other step) exchanged, and groups moved
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_ranks_match_one(tmp_path, stage):
-    one = single_process(tmp_path / "one")
-    out = rlrun(2, tmp_path, *EQUIV, "engine=deepspeed", f"engine.zero_stage={stage}")
+def two_ranks_match_one(tmp_path, stage: int, one_also=(), two_also=()) -> dict:
+    """The 2-rank run of EQUIV under ZeRO-`stage` (in tmp_path) against one process's (in tmp_path/one), each with
+    its own extra overrides: the same curves, and the per-rank memory gathered. -> the 2-rank curves."""
+    one = single_process(tmp_path / "one", *one_also)
+    out = rlrun(2, tmp_path, *EQUIV, "engine=deepspeed", f"engine.zero_stage={stage}", *two_also)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "shm_comm" not in out.stdout + out.stderr  # DeepSpeed's inference-only kernel: neither built nor loaded
     run, two = curves(tmp_path / "mlflow.db")
@@ -79,6 +80,11 @@ def test_two_ranks_match_one(tmp_path, stage):
     # per-rank peak memory is gathered: the max and each rank's
     assert {"system/mem/train_peak_mib", "system/mem/rank0/train_peak_mib",
             "system/mem/rank1/train_peak_mib"} <= set(run.data.metrics)
+    return two
+
+
+def test_two_ranks_match_one(tmp_path):  # ZeRO-3; ZeRO-2 in the record-and-replay test below
+    two_ranks_match_one(tmp_path, 3)
 
 
 def test_two_ranks_dropping_zero_advantage_rows_match_one_process_that_keeps_them(tmp_path):
@@ -110,22 +116,18 @@ def test_async_two_ranks_match_one(tmp_path):
     assert run.data.metrics["train/staleness_max"] == 2.0
 
 
-def test_a_record_made_on_two_ranks_is_one_process_record_and_replays_on_two_ranks(tmp_path):
-    """rollout.record on 2 ranks: rank 0 writes the whole rollouts, the very ones a 1-process run records (same
-    tokens, rewards and padding; the sampler's logprobs to float reduction order). The 1-process record replayed on
-    2 ranks (each rank its rows) trains as the 2-rank run that generated them."""
+def test_two_ranks_match_one_under_zero2_and_record_and_replay_as_one_process(tmp_path):
+    """ZeRO-2, both runs recording (rollout.record): 2 ranks train as one process, and rank 0 writes the whole
+    rollouts, the very ones the 1-process run records (same tokens, rewards and padding; the sampler's logprobs to
+    float reduction order). The 1-process record replayed on 2 ranks (each rank its rows) trains as the 2-rank run
+    that generated them."""
     import torch
 
     from rlrun.rollout import record
 
-    one = single_process(tmp_path / "one", f"rollout.record={tmp_path}/one/rec")
-    (tmp_path / "two").mkdir()
-    out = rlrun(2, tmp_path / "two", *EQUIV, "engine=deepspeed", "engine.zero_stage=2",
-                f"rollout.record={tmp_path}/two/rec")
-    assert out.returncode == 0, out.stderr[-3000:]
-    two = curves(tmp_path / "two" / "mlflow.db")[1]
-    assert_close(two, one)
-    a, b = record.Record(str(tmp_path / "one" / "rec")), record.Record(str(tmp_path / "two" / "rec"))
+    two = two_ranks_match_one(tmp_path, 2, one_also=[f"rollout.record={tmp_path}/one/rec"],
+                              two_also=[f"rollout.record={tmp_path}/rec"])
+    a, b = record.Record(str(tmp_path / "one" / "rec")), record.Record(str(tmp_path / "rec"))
     assert len(a) == len(b) == 2
     for n in range(2):
         (ta, ma), (tb, mb) = a.read(n, "cpu"), b.read(n, "cpu")
