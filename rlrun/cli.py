@@ -79,7 +79,7 @@ def run(cfg: DictConfig, run_name: str | None = None, check_first: bool = False)
 
 def checked(typed):
     """The probes of `rlrun check` on a validated config, before its run exists: a CheckError naming the failed
-    probes, or what logs their results to the run once it starts (None: nothing probed, DPO)."""
+    probes, or what logs their results to the run once it starts (None: no probe ran)."""
     from . import check
 
     rows = check.rows_of(typed)

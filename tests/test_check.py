@@ -126,6 +126,60 @@ def test_each_injected_failure_fails_its_probe(monkeypatch, inject, overrides, p
     assert got[probe] is False, got
 
 
+# -- loss=dpo: the probes that apply to preference pairs (rlrun/check/dpo.py) ---------------------------------------
+
+DPO_PROBES = {"on-policy ratio", "generator = trainer", "sampler filter", "accumulation", "sequence alone",
+              "policy copies", "no full logits", "memory plan", "vs baseline"}
+
+
+def dpo_verdicts(*overrides) -> dict:
+    return {r.probe: r.ok for r in check.rows_of(validate(make_cfg("experiment=smoke", "loss=dpo", *overrides)))}
+
+
+@pytest.mark.parametrize("overrides", [[], ["head=chunked", "batching=shared_prompt", "activations=checkpoint",
+                                            "train.precision=bf16"], ["model.lora.enabled=true", "batching=packed"]],
+                         ids=["default", "chunked-shared-checkpoint-bf16", "lora-packed"])
+def test_dpo_probes_pass_on_configurations_that_are_right(overrides):
+    got = dpo_verdicts(*overrides)
+    assert set(got) == DPO_PROBES
+    assert got["on-policy ratio"] is got["generator = trainer"] is got["sampler filter"] is None  # nothing drawn
+    assert all(got[p] is True for p in ("accumulation", "sequence alone", "policy copies")), got
+    assert all(ok is not False for ok in got.values()), got
+
+
+def dpo_normalised_per_micro_batch(monkeypatch):
+    """Each micro-batch's DPO loss its own mean (num_pairs: its pairs, not the batch's), summed (ms-swift#10117)."""
+    from rlrun.losses import dpo as dpo_losses
+
+    loss = dpo_losses.dpo_loss
+    monkeypatch.setattr(dpo_losses, "dpo_loss", lambda chosen, *a, **k: loss(chosen, *a, **{**k, "num_pairs": None}))
+
+
+def reference_in_fp32(monkeypatch):
+    """The reference copy built without the trainer's precision (rlrun #36's class)."""
+    apply = precision.apply
+    monkeypatch.setattr(precision, "apply", lambda model, cfg, role="trainer": None if role == "reference" else
+                        apply(model, cfg, role))
+
+
+def chunked_builds_the_logits(monkeypatch):
+    from rlrun.heads import chunked, dense
+
+    monkeypatch.setattr(chunked, "logprobs", dense.logprobs)
+
+
+DPO_INJECTED = [(dpo_normalised_per_micro_batch, [], "accumulation"),
+                (reference_in_fp32, ["train.precision=bf16"], "policy copies"),
+                (chunked_builds_the_logits, ["head=chunked"], "no full logits")]
+
+
+@pytest.mark.parametrize("inject,overrides,probe", DPO_INJECTED, ids=[p for _, _, p in DPO_INJECTED])
+def test_each_injected_failure_fails_its_dpo_probe(monkeypatch, inject, overrides, probe):
+    inject(monkeypatch)
+    got = dpo_verdicts(*overrides)
+    assert got[probe] is False, got
+
+
 # -- the exact axes' options, every pair of them checked (an all-pairs covering array) -----------------------------
 
 AXES = pairs.exact_axes()  # from the registry: head, logprob_policy, offload, batching, activations, precision

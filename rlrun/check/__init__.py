@@ -103,11 +103,15 @@ def build(cfg) -> Context:
     bound = axes.resolve(cfg, head_size=size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                          device=device)
     base_axes = axes.resolve(base_cfg, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, device=device)
-    changed = {axes.exactness(g, option_of(cfg, g)) for g in registry.AXES
-               if option_of(cfg, g) != registry.baseline(g)}
+    changed = exactness_of(cfg)
     copies = {"trainer": trainer, "reference": reference.to(device), "generator": generator}
     return Context(cfg, trainer, baseline, copies, bound, base_axes, roll, micros, advantages,
                    Meter(torch.device(device)), changed)
+
+
+def exactness_of(cfg) -> set:
+    """What the options that differ from the baseline's are (rlrun.axes.EXACTNESS)."""
+    return {axes.exactness(g, option_of(cfg, g)) for g in registry.AXES if option_of(cfg, g) != registry.baseline(g)}
 
 
 def plan_probe(ctx: Context) -> Row:
@@ -144,10 +148,12 @@ def table(rows: list[Row]) -> str:
 
 
 def rows_of(cfg) -> list[Row]:
-    """The probes of a validated GRPO config ([] for DPO: not probed yet), the caller's random state untouched."""
-    if cfg.loss.name == "dpo":
-        return []
+    """The probes of a validated config (DPO's: rlrun/check/dpo.py), the caller's random state untouched."""
     with torch.random.fork_rng():
+        if cfg.loss.name == "dpo":
+            from . import dpo
+
+            return dpo.rows(cfg, baseline_config, exactness_of(cfg))
         return run_probes(build(cfg))
 
 
@@ -164,8 +170,6 @@ def metrics(rows: list[Row]) -> dict[str, float]:
 
 
 def report(cfg) -> tuple[str, bool]:
-    """The check of a validated GRPO config: (the table with its summary line, whether every probe passed)."""
+    """The check of a validated config: (the table with its summary line, whether every probe passed)."""
     rows = rows_of(cfg)
-    if not rows:
-        return "rlrun check: loss=dpo is not probed yet (the probes are GRPO's: a rollout, ratios, a generator).", True
     return f"{table(rows)}\n{summary(rows)}", all(r.ok is not False for r in rows)

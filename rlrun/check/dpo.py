@@ -1,0 +1,156 @@
+"""`rlrun check loss=dpo`: the probes that apply to preference pairs, on a probe batch of the configuration's own
+pairs, beside its baseline (every axis at its baseline option, the same weights).
+
+DPO draws nothing, so the probes of a rollout (on-policy ratio, generator = trainer, sampler filter) do not apply
+and are listed as such; the others run on the DPO recipe's own functions (recipes/dpo.py: encode_pairs,
+pair_logprobs, train_step): accumulation, each pair alone vs in its batch or pack, the policy copies (trainer and
+reference: one precision path, the same logprobs at the same weights), no [tokens, vocab] tensor from a head that
+promises none, and loss and gradients against the baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+
+from .. import axes, models, plan, policy, precision, tasks
+from ..meters import Meter
+from ..recipes import dpo
+from . import probes
+from .probes import BF16_TOL, FP_TOL, RATIO_TOL, Row, grad_diff, grads_of, logprob_tol
+
+PROBE_PAIRS = 8  # pairs of the probe batch at most: seconds on the embedded default
+NOT_DRAWN = "n/a: DPO draws nothing (its pairs are data)"
+
+
+def build(cfg, baseline_config) -> SimpleNamespace:
+    torch.manual_seed(cfg.seed)
+    base_model, tokenizer = models.build(cfg.model, cfg.seed)
+    device = next(base_model.parameters()).device
+    train_pairs, _ = tasks.load_pairs(cfg.task, cfg.seed, tokenizer)
+    pairs = [dict(p, id=i) for i, p in enumerate(train_pairs[:PROBE_PAIRS])]
+    n = len(pairs)
+    # the loss is each micro-batch's share of the batch mean: the probe batch is the whole batch
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=n,
+                                                             micro_batch=min(cfg.train.micro_batch, n)))
+    base_cfg = baseline_config(cfg)
+    reference = policy.build(cfg, "reference", base=base_model)
+    trainer = policy.build(cfg, "trainer", base=probes.copy_model(base_model))
+    baseline = policy.build(base_cfg, "trainer", base=probes.copy_model(base_model))
+    baseline.load_state_dict(trainer.state_dict())  # the same weights, LoRA's random adapters included
+    first = dpo.encode_pairs(tokenizer, pairs[: cfg.train.micro_batch], device)
+    size = plan.resolve_size(cfg, plan.shapes_of(trainer, plan.weight_dtype(cfg)), int(first.targets.numel()),
+                             device.type)
+    bound = axes.resolve(cfg, head_size=size, device=str(device))
+    base_axes = axes.resolve(base_cfg, device=str(device))
+    return SimpleNamespace(cfg=cfg, base_cfg=base_cfg, tokenizer=tokenizer, pairs=pairs, trainer=trainer,
+                           baseline=baseline, reference=reference, axes=bound, base_axes=base_axes, device=device,
+                           meter=Meter(torch.device(device)))
+
+
+def logprobs(ctx, model, pairs, ax=None, cfg=None) -> torch.Tensor:
+    """[chosen..., rejected...] sequence logprobs of `pairs` under `model`, no grad, in micro-batches of the
+    configuration's size."""
+    cfg, ax = cfg or ctx.cfg, ax or ctx.axes
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(pairs), cfg.train.micro_batch):
+            batch = dpo.encode_pairs(ctx.tokenizer, pairs[i : i + cfg.train.micro_batch], ctx.device)
+            chosen, rejected = dpo.pair_logprobs(model, batch, ax.head, ax.layout, cfg.loss.average_logprobs)
+            out.append(torch.stack([chosen, rejected], 1))
+    return torch.cat(out)
+
+
+def step(ctx, model, ax, cfg, known) -> tuple[float, dict]:
+    """(loss, gradients) of one DPO optimizer step of `model` on the probe pairs, as the recipe takes it."""
+    engine = probes.engine_of(model, ctx.device)
+    s = SimpleNamespace(engine=engine, meter=ctx.meter, axes=ax, tokenizer=ctx.tokenizer)
+    model.zero_grad(set_to_none=True)
+    parts, _, _, _ = dpo.train_step(cfg, s, ctx.pairs, known, 0)
+    return float(sum(m["loss"] for _, m in parts)), grads_of(model)  # each micro-batch's share of the batch mean
+
+
+def reference_values(ctx) -> dict:
+    lp = logprobs(ctx, ctx.reference, ctx.pairs)
+    return {p["id"]: (c, r) for p, (c, r) in zip(ctx.pairs, lp.tolist())}
+
+
+def accumulation(ctx, known) -> Row:
+    n = len(ctx.pairs)
+    split = dataclasses.replace(ctx.cfg, train=dataclasses.replace(ctx.cfg.train, micro_batch=max(1, n // 2)))
+    whole = dataclasses.replace(ctx.cfg, train=dataclasses.replace(ctx.cfg.train, micro_batch=n))
+    _, g_split = step(ctx, ctx.trainer, ctx.axes, split, known)
+    _, g_whole = step(ctx, ctx.trainer, ctx.axes, whole, known)
+    d, tol = grad_diff(g_split, g_whole), BF16_TOL if ctx.axes.precision.exactness == "approximate" else FP_TOL
+    parts = -(-n // max(1, n // 2))
+    return Row("accumulation", f"{parts} micro-batches = 1: gradients within {tol:.0e}", f"max rel diff {d:.1e}",
+               d <= tol, "modelscope/ms-swift#10117 (gradient accumulation normalised twice)")
+
+
+def pairs_alone(ctx) -> Row:
+    batched = logprobs(ctx, ctx.trainer, ctx.pairs)
+    alone = torch.cat([logprobs(ctx, ctx.trainer, [p], ax=ctx.base_axes) for p in ctx.pairs])
+    worst, tol = (batched - alone).abs().max().item(), logprob_tol(ctx, RATIO_TOL)
+    # sequence logprobs sum a response's tokens: a summed error grows with its length, so the bound is per token
+    tokens = max(len(ctx.tokenizer(p[side], add_special_tokens=False).input_ids) + 1 for p in ctx.pairs
+                 for side in ("chosen", "rejected"))
+    return Row("sequence alone", f"max |in batch - alone| <= {tol:.0e} x {tokens} tokens", f"max {worst:.1e}",
+               worst <= tol * tokens, "unslothai/unsloth-zoo#840 (padding shifted positions or leaked into masks)")
+
+
+def policy_copies(ctx) -> Row:
+    copies = {"trainer": ctx.trainer, "reference": ctx.reference}
+    paths = {role: precision.autocasting(m) for role, m in copies.items()}
+    lp = {role: logprobs(ctx, m, ctx.pairs) for role, m in copies.items()}
+    worst, tol = (lp["reference"] - lp["trainer"]).abs().max().item(), logprob_tol(ctx, probes.GEN_TOL)
+    shown = ", ".join(f"{r}: {'bf16 autocast' if v else 'as built'}" for r, v in paths.items())
+    return Row("policy copies", f"one precision path; logprobs within {tol:.0e} at the same weights",
+               f"{shown}; max diff {worst:.1e}", len(set(paths.values())) == 1 and worst <= tol,
+               "rlrun #36 (a copy of the policy built in a second place drifts)")
+
+
+def no_full_logits(ctx, known) -> Row:
+    head = ctx.axes.head
+    if not head.impl.TILED:
+        return Row("no full logits", "n/a: this head builds the [tokens, vocab] logits by design", "-", None,
+                   "NVIDIA-NeMo/RL#2871, THUDM/slime#2253")
+    vocab = models.split(ctx.trainer)[1].shape[0]
+    batch = dpo.encode_pairs(ctx.tokenizer, ctx.pairs[: ctx.cfg.train.micro_batch], ctx.device)
+    tokens = int(batch.targets.numel())
+    size = min(head.size or tokens, max(16, tokens // 4))  # a tile smaller than a micro-batch's tokens
+    ax = dataclasses.replace(ctx.axes, head=dataclasses.replace(head, size=size))
+    watch = probes.LargestVocabTensor(vocab)
+    with watch:
+        logprobs(ctx, ctx.trainer, ctx.pairs, ax=ax)
+        step(ctx, ctx.trainer, ax, ctx.cfg, known)
+    return Row("no full logits", f"at most {size} rows (the tile) x vocab in any pass",
+               f"largest {watch.rows} rows x vocab {vocab}", watch.rows <= size,
+               "NVIDIA-NeMo/RL#2871, THUDM/slime#2253 (chunking not applied in every pass)")
+
+
+def against_baseline(ctx, known, exactness: set) -> Row:
+    want_loss, want = step(ctx, ctx.baseline, ctx.base_axes, ctx.base_cfg, known)
+    got_loss, got = step(ctx, ctx.trainer, ctx.axes, ctx.cfg, known)
+    if "objective" in exactness:
+        return Row("vs baseline", "n/a: an option changes the objective", "-", None, "")
+    tol = BF16_TOL if "approximate" in exactness else FP_TOL
+    d_loss = abs(got_loss - want_loss) / max(abs(want_loss), 1e-12)
+    d_grad = grad_diff(got, want)
+    return Row("vs baseline", f"loss and gradients within {tol:.0e} ({', '.join(sorted(exactness))})",
+               f"loss {d_loss:.1e}, gradients {d_grad:.1e}", max(d_loss, d_grad) <= tol,
+               "every exact option: its equivalence tests, here on your configuration")
+
+
+def rows(cfg, baseline_config, exactness: set) -> list[Row]:
+    ctx = build(cfg, baseline_config)
+    known = reference_values(ctx)
+    skipped = [Row(name, NOT_DRAWN, "-", None, source) for name, source in (
+        ("on-policy ratio", "verl/TRL: old logprobs recomputed under another path than the loss's"),
+        ("generator = trainer", "huggingface/trl#5312 (generator weights dropped: ratio mean 0.019)"),
+        ("sampler filter", "huggingface/trl#6789 (top_p=0.8: every weight scaled by the kept mass)"))]
+    return [*skipped, accumulation(ctx, known), pairs_alone(ctx), policy_copies(ctx), no_full_logits(ctx, known),
+            Row("memory plan", "n/a: DPO's plan is an upper bound (the longest pair), not measured here", "-", None,
+                "rlrun #38"),
+            against_baseline(ctx, known, exactness)]
