@@ -126,6 +126,7 @@ def test_each_injected_failure_fails_its_probe(monkeypatch, inject, overrides, p
     assert got[probe] is False, got
 
 
+@pytest.mark.slow  # builds the configuration and draws a probe rollout
 def test_the_memory_plan_probe_measures_a_step_that_accumulates_as_the_run_does(monkeypatch):
     """Where the configuration's micro-batches accumulate, the probe's measured step does too (its peak, as a run's,
     holds the gradients of the micro-batch before) and is planned so; the median of PLAN_STEPS steps."""
@@ -237,6 +238,7 @@ def test_a_sweep_job_whose_check_fails_is_failed_naming_the_probe_and_trains_not
     assert not any(k.startswith("train/") for k in r.data.metrics)  # refused before its first step
 
 
+@pytest.mark.slow  # trains two steps
 def test_a_sweep_job_whose_memory_plan_misses_trains_with_the_miss_logged(tmp_path, monkeypatch):
     """The plan is a forecast, not what is trained: its miss does not stop the job (every job of the activations
     sweep was failed on CPU RSS at 15-20% off), it is in the job's check metrics and tag."""
