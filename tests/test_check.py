@@ -96,11 +96,16 @@ def full_distribution(monkeypatch):
     monkeypatch.setattr(dense, "top_p_drop", lambda z, targets, top_p: torch.zeros_like(z, dtype=torch.bool))
 
 
-def generator_in_fp32(monkeypatch):
-    """One copy of the policy outside bf16: the generator built without the trainer's precision (rlrun #36)."""
-    apply = precision.apply
-    monkeypatch.setattr(precision, "apply", lambda model, cfg, role="trainer": None if role == "generator" else
-                        apply(model, cfg, role))
+def outside_bf16(copy: str):
+    """One copy of the policy (`copy`: its role) built without the trainer's precision (rlrun #36)."""
+    def inject(monkeypatch):
+        apply = precision.apply
+        monkeypatch.setattr(precision, "apply", lambda model, cfg, role="trainer": None if role == copy else
+                            apply(model, cfg, role))
+    return inject
+
+
+generator_in_fp32 = outside_bf16("generator")
 
 
 def tiled_builds_the_logits(monkeypatch):
@@ -170,13 +175,6 @@ def dpo_normalised_per_micro_batch(monkeypatch):
     monkeypatch.setattr(dpo_losses, "dpo_loss", lambda chosen, *a, **k: loss(chosen, *a, **{**k, "num_pairs": None}))
 
 
-def reference_in_fp32(monkeypatch):
-    """The reference copy built without the trainer's precision (rlrun #36's class)."""
-    apply = precision.apply
-    monkeypatch.setattr(precision, "apply", lambda model, cfg, role="trainer": None if role == "reference" else
-                        apply(model, cfg, role))
-
-
 def chunked_builds_the_logits(monkeypatch):
     from rlrun.heads import chunked, dense
 
@@ -184,7 +182,7 @@ def chunked_builds_the_logits(monkeypatch):
 
 
 DPO_INJECTED = [(dpo_normalised_per_micro_batch, [], "accumulation"),
-                (reference_in_fp32, ["train.precision=bf16"], "policy copies"),
+                (outside_bf16("reference"), ["train.precision=bf16"], "policy copies"),
                 (chunked_builds_the_logits, ["head=chunked"], "no full logits")]
 
 
