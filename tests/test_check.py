@@ -30,8 +30,8 @@ def verdicts(*overrides) -> dict:
                          ids=["default", "issue-combination", "top_p-lora-packed"])
 def test_every_probe_passes_on_configurations_that_are_right(overrides):
     got = verdicts(*overrides)
-    assert set(got) == {"on-policy ratio", "generator = trainer", "sampler filter", "accumulation", "sequence alone",
-                        "policy copies", "no full logits", "memory plan", "vs baseline"}
+    assert set(got) == {"on-policy ratio", "generator = trainer", "sampler filter", "accumulation", "ranks",
+                        "sequence alone", "policy copies", "no full logits", "memory plan", "vs baseline"}
     assert all(ok is not False for ok in got.values()), got
 
 
@@ -41,7 +41,7 @@ def test_the_command_prints_one_table_and_exits_0(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
-    assert lines[0].split()[:2] == ["probe", "expects"] and lines[-1] == "9 of 9 probes pass"
+    assert lines[0].split()[:2] == ["probe", "expects"] and lines[-1] == "10 of 10 probes pass"
     assert not list(tmp_path.iterdir())  # a check writes nothing
 
 
@@ -88,6 +88,15 @@ def normalised_twice(monkeypatch):
     monkeypatch.setattr(Objective, "prepare", twice)
 
 
+def normalised_per_rank(monkeypatch):
+    """Each rank's loss divided by its own token count, not the step's over the ranks (prime-rl#2358,
+    torchtitan#1842): the same as the right one on one rank, so only the ranks probe can see it."""
+    from rlrun.losses.bound import Objective
+
+    prepare = Objective.prepare
+    monkeypatch.setattr(Objective, "prepare", lambda self, micros, gather: prepare(self, micros, lambda obj: [obj]))
+
+
 def full_distribution(monkeypatch):
     """The trainer's logprobs over the whole vocabulary while the sampler's are top-p renormalised (trl#6789)."""
     from rlrun.heads import common, dense
@@ -118,6 +127,7 @@ def tiled_builds_the_logits(monkeypatch):
 INJECTED = [(generator_off_by_a_step, ["rollout.pipeline=async"], "generator = trainer"),
             (padding_attended, ["task.max_terms=4"], "sequence alone"),  # prompts of several lengths
             (normalised_twice, [], "accumulation"),
+            (normalised_per_rank, ["loss.agg=seq_mean_token_mean"], "ranks"),
             (full_distribution, ["rollout.top_p=0.8", "logprob_policy=always"], "sampler filter"),
             (generator_in_fp32, ["train.precision=bf16", "rollout.pipeline=async"], "policy copies"),
             (tiled_builds_the_logits, ["head=tiled"], "no full logits")]
@@ -148,7 +158,7 @@ def test_the_memory_plan_probe_measures_a_step_that_accumulates_as_the_run_does(
 
 # -- loss=dpo: the probes that apply to preference pairs (rlrun/check/dpo.py) ---------------------------------------
 
-DPO_PROBES = {"on-policy ratio", "generator = trainer", "sampler filter", "accumulation", "sequence alone",
+DPO_PROBES = {"on-policy ratio", "generator = trainer", "sampler filter", "accumulation", "ranks", "sequence alone",
               "policy copies", "no full logits", "memory plan", "vs baseline"}
 
 

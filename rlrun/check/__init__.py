@@ -145,8 +145,8 @@ def plan_probe(ctx: Context) -> Row:
 
 def run_probes(ctx: Context) -> list[Row]:
     rows = [probes.on_policy_ratio(ctx), *probes.generator_vs_trainer(ctx), probes.accumulation(ctx),
-            probes.sequences_alone(ctx), probes.policy_copies(ctx), probes.no_full_logits(ctx), plan_probe(ctx),
-            probes.against_baseline(ctx)]
+            probes.ranks(ctx), probes.sequences_alone(ctx), probes.policy_copies(ctx), probes.no_full_logits(ctx),
+            plan_probe(ctx), probes.against_baseline(ctx)]
     return rows
 
 

@@ -19,7 +19,7 @@ from .. import axes, models, plan, policy, precision, tasks
 from ..meters import Meter
 from ..recipes import dpo
 from . import probes
-from .probes import BF16_TOL, FP_TOL, RATIO_TOL, Row, grad_diff, grads_of, logprob_tol
+from .probes import BF16_TOL, FP_TOL, RANKS_SOURCE, RATIO_TOL, Row, grad_diff, grads_of, logprob_tol
 
 PROBE_PAIRS = 8  # pairs of the probe batch at most: seconds on the embedded default
 NOT_DRAWN = "n/a: DPO draws nothing (its pairs are data)"
@@ -150,7 +150,9 @@ def rows(cfg, baseline_config, exactness: set) -> list[Row]:
         ("on-policy ratio", "verl/TRL: old logprobs recomputed under another path than the loss's"),
         ("generator = trainer", "huggingface/trl#5312 (generator weights dropped: ratio mean 0.019)"),
         ("sampler filter", "huggingface/trl#6789 (top_p=0.8: every weight scaled by the kept mass)"))]
-    return [*skipped, accumulation(ctx, known), pairs_alone(ctx), policy_copies(ctx), no_full_logits(ctx, known),
+    ranks = Row("ranks", "n/a: not probed for DPO (its 2-rank gradients: tests/test_distributed.py)", "-", None,
+                RANKS_SOURCE)
+    return [*skipped, accumulation(ctx, known), ranks, pairs_alone(ctx), policy_copies(ctx), no_full_logits(ctx, known),
             Row("memory plan", "n/a: DPO's plan is an upper bound (the longest pair), not measured here", "-", None,
                 "rlrun #38"),
             against_baseline(ctx, known, exactness)]

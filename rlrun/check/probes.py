@@ -73,12 +73,17 @@ def alone(roll: Rollout, b: int) -> Rollout:
                    completions=roll.completions[b : b + 1], finished=roll.finished[b : b + 1])
 
 
-def engine_of(model, device):
-    """What grpo.train_step uses of an engine, on one process: backward, gather, the model."""
+def engine_of(model, device, world: int = 1, gather=None):
+    """What grpo.train_step uses of an engine: backward, gather, the model. One process; `world` > 1 stands for a
+    rank of that many, as engine=deepspeed computes (`gather` returns every rank's object; backward multiplies the
+    loss by the world size, as DeepSpeed then averages the ranks' gradients)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(model=model, device=device, world=1, gather=lambda obj: [obj],
-                           backward=lambda loss, boundary=None: loss.backward())
+    def backward(loss, boundary=None):
+        (loss * world if world > 1 else loss).backward()
+
+    return SimpleNamespace(model=model, device=device, world=world, gather=gather or (lambda obj: [obj]),
+                           backward=backward)
 
 
 def old_logprobs(model, micros, ax) -> list[torch.Tensor]:
@@ -86,9 +91,10 @@ def old_logprobs(model, micros, ax) -> list[torch.Tensor]:
         return ax.layout.logprobs(model, micros, ax.head)
 
 
-def train_step(model, micros, ax, meter, old=None):
+def train_step(model, micros, ax, meter, old=None, world: int = 1, gather=None):
     """(loss, metric partials, gradients) of one optimizer step of `model` on copies of `micros` under axes `ax`;
-    `old`: the old-policy logprobs the micro-batches carry (None: the pass skipped)."""
+    `old`: the old-policy logprobs the micro-batches carry (None: the pass skipped); `world`, `gather`: a rank's
+    share of a step over that many ranks (engine_of)."""
     from types import SimpleNamespace
 
     micros = [dataclasses.replace(m, old_logprobs=None if old is None else o.clone())
@@ -96,7 +102,7 @@ def train_step(model, micros, ax, meter, old=None):
     for m in micros:
         m.is_weights = ax.objective.is_weights(m) if m.old_logprobs is not None else None
     model.zero_grad(set_to_none=True)
-    s = SimpleNamespace(engine=engine_of(model, next(model.parameters()).device), meter=meter, axes=ax)
+    s = SimpleNamespace(engine=engine_of(model, next(model.parameters()).device, world, gather), meter=meter, axes=ax)
     loss, _, parts, _ = grpo.train_step(None, s, micros, 0)
     return loss, parts, grads_of(model)
 
@@ -143,6 +149,58 @@ def accumulation(ctx) -> Row:
     n = len(micros)  # a loss normalised twice is off by a factor of n: far outside bf16's rounding too
     return Row("accumulation", f"{n} micro-batches = 1: gradients within {tol:.0e}", f"max rel diff {d:.1e}",
                d <= tol, "modelscope/ms-swift#10117 (gradient accumulation normalised twice)")
+
+
+def rows_of(roll: Rollout, lo: int, hi: int) -> Rollout:
+    """Rows lo..hi-1 of a rollout, as a rank holds its share (the columns as they are)."""
+    return dataclasses.replace(roll, input_ids=roll.input_ids[lo:hi], attention_mask=roll.attention_mask[lo:hi],
+                               response_mask=roll.response_mask[lo:hi], gen_logprobs=roll.gen_logprobs[lo:hi],
+                               completions=roll.completions[lo:hi], finished=roll.finished[lo:hi])
+
+
+class Gathered(Exception):
+    """Raised by a rank's gather: the object it sent, found before the ranks' steps run with every rank's."""
+
+
+def sent(model, micros, ax, meter, world: int):
+    """What a rank's train step sends to its gather (its counts for the step's normalisers), or None."""
+    def stop(obj):
+        raise Gathered(obj)
+
+    try:
+        train_step(model, micros, ax, meter, world=world, gather=stop)
+    except Gathered as g:
+        return g.args[0]
+    return None
+
+
+def ranks(ctx) -> Row:
+    """4b. Gradients do not depend on how a step's rows are shared over data-parallel ranks: two ranks, each half
+    of the rows, as engine=deepspeed computes (each rank's step normalised by the counts gathered from both, its
+    loss times the world size, the two gradients averaged as DeepSpeed's all-reduce averages), against one rank
+    holding them all. In one process: the recipe's arithmetic; DeepSpeed's own all-reduce is tests/test_distributed's.
+    The probe's advantages are given, so a share need not hold whole groups."""
+    rows = ctx.roll.input_ids.shape[0]
+    if rows < 2:
+        return Row("ranks", "n/a: one sequence in the probe", "-", None, RANKS_SOURCE)
+    half = rows // 2
+    size = min(ctx.cfg.train.micro_batch, half)
+    one = grpo.split_rollout(ctx.roll, ctx.advantages, size)
+    shares = [grpo.split_rollout(rows_of(ctx.roll, lo, hi), ctx.advantages[lo:hi], size)
+              for lo, hi in ((0, half), (half, rows))]
+    every = [sent(ctx.trainer, share, ctx.axes, ctx.meter, 2) for share in shares]
+    got: dict[str, torch.Tensor] = {}
+    for share in shares:
+        _, _, grads = train_step(ctx.trainer, share, ctx.axes, ctx.meter, world=2, gather=lambda obj: every)
+        for n, g in grads.items():  # DeepSpeed's all-reduce: the mean over ranks
+            got[n] = got[n] + g / 2 if n in got else g / 2
+    _, _, want = train_step(ctx.trainer, one, ctx.axes, ctx.meter)
+    d, tol = grad_diff(got, want), BF16_TOL if ctx.axes.precision.exactness == "approximate" else FP_TOL
+    return Row("ranks", f"2 ranks (rows 0-{half - 1} | {half}-{rows - 1}) = 1: gradients within {tol:.0e}",
+               f"max rel diff {d:.1e}", d <= tol, RANKS_SOURCE)
+
+
+RANKS_SOURCE = "PrimeIntellect-ai/prime-rl#2358, pytorch/torchtitan#1842 (a per-rank token normaliser)"
 
 
 def sequences_alone(ctx) -> Row:
