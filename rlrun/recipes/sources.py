@@ -155,9 +155,11 @@ class Replay:
     def next(self, step: int, rollouts: int, got):
         engine = self.s.engine
         with self.s.meter.phase("wait"):
-            t, meta = self.record.read(rollouts, engine.device)
-            if engine.world > 1:  # data parallel: this rank's rows of the whole rollout the record holds
-                t, meta = record.share(t, meta, engine.rank, engine.world)
+            if engine.world > 1:  # data parallel: this rank's rows of the whole rollout, only they to the device
+                t, meta = record.share(*self.record.read(rollouts, "cpu"), engine.rank, engine.world)
+                t = {k: v.to(engine.device) for k, v in t.items()}
+            else:
+                t, meta = self.record.read(rollouts, engine.device)
         roll = Rollout(input_ids=t["input_ids"], attention_mask=t["attention_mask"], prompt_len=meta["prompt_len"],
                        response_mask=t["response_mask"], gen_logprobs=t["gen_logprobs"],
                        completions=meta["completions"], finished=t["finished"])
