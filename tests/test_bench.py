@@ -282,3 +282,49 @@ def test_trl_bench_varied_lengths_gives_both_the_same_work_and_rlrun_its_best_ex
     assert "rollout.max_new_tokens=4" in bench_trl.rlrun_overrides("/m", 5, 0, "sqlite:///x.db", [], "default", "rlrun")
     with pytest.raises(SystemExit, match="unknown --impls trl_fast; choose from rlrun,rlrun_async,trl,trl_cb"):
         bench_trl.bench(trl_args("--impls", "rlrun,trl_fast"), lambda *a, **k: None)
+
+
+def test_replay_bench_compares_each_round_with_its_generating_sweep(tmp_path):
+    """The replay bench's logic on made-up sweeps: the ratio is taken within a round (paired), its range shown;
+    the jobs that generated and the first and other jobs' seconds; each mode's command sweeps the same option, the
+    paired one with report.replay=true, in a folder and store of its own."""
+    from rlrun.tools import bench_replay
+
+    a = bench.parser().parse_args(["replay", "--rounds", "2", "--tracking-uri", "none"])
+
+    def fake(mode, seed, args):
+        paired = mode == "paired"
+        jobs = [{"seconds": 50.0, "generated": True}] + [{"seconds": 15.0 if paired else 50.0,
+                                                          "generated": not paired}] * 2
+        return {"wall_s": (100.0 if paired else 200.0) * (1 + seed), "jobs": jobs}  # round 1 twice as slow
+
+    generating, paired = bench_replay.bench(a, lambda *x: None, run=fake)
+    assert paired["ratio"] == paired["ratio_min"] == paired["ratio_max"] == pytest.approx(0.5)  # within each round
+    assert paired["wall_s"] == pytest.approx(150.0) and generating["ratio"] == 1.0
+    assert (paired["generated"], paired["jobs"], generating["generated"]) == (1.0, 3.0, 3.0)
+    assert paired["first_job_s"] == 50.0 and paired["other_jobs_s"] == 15.0
+    text = bench_replay.table([generating, paired], a, (9.0, 1.0))
+    assert "0.50x [0.50, 0.50]" in text and "1 of 3" in text and "LOADED" in text
+    assert "LOADED" not in bench_replay.table([generating, paired], a, (0.0, 2.0))  # the end's: the bench's own
+    cmd = bench_replay.command("paired", 1, a, str(tmp_path))
+    assert cmd[3:5] == ["-m", "head=dense,tiled,chunked"] and "report.replay=true" in cmd and "seed=1" in cmd
+    assert f"hydra.sweep.dir={tmp_path}/sweep" in cmd and "report.replay=true" not in bench_replay.command(
+        "generating", 1, a, str(tmp_path))
+
+
+def test_replay_bench_reads_the_sweeps_jobs_from_its_store(tmp_path):
+    """Jobs in the order they ran, the parent left out; a job generated when it logged a generate phase."""
+    from rlrun.tools import bench_replay
+    from rlrun.tracking import metric_key, open_client
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = open_client(uri)
+    exp = client.create_experiment("rlrun")
+    parent = client.create_run(exp, start_time=1000, tags={"rlrun.kind": "sweep"})
+    for start, generated in ((2000, True), (5000, False)):
+        run = client.create_run(exp, start_time=start)
+        if generated:
+            client.log_metric(run.info.run_id, metric_key("time/generate_s"), 0.5)
+        client.set_terminated(run.info.run_id, end_time=start + 1500)
+    client.set_terminated(parent.info.run_id, end_time=9000)
+    assert bench_replay.jobs_of(uri) == [{"seconds": 1.5, "generated": True}, {"seconds": 1.5, "generated": False}]

@@ -9,6 +9,7 @@
     python -m rlrun.bench pipeline                # rollout.pipeline=sync vs async (rlrun/tools/bench_pipeline.py)
     python -m rlrun.bench skip                    # train.skip_zero_advantage on vs off (rlrun/tools/bench_skip.py)
     python -m rlrun.bench generate                # rollout=hf decode: ended rows leave (rlrun/tools/bench_generate.py)
+    python -m rlrun.bench replay                  # a sweep, generating vs paired (rlrun/tools/bench_replay.py)
     python -m rlrun.bench gpu                     # rlrun on a CUDA device, every part (rlrun/tools/bench_gpu.py)
 
 `heads`: one DAPO forward+backward of the lm head + loss per implementation, each in its own process (so peaks do
@@ -48,7 +49,7 @@ from ..losses.dapo import token_loss as dapo_token_loss
 from ..meters import MIB, Meter, proc_bytes
 from ..render import in_child, num, table
 from ..tracking import MLflow, TrackingError, check_uri, log_metrics
-from . import bench_batching, bench_generate, bench_gpu, bench_pipeline, bench_plan, bench_skip, bench_trl
+from . import bench_batching, bench_generate, bench_gpu, bench_pipeline, bench_plan, bench_replay, bench_skip, bench_trl
 
 PEERS = ("deepspeed", "liger")
 
@@ -358,6 +359,7 @@ def parser() -> argparse.ArgumentParser:
     bench_batching.add_parser(sub, batching_bench)
     bench_pipeline.add_parser(sub, log_mlflow)
     bench_skip.add_parser(sub, log_mlflow)
+    bench_replay.add_parser(sub, log_mlflow)
     bench_generate.add_parser(sub, log_mlflow)
     bench_gpu.add_parser(sub, log_mlflow)
     return p
