@@ -14,8 +14,9 @@ which the experiment's saved view `rlrun` groups them (tracking/ui.py), with the
 
 Before any job runs, every job's config is composed and validated: a sweep with an invalid job is refused as a
 whole (exit 2), each invalid job listed with all its problems. At the end the parent run carries the comparison
-(its description, fastest step first, and the table `comparison.json`) and the figures, and the command prints
-where to look: the runs view and the parent run, on MLflow's model-training view.
+(its description: the answer in one line, then one line per job, cheapest first; the table `comparison.json`) and
+the figures, and the command prints where to look: the runs view and the parent run, on MLflow's model-training
+view.
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ class Gathered(Exception):
 
 
 def sent(model, micros, ax, meter, world: int):
-    """What a rank's train step sends to its gather (its counts for the step's normalisers), or None."""
+    """What a rank's train step sends to its gather (its counts for the step's normalisers), or None where it
+    gathers nothing: then each rank normalises by its own counts, which is what the probe exists to catch."""
     def stop(obj):
         raise Gathered(obj)
 

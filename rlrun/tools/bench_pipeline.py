@@ -24,21 +24,25 @@ MODES = {"sync": ["rollout.pipeline=sync"],
          "async_k2": ["rollout.pipeline=async", "rollout.max_staleness=2"]}
 
 
+def rlrun_in(tmp: str, args: list[str]) -> str:
+    """`python -m rlrun ARGS` through the real entry point in a fresh process working in `tmp`, with its own store
+    there (its URI returned); a failure raises with the end of its stderr."""
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    cmd = [sys.executable, "-m", "rlrun", *args, "progress=false", f"tracking.uri={uri}"]
+    env = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
+    r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    return uri
+
+
 @contextlib.contextmanager
 def child_run(args: list[str]):
-    """`python -m rlrun ARGS` through the real entry point in a fresh process, with its own store in a temporary
-    folder: (client, its run), readable until the block ends."""
+    """One run (`rlrun_in`) in a temporary folder: (client, its run), readable until the block ends."""
     from ..tracking import open_client
 
     with tempfile.TemporaryDirectory() as tmp:
-        uri = f"sqlite:///{tmp}/mlflow.db"
-        cmd = [sys.executable, "-m", "rlrun", "progress=false", f"tracking.uri={uri}", f"hydra.run.dir={tmp}/out",
-               *args]
-        env = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
-        r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-        client = open_client(uri)
+        client = open_client(rlrun_in(tmp, [*args, f"hydra.run.dir={tmp}/out"]))
         [run] = client.search_runs([client.get_experiment_by_name("rlrun").experiment_id])
         yield client, run
 

@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+
+from .bench_pipeline import rlrun_in, rounds
 
 MODES = {"generating": [], "paired": ["report.replay=true"]}
 WORKLOAD = ["warm_start.enabled=false", "rollout.max_new_tokens=512", "model.max_positions=576",
             "train.rollout_batch=32", "train.batch_size=32", "train.micro_batch=32", "train.steps=120"]
 
 
-def command(mode: str, seed: int, a, tmp: str) -> list[str]:
-    """The sweep command of one mode: the swept option, the workload, the mode's switch, a store of its own."""
-    return [sys.executable, "-m", "rlrun", "-m", a.option, *a.rlrun_args, *MODES[mode], f"seed={seed}",
-            "progress=false", "export.enabled=false", f"tracking.uri=sqlite:///{tmp}/mlflow.db",
+def arguments(mode: str, seed: int, a, tmp: str) -> list[str]:
+    """rlrun's arguments for the sweep of one mode: the swept option, the workload, the mode's switch, a folder of
+    its own (bench_pipeline.rlrun_in adds the store)."""
+    return ["-m", a.option, *a.rlrun_args, *MODES[mode], f"seed={seed}", "export.enabled=false",
             f"hydra.sweep.dir={tmp}/sweep"]
 
 
@@ -49,14 +49,9 @@ def jobs_of(uri: str) -> list[dict]:
 
 def run_one(mode: str, seed: int, a) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = command(mode, seed, a, tmp)
-        env = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
         start = time.monotonic()
-        r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
-        wall = time.monotonic() - start
-        if r.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-        return {"wall_s": wall, "jobs": jobs_of(f"sqlite:///{tmp}/mlflow.db")}
+        uri = rlrun_in(tmp, arguments(mode, seed, a, tmp))
+        return {"wall_s": time.monotonic() - start, "jobs": jobs_of(uri)}
 
 
 def summarize(results: list[dict[str, dict]]) -> list[dict]:
@@ -95,11 +90,9 @@ def table(rows: list[dict], a, load: tuple[float, float]) -> str:
 
 
 def bench(a, log_mlflow, run=run_one) -> list[dict]:
-    from . import bench_pipeline
-
     a.modes = list(MODES)
     before = os.getloadavg()[0]
-    rows = summarize(bench_pipeline.rounds(a, run))
+    rows = summarize(rounds(a, run))
     text = table(rows, a, (before, os.getloadavg()[0]))
     print(text)
     log_mlflow(a, [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows], text, "replay")
