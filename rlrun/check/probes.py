@@ -175,6 +175,9 @@ def sent(model, micros, ax, meter, world: int):
     return None
 
 
+RANKS_SOURCE = "PrimeIntellect-ai/prime-rl#2358, pytorch/torchtitan#1842 (a per-rank token normaliser)"
+
+
 def ranks(ctx) -> Row:
     """4b. Gradients do not depend on how a step's rows are shared over data-parallel ranks: two ranks, each half
     of the rows, as engine=deepspeed computes (each rank's step normalised by the counts gathered from both, its
@@ -200,8 +203,6 @@ def ranks(ctx) -> Row:
     return Row("ranks", f"2 ranks (rows 0-{half - 1} | {half}-{rows - 1}) = 1: gradients within {tol:.0e}",
                f"max rel diff {d:.1e}", d <= tol, RANKS_SOURCE)
 
-
-RANKS_SOURCE = "PrimeIntellect-ai/prime-rl#2358, pytorch/torchtitan#1842 (a per-rank token normaliser)"
 
 
 def sequences_alone(ctx) -> Row:
