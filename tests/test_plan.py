@@ -440,7 +440,8 @@ def test_the_policy_logprob_pass_is_the_peak_of_live_tensors(shape, lora):
                             "model.heads=8", f"model.kv_heads={kv}", f"train.precision={prec}",
                             f"model.lora.enabled={str(lora).lower()}", "logprob_policy=always"))
     s, rows, seq_len, tokens = plan.inputs(cfg)
-    parts = plan.predict(cfg, s, rows, seq_len, tokens, device_type="cuda").phases["old_logprobs"].parts
+    phase = plan.predict(cfg, s, rows, seq_len, tokens, device_type="cuda").phases["old_logprobs"]
+    parts = {**phase.parts, **phase.apart}  # a layer's working set: counted, or freed before a larger head's
     layer = sum(v for k, v in parts.items() if k.startswith(("one layer's", "LoRA", "bf16 weight copies")))
     model = policy.build(cfg, "trainer")
     ids = torch.randint(4, 40, (rows, seq_len), generator=torch.Generator().manual_seed(0))
@@ -449,3 +450,47 @@ def test_the_policy_logprob_pass_is_the_peak_of_live_tensors(shape, lora):
         models.hidden_states(models.split(model)[0], ids, torch.ones_like(ids))
     assert layer == pytest.approx(live.peak, rel=0.05), plan.detail(plan.predict(cfg, s, rows, seq_len, tokens))
     assert any(k.startswith("LoRA") for k in parts) == lora
+
+
+@pytest.mark.parametrize("overrides", [("head=tiled", "model.hidden_size=256", "model.intermediate_size=1024",
+                                        "model.layers=2", "model.heads=4", "model.kv_heads=4"),
+                                       ("head=chunked", "model.hidden_size=256", "model.intermediate_size=1024",
+                                        "model.layers=2", "model.heads=4", "model.kv_heads=4",
+                                        "model.vocab_size=16384"),
+                                       ("head=dense", "model.hidden_size=128", "model.intermediate_size=512",
+                                        "model.layers=2", "model.heads=2", "model.kv_heads=1"),
+                                       ("head=tiled", "model.hidden_size=256", "model.intermediate_size=1024",
+                                        "model.layers=2", "model.heads=4", "model.kv_heads=4",
+                                        "model.lora.enabled=true")],
+                         ids=["tiled-layer-larger", "chunked-tile-larger", "dense", "tiled-lora"])
+def test_a_logprob_pass_peaks_at_the_larger_of_a_layer_and_the_head(overrides):
+    """The old-policy pass (no grad) over 4 micro-batches, planned for CUDA, against the peak of its live tensor
+    bytes op by op: a layer's working set is freed before the head runs, so the phase holds the larger of the two,
+    not their sum (the sum over-predicted tiled heads' pass 2x on an H200: docs/gpu.md)."""
+    from types import SimpleNamespace
+
+    from rlrun import policy
+    from rlrun.recipes import grpo
+
+    cfg = validate(make_cfg("train.micro_batch=8", "train.batch_size=32", "train.rollout_batch=32",
+                            "train.group_size=8", "rollout.max_new_tokens=16", "model.vocab_size=4096",
+                            "logprob_policy=always", *overrides))
+    s, rows, seq_len, tokens = plan.inputs(cfg)
+    phase = plan.predict(cfg, s, rows, seq_len, tokens, device_type="cuda").phases["old_logprobs"]
+    model = policy.build(cfg, "trainer")
+    g, prompt = torch.Generator().manual_seed(0), seq_len - cfg.rollout.max_new_tokens
+    micros = []
+    for _ in range(4):
+        ids = torch.randint(4, 40, (rows, seq_len), generator=g)
+        micros.append(grpo.Micro(ids, torch.ones_like(ids), prompt, ids[:, prompt:].reshape(-1),
+                                 torch.ones(tokens, dtype=torch.bool), torch.randn(tokens, generator=g),
+                                 -torch.rand(tokens, generator=g)))
+    ax = axes.resolve(cfg, temperature=cfg.rollout.temperature)
+    tensors = [*model.parameters(), *model.buffers(), *(t for m in micros for t in vars(m).values()
+                                                        if isinstance(t, torch.Tensor))]
+    with torch.no_grad(), LiveBytes(tensors) as live:
+        out = ax.layout.logprobs(model, micros, ax.head, {})
+    assert len(out) == 4 and phase.apart  # the smaller of the two working sets is listed apart
+    assert phase.growth == pytest.approx(live.peak, rel=0.1), (live.peak, phase)  # the sum: +33% to +86%
+    cpu = plan.predict(cfg, s, rows, seq_len, tokens, device_type="cpu").phases["old_logprobs"]
+    assert not cpu.apart and cpu.growth == phase.growth + sum(phase.apart.values())  # RSS keeps the layer's blocks

@@ -7,9 +7,11 @@ optimizer state). Predicted device peak = resident + growth. Every term is a cou
 
 - generate: the KV cache (2 x layers x rows x (prompt + new tokens) x kv heads x head dim) and, per decode step,
   the last position's logits and the sampler's [rows, vocab] fp32 temporaries (rollout/hf.py).
-- old / ref logprobs (no grad): one layer's activations at a time, the final hidden states, and the head: dense
-  holds two [tokens, vocab] fp32 tensors at once (the tempered logits and their log-softmax); tiled/chunked one
-  [tile, vocab] fp32 tile; under bf16 autocast the policy's bf16 weight copies (autocast's cache).
+- old / ref logprobs (no grad): the final hidden states, under bf16 autocast the policy's bf16 weight copies
+  (autocast's cache), one layer's activations and the head's working set: dense holds two [tokens, vocab] fp32
+  tensors at once (the tempered logits and their log-softmax); tiled/chunked one [tile, vocab] fp32 tile. On a
+  CUDA device only the larger of the layer's and the head's counts (the layer's is freed when it returns); CPU
+  RSS keeps the freed layer's heap blocks, so there both do.
 - train, at its peak (the head's backward in a micro-batch after the first): the gradients already accumulated,
   the backbone's activations saved for backward (per `activations` option), autocast's bf16 weight copies, and
   the head: dense three [tokens, vocab] fp32 tensors in backward; tiled/chunked one tile and a 16-row entropy

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import activations, logprobs, models, offload, precision, ranks, registry
 from ..meters import plan_growth_key, plan_peak_key
@@ -13,10 +13,12 @@ from .terms import FP32, LIVE_H, LIVE_I, MIB, SAMPLER_COPIES
 
 @dataclass
 class Phase:
-    """A phase's predicted growth, as named parts in bytes, on top of `resident` bytes."""
+    """A phase's predicted growth, as named parts in bytes, on top of `resident` bytes; `apart`: working sets the
+    phase also allocates but that are freed before its peak (listed, not counted)."""
 
     parts: dict[str, int]
     resident: dict[str, int]
+    apart: dict[str, int] = field(default_factory=dict)
 
     @property
     def growth(self) -> int:
@@ -165,15 +167,22 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         mask = {f"attention mask ({layer_tokens} positions in rows of {width}, bool)": layer_tokens * width}
 
     def logprob_phase(policy: bool, weights: dict, adapters: bool) -> Phase:
-        parts = {"one layer's activations (no grad)": layer_tokens * live_bytes(s, kind),
-                 "final hidden states": 2 * layer_tokens * s.hidden * b, **mask}
-        if adapters:  # LoRA on (the reference runs with them off, or is a copy without them)
-            parts["LoRA: an adapter's output beside its layer's (no grad)"] = layer_tokens * lora_bytes(s, kind)
+        held = {"final hidden states": 2 * layer_tokens * s.hidden * b, **mask}
         if policy and kind == "autocast":  # the autocast cache keeps the casts of weights that require grad
-            parts["bf16 weight copies (autocast cache)"] = s.layer_matrices * 2
-        parts.update(terms.head_parts(head, size, tokens, s, grad=False, top_p=sampled_top_p(cfg)))
+            held["bf16 weight copies (autocast cache)"] = s.layer_matrices * 2
+        layer = {"one layer's activations (no grad)": layer_tokens * live_bytes(s, kind)}
+        if adapters:  # LoRA on (the reference runs with them off, or is a copy without them)
+            layer["LoRA: an adapter's output beside its layer's (no grad)"] = layer_tokens * lora_bytes(s, kind)
+        lm_head = terms.head_parts(head, size, tokens, s, grad=False, top_p=sampled_top_p(cfg))
+        # Without grad a layer's working set is freed when it returns, before the head runs: on CUDA (allocated
+        # bytes) the phase peaks at the larger of the two (their sum over-predicted tiled heads' pass 2x on an
+        # H200, docs/gpu.md). CPU RSS keeps the freed layer's heap blocks (glibc): there both count (bench plan).
+        if device_type == "cpu":
+            peak_set, freed = {**layer, **lm_head}, {}
+        else:
+            peak_set, freed = (layer, lm_head) if sum(layer.values()) > sum(lm_head.values()) else (lm_head, layer)
         offloaded = offload.option(cfg.offload).frees_state(device_type)  # optimizer state on the host for these
-        return Phase(parts, {**weights, **({} if offloaded else adam)})
+        return Phase({**held, **peak_set}, {**weights, **({} if offloaded else adam)}, apart=freed)
 
     phases, trainer = {}, weights  # trainer: what the trainer's phases hold resident besides optimizer state
     if cfg.loss.name != "dpo":

@@ -55,6 +55,7 @@ def detail(plan: pr.Plan) -> str:
     for name, ph in plan.phases.items():
         lines.append(f"{name}: growth {ph.growth / MIB:.1f} MiB on resident {sum(ph.resident.values()) / MIB:.1f}")
         lines += [f"    {v / MIB:10.1f}  {k}" for k, v in sorted(ph.parts.items(), key=lambda kv: -kv[1])]
+        lines += [f"   ({v / MIB:9.1f}) {k}: freed before the peak, not counted" for k, v in ph.apart.items()]
         lines += [f"    {v / MIB:10.1f}  {k} (resident)" for k, v in ph.resident.items()]
     return "\n".join(lines)
 
