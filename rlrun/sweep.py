@@ -262,6 +262,8 @@ class SweepCallback(Callback):
         for name, run in zip(names, runs):  # each job's `rlrun check` (report.check_jobs)
             if run.data.tags.get("rlrun.check"):
                 answer[1].setdefault(verdict.option_of(name), {})["check"] = run.data.tags["rlrun.check"]
+        for name, run in zip(names, runs):
+            self.mark_verdict(run, verdict.brief(answer[1][verdict.option_of(name)]))
         found = noise_floor.rows(names, data, params)  # a paired sweep: the options against the exact floor
         if found and found[1]:  # in the answer's line: MLflow folds the description after a few lines
             answer = (f"{answer[0]} {noise_floor.brief(found)}", answer[1])
@@ -281,6 +283,17 @@ class SweepCallback(Callback):
         self.client.set_tag(self.parent_id, "mlflow.note.content", text)
         self.client.log_table(self.parent_id, {c: [None if isinstance(r[c], float) and r[c] != r[c] else r[c]
                                                    for r in rows] for c in report.COLUMNS}, "comparison.json")
+
+
+    def mark_verdict(self, run, brief: str) -> None:
+        """A job's answer as its tag and its description's first line (the runs table's Description column,
+        tracking/ui.py); the line a drawing during the sweep put there is replaced, not repeated."""
+        tags = run.data.tags
+        text, old = tags.get("mlflow.note.content", ""), tags.get(ui.VERDICT_TAG)
+        if old and text.startswith(f"{old}.\n\n"):
+            text = text[len(old) + 3 :]
+        self.client.set_tag(run.info.run_id, ui.VERDICT_TAG, brief)
+        self.client.set_tag(run.info.run_id, "mlflow.note.content", f"{brief}.\n\n{text}" if text else f"{brief}.")
 
 
 def links(uri: str, exp_id: str, run_id: str, port: int = tracking.UI_PORT) -> str:

@@ -39,6 +39,7 @@ def test_the_saved_view_has_the_metric_columns_and_adds_swept_params(tmp_path):
     assert envelope["name"] == "rlrun: runs by sweep" and isinstance(envelope["createdAt"], int)
     assert state["selectedColumns"][:4] == ["metrics.`train/reward_mean`", "metrics.`train/rewards/accuracy`",
                                             "metrics.`eval/accuracy`", "metrics.`system/summary/step_s`"]
+    assert "attributes.`Description`" in state["selectedColumns"]  # a sweep job's answer heads it (sweep.py)
     assert state["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "rlrun.sweep_group"}]
     # a user who saved over the view keeps it; a sweep adds its keys' columns; a named primary metric stays
     state["groupBy"] = None
@@ -53,6 +54,21 @@ def test_the_saved_view_has_the_metric_columns_and_adds_swept_params(tmp_path):
     client.set_experiment_tag(exp, ui.VIEW_TAG, "not json")  # unreadable: replaced by rlrun's
     ui.prepare(client, exp, ("head.name",))
     assert ui.read_view(client.get_experiment(exp).tags)[0]["selectedColumns"][-1] == "params.`head.name`"
+
+
+def test_a_jobs_verdict_heads_its_description_once(tmp_path):
+    """The runs table's Description column (the saved view's) shows each job's answer: a sweep's end writes it as the
+    description's first line; the drawing during the sweep wrote an earlier one there, which is replaced."""
+    client = tracking.open_client(new_store(tmp_path))
+    exp = client.create_experiment("e")
+    run_id = client.create_run(exp, tags={"mlflow.note.content": "GRPO-family RL with the tiled head."}).info.run_id
+    callback = sweep.SweepCallback()
+    callback.client = client
+    callback.mark_verdict(client.get_run(run_id), "same · no difference measured vs head=dense")
+    callback.mark_verdict(client.get_run(run_id), "same · 0.71x vs head=dense")
+    tags = client.get_run(run_id).data.tags
+    assert tags["mlflow.note.content"] == "same · 0.71x vs head=dense.\n\nGRPO-family RL with the tiled head."
+    assert tags[ui.VERDICT_TAG] == "same · 0.71x vs head=dense"
 
 
 def test_a_group_override_is_shown_as_its_name_param():

@@ -16,6 +16,7 @@ import pytest
 from helpers import free_port, start_server, stop_server
 
 from rlrun import tracking
+from rlrun.tracking import ui
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
@@ -112,6 +113,18 @@ def test_sweep_parent_description_holds_the_comparison_table(swept):
     assert "comparison.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
     name = parent.data.tags["mlflow.runName"]
     assert name.startswith("logprob_policies: ") and "tracking.uri" not in name and "progress" not in name
+
+
+def test_each_job_states_its_answer_where_the_runs_table_shows_it(swept):
+    """The saved view's Description column (before the metrics: no scrolling) opens with each job's verdict."""
+    _, exp, _, children, *_ = swept
+    assert "attributes.`Description`" in json.loads(json.loads(exp.tags[ui.VIEW_TAG])["state"])["selectedColumns"]
+    verdicts = {c.data.tags["mlflow.runName"]: c.data.tags[ui.VERDICT_TAG] for c in children}
+    assert verdicts["logprob_policy=always"] == "baseline"
+    for name in ("logprob_policy=window", "logprob_policy=skip"):
+        assert verdicts[name].startswith("same · ") and verdicts[name].endswith(" vs logprob_policy=always")
+    for c in children:
+        assert c.data.tags["mlflow.note.content"].startswith(c.data.tags[ui.VERDICT_TAG] + ".\n\nGRPO-family RL")
 
 
 def test_figures_are_sized_for_the_artifact_viewer(swept):

@@ -467,8 +467,6 @@ def test_a_logprob_pass_peaks_at_the_larger_of_a_layer_and_the_head(overrides):
     """The old-policy pass (no grad) over 4 micro-batches, planned for CUDA, against the peak of its live tensor
     bytes op by op: a layer's working set is freed before the head runs, so the phase holds the larger of the two,
     not their sum (the sum over-predicted tiled heads' pass 2x on an H200: docs/gpu.md)."""
-    from types import SimpleNamespace
-
     from rlrun import policy
     from rlrun.recipes import grpo
 

@@ -125,3 +125,19 @@ def test_repeats_are_the_sweepers_outermost_key_so_jobs_interleave():
                      ["report.repeat=1", "head=dense"], ["report.repeat=1", "head=tiled"],
                      ["report.repeat=2", "head=dense"], ["report.repeat=2", "head=tiled"]]
     assert sweep_jobs.swept_keys(config) == ["report.repeat", "head"]
+
+
+def test_each_job_gets_its_answer_in_a_few_words():
+    """The runs table's verdict column (tag rlrun.verdict): same or not, then the cost against the baseline."""
+    base, fast = run([1.0, 1.1, 0.9, 1.0, 1.05, 0.95]), run([0.5, 0.52, 0.48, 0.5, 0.51, 0.49])
+    as_slow = run([0.98, 1.12, 0.91, 1.01, 1.04, 0.96])
+    wrong = run([0.98, 1.12, 0.91, 1.01, 1.04, 0.96], loss=[0.1, 0.3, 0.3, 0.3, 0.3, 0.3])
+    names = ["head=dense", "head=tiled", "head=chunked"]
+    _, rows = verdict.answer(names, [base, fast, as_slow], [params(head=n[5:]) for n in names], {1: 0, 2: 0})
+    assert verdict.brief(rows["head=dense"]) == "baseline"
+    assert verdict.brief(rows["head=tiled"]) == "same · 0.51x vs head=dense"
+    assert verdict.brief(rows["head=chunked"]) == "same · no difference measured vs head=dense"
+    _, rows = verdict.answer(names[:2], [base, wrong], [params(head=n[5:]) for n in names[:2]], {1: 0})
+    assert verdict.brief(rows["head=tiled"]) == "DIFFERENT · no difference measured vs head=dense"
+    _, alone = verdict.answer(names[:2], [base, fast], [{"loss.name": "dapo"}, {"loss.name": "cispo"}], {})
+    assert {verdict.brief(r) for r in alone.values()} == {"no baseline in the sweep"}

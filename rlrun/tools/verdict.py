@@ -157,8 +157,21 @@ def answer(names: list[str], data: list[dict], all_params: list[dict[str, str]],
         base_opt[o] = ob
         paired = eq.record_of(all_params[i]) is not None and eq.record_of(all_params[i]) == eq.record_of(all_params[b])
         ok, text = same_result(data[i], data[b], exactness_of(all_params[i], all_params[b]), paired)
-        rows[opts[o]].update(same=ok, same_text=text)
+        mine, theirs = cost[opts[o]], cost[opts[ob]]
+        rows[opts[o]].update(same=ok, same_text=text, baseline=opts[ob], differs=differ(mine, theirs),
+                             ratio=mine[0] / theirs[0] if theirs[0] else float("nan"))
+        rows[opts[ob]]["is_baseline"] = True
     return headline(opts, groups, phases, cost, base_opt, rows), rows
+
+
+def brief(row: dict) -> str:
+    """One job's answer in a few words, for a narrow column of MLflow's runs table: whether it trains the same as
+    its baseline, then its cost on the changed phases against the baseline's (answer's row of its option)."""
+    if "baseline" not in row:
+        return "baseline" if row.get("is_baseline") else "no baseline in the sweep"
+    same = {True: "same", False: "DIFFERENT", None: "not judged"}[row["same"]]
+    cost = "no difference measured" if row["differs"] == 0 else f"{row['ratio']:.2f}x"
+    return f"{same} · {cost} vs {row['baseline']}"
 
 
 def label_of(phases: tuple[str, ...]) -> str:

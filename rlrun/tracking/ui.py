@@ -23,6 +23,11 @@ PRIMARY_METRIC_TAG = "mlflow.experiment.primaryMetric.name"
 GROUP_TAG = "rlrun.sweep_group"  # a sweep's parent and children share it: the view's groups
 # The runs table's metric columns: the learning curve (GRPO / DPO), held-out accuracy and the step's cost.
 METRIC_COLUMNS = ("train/reward_mean", "train/rewards/accuracy", "eval/accuracy", "system/summary/step_s")
+# A sweep job's answer in a few words (same result? cost vs the baseline: tools/verdict.brief), set at the sweep's
+# end as this tag and as the first line of the job's description, which the Description column shows: an attribute
+# column, so it sits before the metrics, in view without scrolling (a tag column comes after every param).
+VERDICT_TAG = "rlrun.verdict"
+ATTRIBUTE_COLUMNS = ("Description",)
 MAX_TAG = 5000  # MLflow's limit on an experiment tag's value
 
 
@@ -49,12 +54,13 @@ def param_of(config, key: str) -> str:
 
 
 def default_state() -> dict:
-    return {"selectedColumns": [column("metrics", k) for k in METRIC_COLUMNS], "columnOrder": [],
-             "groupBy": {"aggregateFunction": "average", "groupByKeys": [{"mode": "tag", "groupByData": GROUP_TAG}]},
-             # groups (sweeps) open by default; this opens the one of runs outside any sweep too
-             "groupsExpanded": {f"tag.{GROUP_TAG}": True},
-             "useGroupedValuesInCharts": False,  # each run's own curve, not the group's average
-             "hideEmptyCharts": True}
+    columns = [column("metrics", k) for k in METRIC_COLUMNS] + [column("attributes", k) for k in ATTRIBUTE_COLUMNS]
+    return {"selectedColumns": columns, "columnOrder": [],
+            "groupBy": {"aggregateFunction": "average", "groupByKeys": [{"mode": "tag", "groupByData": GROUP_TAG}]},
+            # groups (sweeps) open by default; this opens the one of runs outside any sweep too
+            "groupsExpanded": {f"tag.{GROUP_TAG}": True},
+            "useGroupedValuesInCharts": False,  # each run's own curve, not the group's average
+            "hideEmptyCharts": True}
 
 
 def read_view(tags: dict) -> tuple[dict | None, int | None]:
@@ -77,13 +83,13 @@ def prepare(client, exp_id: str, params: tuple[str, ...] = (), primary: str = "t
         state, created = read_view(tags)
         state = state or default_state()
         columns = state.setdefault("selectedColumns", [])
-        new = [c for c in [column("metrics", k) for k in METRIC_COLUMNS] + [column("params", p) for p in params]
-               if c not in columns]
+        fixed = [column("metrics", k) for k in METRIC_COLUMNS] + [column("attributes", k) for k in ATTRIBUTE_COLUMNS]
+        new = [c for c in fixed + [column("params", p) for p in params] if c not in columns]
         if not new and VIEW_TAG in tags:
             return
         columns += new
-        while len(columns) > len(METRIC_COLUMNS) and len(envelope(state, created)) > MAX_TAG:
-            columns.pop(len(METRIC_COLUMNS))  # the oldest param columns make room
+        while len(columns) > len(fixed) and len(envelope(state, created)) > MAX_TAG:
+            columns.pop(next(i for i, c in enumerate(columns) if c not in fixed))  # the oldest param columns
         client.set_experiment_tag(exp_id, VIEW_TAG, envelope(state, created))
 
 
