@@ -85,9 +85,13 @@ def test_the_learning_curve_is_the_first_metric_a_run_stores(tmp_path):
     tracker.log(0, {"eval/accuracy": 0.5})
     tracker.log(0, {"loss": 0.1, "reward_mean": 0.25})
     tracker.log(1, {"loss": 0.2, "reward_mean": 0.5})
+    tracker.summary({"step_s": 0.03617129350022878, "peak_mib": 640.45703125, "reward_first": 0.1})
     tracker.finish("FINISHED")
     run = tracking.open_client(uri).get_run(tracker.run_id)
     assert list(run.data.metrics)[0] == "train/reward_mean"
+    # the runs table shows values as stored: the summary's at 4 significant digits, its learning numbers not again
+    assert run.data.metrics["system/summary/step_s"] == 0.03617 and run.data.metrics["system/summary/peak_mib"] == 640.5
+    assert "system/summary/reward_first" not in run.data.metrics
     assert run.data.metrics["system/time/warm_start_s"] == 2.0 and run.data.metrics["eval/accuracy"] == 0.5
     # a run that ends before its first step still stores what it logged
     early = tracking.MLflow(OmegaConf.create({**CFG, "uri": uri}), {}, "y")

@@ -70,6 +70,7 @@ def test_step_time_and_tokens_per_s_are_the_consoles_without_evaluation():
     table = report.table(["a"], [h])
     assert "step s (no eval)" in table.splitlines()[0] and f"{said['step_s']:.4f}" in table
     assert f"{said['tokens_per_s']:.0f} trained" in runner.end_table(said)  # the console prints the same number
+    assert said["peak_mib"] == costs.absolute_peak(h)  # the runs table's memory column: the report's peak MiB
 
 
 def test_step_phases_add_up_to_the_step_and_leave_evaluation_out():

@@ -141,3 +141,4 @@ def test_each_job_gets_its_answer_in_a_few_words():
     assert verdict.brief(rows["head=tiled"]) == "DIFFERENT · no difference measured vs head=dense"
     _, alone = verdict.answer(names[:2], [base, fast], [{"loss.name": "dapo"}, {"loss.name": "cispo"}], {})
     assert {verdict.brief(r) for r in alone.values()} == {"no baseline in the sweep"}
+    assert {r["same_text"] for r in alone.values()} == {"no baseline in the sweep"}  # not "the baseline" for each

@@ -11,8 +11,8 @@ import numpy as np
 class Summary:
     """Run-level numbers accumulated step by step, so a checkpoint carries a few numbers, not every step's metrics:
     mean throughput and step time, trained tokens per second of step time (`tokens_per_s`), max peak memory per
-    phase, pass totals, the first and last 3 values of `curve` (their means are `<curve>_first` / `<curve>_last`),
-    and the last loss."""
+    phase and of the run (`peak_mib`), pass totals, the first and last 3 values of `curve` (their means are
+    `<curve>_first` / `<curve>_last`), and the last loss."""
 
     MEANS = {"gen_tokens_per_s": "throughput/gen_tokens_per_s",
              "train_tokens_per_s": "throughput/train_tokens_per_s", "step_s": "time/step_s"}
@@ -54,6 +54,9 @@ class Summary:
         if self.trained[1] > 0:  # the step's rate, not one phase's: what the report's tokens/s column shows
             out["tokens_per_s"] = self.trained[0] / self.trained[1]
         out.update({k.replace("mem/", "max_"): v for k, v in self.peaks.items()})
+        phase_peaks = [v for k, v in self.peaks.items() if k.endswith("_peak_mib")]
+        if phase_peaks:  # the run's highest phase peak: the runs table's memory column (tracking/ui.py)
+            out["peak_mib"] = max(phase_peaks)
         for key, v in self.latest.items():
             if key.startswith("passes/"):
                 out["passes_" + key.removeprefix("passes/").removesuffix("_total")] = v

@@ -161,6 +161,9 @@ def answer(names: list[str], data: list[dict], all_params: list[dict[str, str]],
         rows[opts[o]].update(same=ok, same_text=text, baseline=opts[ob], differs=differ(mine, theirs),
                              ratio=mine[0] / theirs[0] if theirs[0] else float("nan"))
         rows[opts[ob]]["is_baseline"] = True
+    for row in rows.values():
+        if "baseline" not in row and not row.get("is_baseline"):
+            row["same_text"] = "no baseline in the sweep"
     return headline(opts, groups, phases, cost, base_opt, rows), rows
 
 
@@ -168,7 +171,7 @@ def brief(row: dict) -> str:
     """One job's answer in a few words, for a narrow column of MLflow's runs table: whether it trains the same as
     its baseline, then its cost on the changed phases against the baseline's (answer's row of its option)."""
     if "baseline" not in row:
-        return "baseline" if row.get("is_baseline") else "no baseline in the sweep"
+        return "baseline" if row.get("is_baseline") else row["same_text"]
     same = {True: "same", False: "DIFFERENT", None: "not judged"}[row["same"]]
     cost = "no difference measured" if row["differs"] == 0 else f"{row['ratio']:.2f}x"
     return f"{same} · {cost} vs {row['baseline']}"

@@ -147,13 +147,15 @@ class MLflow:
         self._send("tags", {k: str(v)[:5000] for k, v in tags.items()})
 
     def summary(self, metrics: dict[str, float]):
-        """The run's performance summary (mean step time and tokens/s, peak memory per phase) as
-        `system/summary/*`. Its learning numbers (first / last reward, evaluations, last loss) are not logged again:
-        they are the curves' first and latest values, and the run description states them."""
+        """The run's performance summary (mean step time and tokens/s, peak memory per phase and of the run) as
+        `system/summary/*`, to 4 significant digits. Its learning numbers (first / last reward, evaluations, last
+        loss) are not logged again: they are the curves' first and latest values, and the run description states
+        them."""
         self._release()
         perf = {k: v for k, v in metrics.items() if not k.endswith(("_first", "_last")) and not k.startswith("passes_")}
         now = int(time.time() * 1000)
-        self._send("metrics", [[metric_key(f"summary/{k}"), float(v), now, 0] for k, v in perf.items()])
+        # 4 significant digits: the runs table shows a value as stored (0.03617129350022878); the histories keep all
+        self._send("metrics", [[metric_key(f"summary/{k}"), float(f"{v:.4g}"), now, 0] for k, v in perf.items()])
 
     def text(self, text: str, name: str):
         self._send("text", {"text": text, "name": name})

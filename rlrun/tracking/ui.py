@@ -21,8 +21,10 @@ VIEW_TAG = "mlflow.sharedViewState." + VIEW_ID
 VIEW_NAME = "rlrun: runs by sweep"
 PRIMARY_METRIC_TAG = "mlflow.experiment.primaryMetric.name"
 GROUP_TAG = "rlrun.sweep_group"  # a sweep's parent and children share it: the view's groups
-# The runs table's metric columns: the learning curve (GRPO / DPO), held-out accuracy and the step's cost.
-METRIC_COLUMNS = ("train/reward_mean", "train/rewards/accuracy", "eval/accuracy", "system/summary/step_s")
+# The runs table's metric columns: the learning curve (GRPO / DPO), held-out accuracy, the step's time and the
+# run's memory peak.
+METRIC_COLUMNS = ("train/reward_mean", "train/rewards/accuracy", "eval/accuracy", "system/summary/step_s",
+                  "system/summary/peak_mib")
 # A sweep job's answer in a few words (same result? cost vs the baseline: tools/verdict.brief), set at the sweep's
 # end as this tag and as the first line of the job's description, which the Description column shows: an attribute
 # column, so it sits before the metrics, in view without scrolling (a tag column comes after every param).
