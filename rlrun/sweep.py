@@ -284,7 +284,6 @@ class SweepCallback(Callback):
         self.client.log_table(self.parent_id, {c: [None if isinstance(r[c], float) and r[c] != r[c] else r[c]
                                                    for r in rows] for c in report.COLUMNS}, "comparison.json")
 
-
     def mark_verdict(self, run, brief: str) -> None:
         """A job's answer as its tag and its description's first line (the runs table's Description column,
         tracking/ui.py); the line a drawing during the sweep put there is replaced, not repeated."""
