@@ -80,11 +80,12 @@ ACTIVATIONS = ("activations saved", "layer inputs kept", RECOMPUTED, "one layer'
 
 
 def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, device_type: str, kind: str,
-                mask: dict) -> dict[str, int]:
+                mask: dict, heap: tuple[int, int]) -> dict[str, int]:
     """The train pass at its peak in a micro-batch after the first: the gradients already accumulated, what the
     forward saved for backward (activations; autocast's bf16 weight copies), and the larger of two moments: the
     head's backward (its working set and the next lm-head gradient) or, with checkpointing, a layer's recompute
-    (its internals and weight copies again). On CPU also the heap blocks freed small tensors leave (terms.py)."""
+    (its internals and weight copies again). On CPU also the heap blocks freed small tensors leave (terms.py);
+    `heap`: (positions of a forward, forwards a step: padded, a micro-batch's and the accumulation's)."""
     zero = cfg.engine.zero_stage if cfg.engine.name == "deepspeed" else 0
     a = activations.option(cfg.activations)
     n = a.checkpointed_layers(s.layers)
@@ -102,10 +103,11 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
                             entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)), top_p=sampled_top_p(cfg))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     parts.update(terms.objective_parts(cfg, cfg.train.batch_size // world * cfg.rollout.max_new_tokens, tokens))
-    # the blocks the micro-batch before the peak's left; a step of one micro-batch reuses the last step's heap
-    if device_type == "cpu" and grad_accum(cfg, world) > 1:
+    # the blocks the forward before the peak's left; a step of one forward reuses the last step's heap
+    heap_tokens, forwards = heap
+    if device_type == "cpu" and forwards > 1:
         parts["CPU heap: blocks under 1 MiB freed and kept (allocator)"] = terms.heap_slack(
-            s, layer_tokens, s.layers - n + (n > 0), kind)
+            s, heap_tokens, s.layers - n + (n > 0), kind)
     return parts
 
 
@@ -161,10 +163,17 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
     weights, adam = terms.resident(cfg, s, world=world, device_type=device_type, ref_copy=ref_copy, path=path,
                                    device_gib=device_gib)
     layer_tokens, mask = rows * seq_len, {}
+    # the CPU heap term's forward: its positions, and how many forwards (each with its backward) a step has
+    heap_tokens, forwards = layer_tokens, grad_accum(cfg, world)
     packed = layout.planned_forward(cfg, rows * grad_accum(cfg, world), seq_len, tokens // rows)
     if packed is not None:  # a forward holds at most max_tokens positions, whatever the rows
+        step_tokens = tokens * grad_accum(cfg, world)
         layer_tokens, width, tokens = packed
         mask = {f"attention mask ({layer_tokens} positions in rows of {width}, bool)": layer_tokens * width}
+        forwards = -(-step_tokens // tokens)
+        # whole units (rows of `width`) fill a forward to at most max_tokens, so a full one is usually a little
+        # under it: its [positions, hidden] tensors go to the heap where max_tokens' would just reach 1 MiB
+        heap_tokens = layer_tokens if layer_tokens < cfg.batching.max_tokens else layer_tokens // width * width
 
     def logprob_phase(policy: bool, weights: dict, adapters: bool) -> Phase:
         held = {"final hidden states": 2 * layer_tokens * s.hidden * b, **mask}
@@ -194,7 +203,7 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
     if needs_ref:
         phases["ref_logprobs"] = logprob_phase(not ref_copy, trainer, False)
     phases["train"] = Phase(train_parts(cfg, s, layer_tokens, tokens, size, world=world, device_type=device_type,
-                                        kind=kind, mask=mask), {**trainer, **adam})
+                                        kind=kind, mask=mask, heap=(heap_tokens, forwards)), {**trainer, **adam})
     return Plan(phases, tokens, seq_len, size if head.TILED else None, s, world, device_type, layer_tokens, kind)
 
 

@@ -31,9 +31,10 @@ FIRST_CALL, FIRST_CALL_PER_HIDDEN = 5 * MIB // 2, 20 * 2**10
 # tensors by 2 MiB + 22 such fp32 blocks per layer whose internals are saved (measured at hidden 32-256, 2-8 layers,
 # 640 positions per forward, 4 micro-batches: 5-85 MiB, each within 3 MiB of this), by about 13 under bf16 autocast
 # (half of them bf16; hidden 128 and 256), and by nothing once a block is 1 MiB or more (hidden 512 there). bf16
-# weights: 11, half of fp32's, not measured. Only when micro-batches accumulate: a step of one micro-batch starts on
-# the heap the previous step left and reuses it (bench plan, 2048 tokens in one micro-batch: over-predicted by the
-# whole term, 13-35 MiB, with it; within 10% without).
+# weights: 11, half of fp32's, not measured. Only when a step has a second forward (micro-batches that accumulate,
+# or the packs of batching=packed|shared_prompt): a step of one forward starts on the heap the previous step left
+# and reuses it (bench plan, 2048 tokens in one micro-batch: over-predicted by the whole term, 13-35 MiB, with it;
+# within 10% without).
 HEAP_THRESHOLD, HEAP_BASE, HEAP_BLOCKS = MIB, 2 * MIB, {"fp32": 22, "autocast": 13, "bf16": 11}
 
 
