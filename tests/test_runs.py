@@ -146,19 +146,35 @@ def test_window_on_a_non_aligned_schedule_reproduces_always(tmp_path):
     from rlrun.logprobs import crosses_step
 
     sizes = ("train.rollout_batch=8", "train.batch_size=12", "train.micro_batch=4")  # 5 steps
-    s_always, always, _ = loss_curve(tmp_path / "always", *sizes, "logprob_policy=always")
+    s_always, always, r_always = loss_curve(tmp_path / "always", *sizes, "logprob_policy=always")
     s_window, window, r = loss_curve(tmp_path / "window", *sizes, "logprob_policy=window")
     assert_same_curves(window, always)
+    # the generator gap: in steps that mix rollouts with and without the old pass, the pass's sums and the train
+    # pass's together, as always's pass gives them
+    gaps = [history(runs(tmp_path / p / "mlflow.db")[0], x.info.run_id, "mismatch/gen_vs_train_abs")
+            for p, x in (("always", r_always), ("window", r))]
+    assert len(gaps[1]) == len(gaps[0]) > 0 and gaps[1] == pytest.approx(gaps[0], rel=1e-3)
     rollouts = s_window["passes_old_run"] + s_window["passes_old_skipped"]
     assert rollouts == s_always["passes_old_run"] == 8  # 5 steps x 12 sequences, 8 per rollout, rounded up
     assert s_window["passes_old_run"] == sum(crosses_step(2 * i, 2, 3) for i in range(rollouts)) == 3
     assert r.data.metrics["system/passes/old_saved_s_est"] > 0  # seconds the skipped passes saved, from the ones run
 
 
-def test_skipped_pass_metrics_are_not_logged(tmp_path):
-    _, client, r = run_in(tmp_path, SMOKE, "logprob_policy=skip")
-    assert history(client, r.info.run_id, "mismatch/gen_vs_train_abs") == []
-    assert history(client, r.info.run_id, "kl") == []
+def test_a_skipped_old_pass_takes_the_generator_gap_from_the_train_pass(tmp_path):
+    """logprob_policy=skip leaves the old-policy pass out, so the generator-vs-trainer gap (mismatch/*) comes from
+    the train pass's logprobs, at the same weights: what the pass gives under always, at every step. The reference
+    pass's kl is not logged (the pass did not run; kl_coef is 0)."""
+    keys = ("mismatch/gen_vs_train_abs", "mismatch/token_mult_prob_error", "kl")
+    got = {}
+    for policy in ("always", "skip"):
+        _, client, r = run_in(tmp_path / policy, SMOKE, f"logprob_policy={policy}", "train.steps=3")
+        got[policy] = {k: history(client, r.info.run_id, k) for k in keys}
+    gap = got["skip"]["mismatch/gen_vs_train_abs"]
+    assert len(gap) == 3 and min(gap) > 0  # rounding between the sampler's path and the trainer's, not a 0 stand-in
+    assert gap == pytest.approx(got["always"]["mismatch/gen_vs_train_abs"], rel=1e-3)
+    assert got["skip"]["mismatch/token_mult_prob_error"] == pytest.approx(
+        got["always"]["mismatch/token_mult_prob_error"], rel=1e-12)
+    assert got["skip"]["kl"] == []
 
 
 def test_offload_on_equals_off_and_says_it_moved_nothing_on_cpu(tmp_path):

@@ -66,6 +66,11 @@ def objective(name: str, advantages: torch.Tensor, old_logprobs: torch.Tensor | 
             extra["seq_log_ratio"] = 0.0 if old_logprobs is None else fixed["log_ratio"][sl]
         loss, stats = token_loss(logprobs, old, advantages[sl], clip_low=clip_low, clip_high=clip_high, **extra)
         stats["pg_loss"] = loss.detach()
+        if old_logprobs is None and gen_logprobs is not None:
+            # no old-policy pass: these logprobs are at the weights it would have run at (the policy skips it only
+            # there), so the generator-vs-trainer gap it logs comes from them (the recipe sums it with the pass's)
+            stats["gen_gap"] = (gen_logprobs[sl] - logprobs.detach()).abs()
+            stats["gen_gap_exp"] = stats["gen_gap"].exp()  # NeMo-RL's token_mult_prob_error
         weight = importance_weight(old, gen_logprobs, sl, is_weights, tis_cap, tis_mode, tis_low)
         if weight is not None:
             loss = loss * weight

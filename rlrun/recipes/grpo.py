@@ -298,8 +298,12 @@ def train_step(cfg, s, micros: list[Micro], step: int):
             loss_total += loss.item()
             stats_parts.append({k: v.detach().cpu() for k, v in stats.items()})
             masks.append(mask.cpu())
-    stats = {k: torch.cat([s[k] for s in stats_parts]) for k in stats_parts[0]}
-    parts = skipping.with_dropped(losses.partials(stats, torch.cat(masks)), skipped.get("skipped_tokens", 0))
+    parts = {}
+    for key in dict.fromkeys(k for s in stats_parts for k in s):  # gen_gap: only the forwards without an old pass
+        have = [i for i, s in enumerate(stats_parts) if key in s]
+        parts.update(losses.partials({key: torch.cat([stats_parts[i][key] for i in have])},
+                                     torch.cat([masks[i] for i in have])))
+    parts = skipping.with_dropped(parts, skipped.get("skipped_tokens", 0))
     return loss_total, num_tokens, parts, layout
 
 
@@ -320,7 +324,9 @@ def step_metrics(frame, passes: logprobs.PassCounter, got: StepRollouts, loss_to
     for name in dict.fromkeys(k for p in by_rank for part in p["by_reward"] for k in part):  # each reward's mean
         parts = [part[name] for p in by_rank for part in p["by_reward"]]
         m[f"rewards/{name}/mean"] = sum(s for s, _ in parts) / sum(n for _, n in parts)
-    mism = sum(p["mismatch"] for p in by_rank)
+    mism = sum(p["mismatch"] for p in by_rank)  # the old-policy pass's sums (`mismatch`), and where it was left out
+    for st in (p["stats"] for p in by_rank if "gen_gap" in p["stats"]):  # the train pass's, at the same weights
+        mism = mism + np.array([st["gen_gap"][0], st["gen_gap_exp"][0], st["gen_gap"][1]])
     if mism[2]:
         m["mismatch/gen_vs_train_abs"], m["mismatch/token_mult_prob_error"] = mism[:2] / mism[2]
     m.update(passes.metrics(got.counts, frame.meter.seconds))
