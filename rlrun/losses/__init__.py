@@ -66,11 +66,8 @@ def objective(name: str, advantages: torch.Tensor, old_logprobs: torch.Tensor | 
             extra["seq_log_ratio"] = 0.0 if old_logprobs is None else fixed["log_ratio"][sl]
         loss, stats = token_loss(logprobs, old, advantages[sl], clip_low=clip_low, clip_high=clip_high, **extra)
         stats["pg_loss"] = loss.detach()
-        if old_logprobs is None and gen_logprobs is not None:
-            # no old-policy pass: these logprobs are at the weights it would have run at (the policy skips it only
-            # there), so the generator-vs-trainer gap it logs comes from them (the recipe sums it with the pass's)
-            stats["gen_gap"] = (gen_logprobs[sl] - logprobs.detach()).abs()
-            stats["gen_gap_exp"] = stats["gen_gap"].exp()  # NeMo-RL's token_mult_prob_error
+        if old_logprobs is None and gen_logprobs is not None:  # no old pass: the gap from these (generator_gap)
+            stats.update(generator_gap(gen_logprobs[sl], logprobs))
         weight = importance_weight(old, gen_logprobs, sl, is_weights, tis_cap, tis_mode, tis_low)
         if weight is not None:
             loss = loss * weight
@@ -91,6 +88,14 @@ def objective(name: str, advantages: torch.Tensor, old_logprobs: torch.Tensor | 
         return loss, stats
 
     return PerToken(f, entropy_coef, fix)
+
+
+def generator_gap(gen_logprobs: torch.Tensor, logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """|generator - trainer| logprob per token and its exp (NeMo-RL's token_mult_prob_error), as stats. Where the
+    old-policy pass is left out, the train pass's logprobs are at the weights it would have run at (the logprob
+    policies skip it only there), so the gap it logs comes from them (the recipe sums it with the pass's)."""
+    gap = (gen_logprobs - logprobs.detach()).abs()
+    return {"gen_gap": gap, "gen_gap_exp": gap.exp()}
 
 
 class PerToken:
