@@ -186,8 +186,9 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         # Without grad a layer's working set is freed when it returns, before the head runs: on CUDA (allocated
         # bytes) the phase peaks at the larger of the two (their sum over-predicted tiled heads' pass 2x on an
         # H200, docs/gpu.md). CPU RSS keeps the freed layer's heap blocks (glibc): there both count (bench plan).
+        freed: dict[str, int] = {}
         if device_type == "cpu":
-            peak_set, freed = {**layer, **lm_head}, {}
+            peak_set = {**layer, **lm_head}
         else:
             peak_set, freed = (layer, lm_head) if sum(layer.values()) > sum(lm_head.values()) else (lm_head, layer)
         offloaded = offload.option(cfg.offload).frees_state(device_type)  # optimizer state on the host for these
