@@ -5,6 +5,7 @@ micro-batch's hidden-state gradient and the stats partials to the JSON file give
 
 import itertools
 import json
+import os
 import sys
 
 import torch
@@ -44,3 +45,10 @@ def main(path: str):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # Leave without the interpreter's teardown: once, in CI under load, rank 1 aborted with "terminate called
+    # without an active exception" (a C++ thread destroyed while joinable, as at exit; not reproduced in 4 runs
+    # here) and torchrun failed the run. What the test checks, the JSON rank 0 wrote before the barrier, is complete
+    # by now; an abort before this line still fails it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
