@@ -1,7 +1,7 @@
 """rlrun on a CUDA device (marker `gpu`: skipped, in one line, without one; conftest.skip_without_cuda).
 
-These have not run yet: no CUDA device was available where they were written (docs/not-run.md). They check what
-CPU runs cannot: CUDA's allocator as the meter reads it, optimizer state leaving the device and coming back, the
+They ran on an H100 and an H200 (2026-11-27, all 10 passing: docs/gpu.md); CI has no GPU. They check what CPU runs
+cannot: CUDA's allocator as the meter reads it, optimizer state leaving the device and coming back, the
 heads' equivalence in CUDA kernels, a run on the device, and `python -m rlrun.bench gpu` end to end at a small size.
 """
 
