@@ -348,6 +348,20 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         self.seen.discard(ptr)
 
 
+def random_micros(cfg, rows: int, seq_len: int, tokens: int) -> list:
+    """4 seeded micro-batches of `rows` random sequences of `seq_len` positions, `tokens` response tokens each."""
+    from rlrun.recipes import grpo
+
+    g, prompt = torch.Generator().manual_seed(0), seq_len - cfg.rollout.max_new_tokens
+    micros = []
+    for _ in range(4):
+        ids = torch.randint(4, 40, (rows, seq_len), generator=g)
+        micros.append(grpo.Micro(ids, torch.ones_like(ids), prompt, ids[:, prompt:].reshape(-1),
+                                 torch.ones(tokens, dtype=torch.bool), torch.randn(tokens, generator=g),
+                                 -torch.rand(tokens, generator=g)))
+    return micros
+
+
 def live_train_peak(*overrides):
     """(plan, the peak live bytes of grpo.train_step): one optimizer step of 4 micro-batches of 8 rows x 16 new
     tokens on the tiny model at the overrides' shape, planned for CUDA (no host allocator term)."""
@@ -361,13 +375,7 @@ def live_train_peak(*overrides):
     s, rows, seq_len, tokens = plan.inputs(cfg)
     p = plan.predict(cfg, s, rows, seq_len, tokens, device_type="cuda")
     model = policy.build(cfg, "trainer")  # LoRA, activations and precision as a run has them
-    g, prompt = torch.Generator().manual_seed(0), seq_len - cfg.rollout.max_new_tokens
-    micros = []
-    for _ in range(4):
-        ids = torch.randint(4, 40, (rows, seq_len), generator=g)
-        micros.append(grpo.Micro(ids, torch.ones_like(ids), prompt, ids[:, prompt:].reshape(-1),
-                                 torch.ones(tokens, dtype=torch.bool), torch.randn(tokens, generator=g),
-                                 -torch.rand(tokens, generator=g)))
+    micros = random_micros(cfg, rows, seq_len, tokens)
     engine = SimpleNamespace(model=model, gather=lambda x: [x], world=1, device=torch.device("cpu"),
                              backward=lambda loss, boundary=None: loss.backward())
     run = SimpleNamespace(engine=engine, meter=Meter(torch.device("cpu")),
@@ -488,7 +496,6 @@ def test_a_logprob_pass_peaks_at_the_larger_of_a_layer_and_the_head(overrides):
     bytes op by op: a layer's working set is freed before the head runs, so the phase holds the larger of the two,
     not their sum (the sum over-predicted tiled heads' pass 2x on an H200: docs/gpu.md)."""
     from rlrun import policy
-    from rlrun.recipes import grpo
 
     cfg = validate(make_cfg("train.micro_batch=8", "train.batch_size=32", "train.rollout_batch=32",
                             "train.group_size=8", "rollout.max_new_tokens=16", "model.vocab_size=4096",
@@ -496,13 +503,7 @@ def test_a_logprob_pass_peaks_at_the_larger_of_a_layer_and_the_head(overrides):
     s, rows, seq_len, tokens = plan.inputs(cfg)
     phase = plan.predict(cfg, s, rows, seq_len, tokens, device_type="cuda").phases["old_logprobs"]
     model = policy.build(cfg, "trainer")
-    g, prompt = torch.Generator().manual_seed(0), seq_len - cfg.rollout.max_new_tokens
-    micros = []
-    for _ in range(4):
-        ids = torch.randint(4, 40, (rows, seq_len), generator=g)
-        micros.append(grpo.Micro(ids, torch.ones_like(ids), prompt, ids[:, prompt:].reshape(-1),
-                                 torch.ones(tokens, dtype=torch.bool), torch.randn(tokens, generator=g),
-                                 -torch.rand(tokens, generator=g)))
+    micros = random_micros(cfg, rows, seq_len, tokens)
     ax = axes.resolve(cfg, temperature=cfg.rollout.temperature)
     tensors = [*model.parameters(), *model.buffers(), *(t for m in micros for t in vars(m).values()
                                                         if isinstance(t, torch.Tensor))]

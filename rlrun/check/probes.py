@@ -204,7 +204,6 @@ def ranks(ctx) -> Row:
                f"max rel diff {d:.1e}", d <= tol, RANKS_SOURCE)
 
 
-
 def sequences_alone(ctx) -> Row:
     """5. Each sequence's logprobs in its padded batch or pack equal its logprobs computed alone (positions and
     masks are the sequence's, whatever sits beside it)."""

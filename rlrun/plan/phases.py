@@ -162,12 +162,12 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
     needs_old, needs_ref, ref_copy = passes(cfg, world)
     weights, adam = terms.resident(cfg, s, world=world, device_type=device_type, ref_copy=ref_copy, path=path,
                                    device_gib=device_gib)
-    layer_tokens, mask = rows * seq_len, {}
+    layer_tokens, mask, accum = rows * seq_len, {}, grad_accum(cfg, world)
     # the CPU heap term's forward: its positions, and how many forwards (each with its backward) a step has
-    heap_tokens, forwards = layer_tokens, grad_accum(cfg, world)
-    packed = layout.planned_forward(cfg, rows * grad_accum(cfg, world), seq_len, tokens // rows)
+    heap_tokens, forwards = layer_tokens, accum
+    packed = layout.planned_forward(cfg, rows * accum, seq_len, tokens // rows)
     if packed is not None:  # a forward holds at most max_tokens positions, whatever the rows
-        step_tokens = tokens * grad_accum(cfg, world)
+        step_tokens = tokens * accum
         layer_tokens, width, tokens = packed
         mask = {f"attention mask ({layer_tokens} positions in rows of {width}, bool)": layer_tokens * width}
         forwards = -(-step_tokens // tokens)

@@ -194,10 +194,9 @@ def headline(names, groups, phases, cost, base_of, rows) -> str:
             return f"Fastest on {label}: {timed[0]}, beyond every other run's spread."
         return f"Cost of {label}: no difference measured between the fastest runs ({timed[0]}, {timed[1]})."
     parts = []
-    for i, b in sorted(base_of.items()):
-        d = differ(cost[names[i]], cost[names[b]])
-        ratio = cost[names[i]][0] / cost[names[b]][0] if cost[names[b]][0] else float("nan")
-        parts.append(f"{names[i]}: " + ("no difference measured" if d == 0 else f"{ratio:.2f}x"))
+    for i in sorted(base_of):  # answer() put each one's difference from its baseline in its row
+        row = rows[names[i]]
+        parts.append(f"{names[i]}: " + ("no difference measured" if row["differs"] == 0 else f"{row['ratio']:.2f}x"))
     judged = [rows[names[i]]["same"] for i in base_of if rows[names[i]]["same"] is not None]
     same = ("yes" if all(judged) else "NO") if judged else "not judged (approximate options)"
     base = names[next(iter(base_of.values()))]
