@@ -80,12 +80,13 @@ ACTIVATIONS = ("activations saved", "layer inputs kept", RECOMPUTED, "one layer'
 
 
 def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, device_type: str, kind: str,
-                mask: dict, heap: tuple[int, int]) -> dict[str, int]:
-    """The train pass at its peak in a micro-batch after the first: the gradients already accumulated, what the
+                mask: dict, heap_tokens: int, forwards: int) -> dict[str, int]:
+    """The train pass at its peak in a forward after the step's first: the gradients already accumulated, what the
     forward saved for backward (activations; autocast's bf16 weight copies), and the larger of two moments: the
     head's backward (its working set and the next lm-head gradient) or, with checkpointing, a layer's recompute
-    (its internals and weight copies again). On CPU also the heap blocks freed small tensors leave (terms.py);
-    `heap`: (positions of a forward, forwards a step: padded, a micro-batch's and the accumulation's)."""
+    (its internals and weight copies again). On CPU also the heap blocks freed small tensors leave (terms.py).
+    `forwards`: a step's forwards, each with its backward (padded: the micro-batches that accumulate; packed and
+    shared_prompt: also the packs of each); `heap_tokens`: the positions of one, for the heap term."""
     zero = cfg.engine.zero_stage if cfg.engine.name == "deepspeed" else 0
     a = activations.option(cfg.activations)
     n = a.checkpointed_layers(s.layers)
@@ -99,15 +100,14 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
         recompute = recompute and {**recompute, "its bf16 weight copies (autocast)": copies}
     parts.update(mask)
     head = terms.head_parts(registry.get("head", cfg.head.name), size, tokens, s, grad=True,
-                            accumulate=grad_accum(cfg, world) > 1,
+                            accumulate=forwards > 1,  # each forward's backward adds to the lm-head gradient
                             entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)), top_p=sampled_top_p(cfg))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     parts.update(terms.objective_parts(cfg, cfg.train.batch_size // world * cfg.rollout.max_new_tokens, tokens))
     # the blocks the forward before the peak's left; a step of one forward reuses the last step's heap
-    heap_tokens, forwards = heap
     if device_type == "cpu" and forwards > 1:
         parts["CPU heap: blocks under 1 MiB freed and kept (allocator)"] = terms.heap_slack(
-            s, heap_tokens, s.layers - n + (n > 0), kind)
+            s, heap_tokens, s.layers - n + (n > 0), kind, recomputed=max(n - 1, 0), lora=cfg.model.lora.enabled)
     return parts
 
 
@@ -203,8 +203,9 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         phases["old_logprobs"] = logprob_phase(True, trainer, cfg.model.lora.enabled)
     if needs_ref:
         phases["ref_logprobs"] = logprob_phase(not ref_copy, trainer, False)
-    phases["train"] = Phase(train_parts(cfg, s, layer_tokens, tokens, size, world=world, device_type=device_type,
-                                        kind=kind, mask=mask, heap=(heap_tokens, forwards)), {**trainer, **adam})
+    train = train_parts(cfg, s, layer_tokens, tokens, size, world=world, device_type=device_type, kind=kind,
+                        mask=mask, heap_tokens=heap_tokens, forwards=forwards)
+    phases["train"] = Phase(train, {**trainer, **adam})
     return Plan(phases, tokens, seq_len, size if head.TILED else None, s, world, device_type, layer_tokens, kind)
 
 

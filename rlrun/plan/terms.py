@@ -36,6 +36,20 @@ FIRST_CALL, FIRST_CALL_PER_HIDDEN = 5 * MIB // 2, 20 * 2**10
 # and reuses it (bench plan, 2048 tokens in one micro-batch: over-predicted by the whole term, 13-35 MiB, with it;
 # within 10% without).
 HEAP_THRESHOLD, HEAP_BASE, HEAP_BLOCKS = MIB, 2 * MIB, {"fp32": 22, "autocast": 13, "bf16": 11}
+# activations=checkpoint: each layer rerun in backward leaves blocks too, interleaved with its weight gradients (and
+# under autocast its bf16 weight casts), so the first counts as a saved layer and every further one adds: fp32 10
+# (measured 10.2-10.8 per layer at hidden 128 and 256, 4 layers, padded and packed; 6.7 at 8 layers padded),
+# autocast 13 (12-19: padded 12, packed 14-17, shared_prompt 18-20), bf16 weights 5 (half of fp32's, not measured).
+# Counting them as one layer in all missed every checkpointed step with a second forward by 13-43 MiB (-9 to -23%).
+HEAP_RECOMPUTED = {"fp32": 10, "autocast": 13, "bf16": 5}
+# LoRA: each adapted linear whose output is [tokens, hidden] (q, k, v, o, down) makes its adapter's output, the
+# scaled copy and the sum as sub-MiB temporaries while its small [tokens, rank] input to B stays saved between them:
+# 13 more blocks per layer whose internals are saved, in fp32 (measured 8.5-14 at hidden 128 and 256, padded and
+# shared_prompt, all-linear targets; without them a padded LoRA step at hidden 256 was planned 24% under). bf16
+# temporaries are half the bytes, so half the blocks of this unit (autocast: one point, checkpointed, where RSS
+# varied 56-87 MiB from run to run; counted on every layer it was 50 MiB over, on the layers that save as here
+# within the floor). A checkpointed layer's forward saves nothing between its temporaries: not counted.
+HEAP_LORA = {"fp32": 13, "autocast": 7, "bf16": 7}
 
 
 def activation_kind(param_bytes: int, autocast: bool) -> str:
@@ -58,11 +72,14 @@ def saved_activations(option, s, layer_tokens: int, kind: str, device_type: str)
                          2 if kind == "bf16" else FP32, device_type)
 
 
-def heap_slack(s, layer_tokens: int, layers: int, kind: str) -> int:
+def heap_slack(s, layer_tokens: int, layers: int, kind: str, recomputed: int = 0, lora: bool = False) -> int:
     """CPU only: the heap blocks that freed [tokens, hidden] tensors leave in a train pass whose forward saves the
-    internals of `layers` layers at once (0 when such a tensor is served from its own mapping)."""
+    internals of `layers` layers at once (with `lora`, their adapters' temporaries too) and whose backward reruns
+    `recomputed` more checkpointed layers (beyond one counted in `layers`); 0 when such a tensor is served from its
+    own mapping."""
     block = layer_tokens * s.hidden * FP32
-    return HEAP_BASE + HEAP_BLOCKS[kind] * layers * block if block < HEAP_THRESHOLD else 0
+    blocks = (HEAP_BLOCKS[kind] + HEAP_LORA[kind] * lora) * layers + HEAP_RECOMPUTED[kind] * recomputed
+    return HEAP_BASE + blocks * block if block < HEAP_THRESHOLD else 0
 
 
 def head_parts(head, size: int | None, tokens: int, s, *, grad: bool, accumulate: bool = False,
