@@ -92,6 +92,7 @@ class SweepCallback(Callback):
         self.total: int | None = None  # the jobs, where they are known and run in this process (progress lines)
         self.times: list[float] = []  # each ended job's seconds
         self.job_start = 0.0
+        self.group: str | None = None  # the tag its parent and jobs share (tracking/ui.py)
 
     def on_run_start(self, config, config_name=None, **kwargs):
         refuse_unwritable(config.hydra.run.dir, "hydra.run.dir")
@@ -124,9 +125,10 @@ class SweepCallback(Callback):
             paired_tags = {"rlrun.record": record_dir}
             pairing = (f", paired: the first job records the rollouts it trains on to {record_dir} and the others "
                        "replay them")
+        self.group = f"{run_name} ({time.strftime('%Y-%m-%d %H:%M')})"
         run = self.client.create_run(exp_id, run_name=run_name,
                                      tags={"rlrun.kind": "sweep", "rlrun.sweep": name, **tracking.standard_tags(),
-                                           ui.GROUP_TAG: f"{run_name} ({time.strftime('%Y-%m-%d %H:%M')})",
+                                           ui.GROUP_TAG: self.group,
                                            **paired_tags,
                                            "mlflow.note.content": f"Sweep `{name}`: {count(config)}{pairing} "
                                            "(the comparison appears here when the sweep ends)."})
@@ -211,9 +213,10 @@ class SweepCallback(Callback):
             raise
         finally:
             self.client.set_terminated(self.parent_id, status)
-        print(links(config.tracking.uri, self.client.get_run(self.parent_id).info.experiment_id, self.parent_id,
-                    OmegaConf.select(config, "tracking.ui_port", default=tracking.UI_PORT)),
-              flush=True)
+        exp_id = self.client.get_run(self.parent_id).info.experiment_id
+        view = ui.sweep_view(self.client, exp_id, self.parent_id, self.group) if self.group else None
+        print(links(config.tracking.uri, exp_id, self.parent_id,
+                    OmegaConf.select(config, "tracking.ui_port", default=tracking.UI_PORT), view=view), flush=True)
         if not runs:  # a sweeper that chose no job (the basic one refuses that before it starts)
             print("rlrun: error: the sweep ran no job; the parent run is marked FAILED", file=sys.stderr)
             sys.exit(1)
@@ -263,7 +266,9 @@ class SweepCallback(Callback):
             if run.data.tags.get("rlrun.check"):
                 answer[1].setdefault(verdict.option_of(name), {})["check"] = run.data.tags["rlrun.check"]
         for name, run in zip(names, runs):
-            self.mark_verdict(run, verdict.brief(answer[1][verdict.option_of(name)]))
+            row = answer[1][verdict.option_of(name)]
+            self.mark_verdict(run, verdict.brief(row))
+            tracking.log_metrics(self.client, run.info.run_id, verdict.metrics(row))
         found = noise_floor.rows(names, data, params)  # a paired sweep: the options against the exact floor
         if found and found[1]:  # in the answer's line: MLflow folds the description after a few lines
             answer = (f"{answer[0]} {noise_floor.brief(found)}", answer[1])
@@ -295,9 +300,10 @@ class SweepCallback(Callback):
         self.client.set_tag(run.info.run_id, "mlflow.note.content", f"{brief}.\n\n{text}" if text else f"{brief}.")
 
 
-def links(uri: str, exp_id: str, run_id: str, port: int = tracking.UI_PORT) -> str:
-    """Where a sweep's results are: the runs view and the parent run (MLflow's model-training view); for a store
-    that is neither a sqlite file nor a tracking server, its URI and the parent's id. `port`: tracking.ui_port."""
+def links(uri: str, exp_id: str, run_id: str, port: int = tracking.UI_PORT, view: str | None = None) -> str:
+    """Where a sweep's results are: the runs view, the parent run (MLflow's model-training view) and, with the
+    sweep's own saved `view` (ui.sweep_view), its jobs' answers as bars (the chart view); for a store that is
+    neither a sqlite file nor a tracking server, its URI and the parent's id. `port`: tracking.ui_port."""
     if uri.startswith("sqlite:"):
         base = f"http://127.0.0.1:{port}"
         head = f" mlflow ui --port {port} --backend-store-uri {tracking.absolute_uri(uri)}, then"
@@ -305,5 +311,6 @@ def links(uri: str, exp_id: str, run_id: str, port: int = tracking.UI_PORT) -> s
         base, head = uri.rstrip("/"), ""
     else:
         return f"rlrun: sweep results: {uri}, parent run {run_id}"
-    return (f"rlrun: sweep results:{head}\n  runs:   {ui.runs_page(base, exp_id)}\n"
-            f"  parent: {ui.run_page(base, exp_id, run_id)}")
+    compare = f"\n  compare: {ui.compare_page(base, exp_id, view)}" if view else ""
+    return (f"rlrun: sweep results:{head}\n  runs:    {ui.runs_page(base, exp_id)}\n"
+            f"  parent:  {ui.run_page(base, exp_id, run_id)}{compare}")

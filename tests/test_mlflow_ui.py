@@ -88,14 +88,15 @@ def test_runs_say_where_they_come_from_and_what_they_are(swept):
 
 def test_metrics_are_namespaced_learning_apart_from_the_machine(swept):
     """Learning curves under train/ and held-out evaluation under eval/ (the two sections of the "Model metrics"
-    tab), measurements of the machine under system/ (MLflow's "System metrics" tab): no catch-all section."""
+    tab), measurements of the machine under system/ (MLflow's "System metrics" tab), and a sweep job's answer
+    under answer/ (set at the sweep's end): no catch-all section."""
     client, _, _, children, *_ = swept
     for child in children:
         keys = set(child.data.metrics)
         assert {"train/loss", "train/reward_mean", "train/grad_norm", "train/lr", "system/time/step_s",
                 "system/mem/train_peak_mib", "system/throughput/gen_tokens_per_s", "system/passes/old_run_total",
                 "system/summary/step_s"} <= keys, sorted(keys)
-        assert {k.split("/")[0] for k in keys} == {"train", "eval", "system"}, sorted(keys)
+        assert {k.split("/")[0] for k in keys} == {"train", "eval", "system", "answer"}, sorted(keys)
         steps = [m.step for m in client.get_metric_history(child.info.run_id, "train/loss")]
         assert steps == [0, 1, 2]
 
@@ -176,3 +177,29 @@ def test_compare_opens_on_the_learning_curve_and_phases_that_did_not_run_are_abs
         assert child.data.params["offload.name"] == "off"
         assert not [k for k in keys if "offload" in k or "onload" in k]
         assert {"system/time/train_s", "system/mem/generate_peak_mib"} <= set(keys)
+
+
+def test_the_compare_link_opens_the_chart_view_on_each_jobs_answer(swept):
+    """The chart view's first section: bars of each job's answer, the numbers of its verdict (a job whose cost is
+    within the noise has no cost bar); the printed `compare` link opens it on this sweep's runs only."""
+    _, exp, parent, children, tmp, _ = swept
+    state = json.loads(json.loads(exp.tags[ui.VIEW_TAG])["state"])
+    assert state["compareRunSections"][0]["uuid"] == ui.ANSWER_SECTION and state["isAccordionReordered"]
+    first = [c["metricKey"] for c in state["compareRunCharts"] if c["metricSectionId"] == ui.ANSWER_SECTION]
+    assert first == [*ui.ANSWER_CHARTS, "train/reward_mean"]
+    for child in children:
+        m, brief = child.data.metrics, child.data.tags[ui.VERDICT_TAG]
+        assert m["answer/phase_s"] > 0
+        if brief == "baseline":
+            assert m["answer/cost_x"] == m["answer/same"] == 1.0
+        else:
+            assert m["answer/same"] == (1.0 if brief.startswith("same") else 0.0)
+            measured = "no difference measured" not in brief
+            assert ("answer/cost_x" in m) == measured
+            if measured:  # the brief's two decimals of the same ratio
+                assert abs(m["answer/cost_x"] - float(brief.split(" · ")[1].split("x vs")[0])) <= 0.006
+    view_id = f"rlrun-sweep-{parent.info.run_id}"  # the sweep's own view: its runs only
+    sweep_state = json.loads(json.loads(exp.tags[f"mlflow.sharedViewState.{view_id}"])["state"])
+    assert sweep_state["searchFilter"] == f"tags.`rlrun.sweep_group` = '{parent.data.tags['rlrun.sweep_group']}'"
+    assert sweep_state["compareRunSections"][0]["uuid"] == ui.ANSWER_SECTION
+    assert f"viewStateShareKey={view_id}&compareRunsMode=CHART" in (tmp / "out.txt").read_text()

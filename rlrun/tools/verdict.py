@@ -177,6 +177,23 @@ def brief(row: dict) -> str:
     return f"{same} · {cost} vs {row['baseline']}"
 
 
+def metrics(row: dict) -> dict[str, float]:
+    """One job's answer as numbers, for the bars of MLflow's chart view (tracking/ui.py): answer/phase_s, its median
+    seconds per step on the changed phases; answer/cost_x, that against its baseline's, only where the difference is
+    beyond both spreads: a job within the noise has no bar, never a ranking; answer/same, 1 where it trains the same
+    as its baseline, 0 where not, absent where not judged (the baseline: 1 and 1). 4 significant digits."""
+    out = {}
+    if row["phase_s"] == row["phase_s"]:
+        out["answer/phase_s"] = row["phase_s"]
+    if row.get("is_baseline"):
+        out["answer/cost_x"] = out["answer/same"] = 1.0
+    elif "baseline" in row and row["differs"] != 0 and row["ratio"] == row["ratio"]:
+        out["answer/cost_x"] = row["ratio"]
+    if row.get("same") is not None:
+        out["answer/same"] = float(row["same"])
+    return {k: float(f"{v:.4g}") for k, v in out.items()}
+
+
 def label_of(phases: tuple[str, ...]) -> str:
     return "the whole step" if "step" in phases or not phases else " + ".join(phases)
 

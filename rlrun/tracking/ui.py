@@ -17,7 +17,8 @@ import json
 import time
 
 VIEW_ID = "rlrun"
-VIEW_TAG = "mlflow.sharedViewState." + VIEW_ID
+VIEW_TAG_PREFIX = "mlflow.sharedViewState."
+VIEW_TAG = VIEW_TAG_PREFIX + VIEW_ID
 VIEW_NAME = "rlrun: runs by sweep"
 PRIMARY_METRIC_TAG = "mlflow.experiment.primaryMetric.name"
 GROUP_TAG = "rlrun.sweep_group"  # a sweep's parent and children share it: the view's groups
@@ -30,6 +31,11 @@ METRIC_COLUMNS = ("train/reward_mean", "train/rewards/accuracy", "eval/accuracy"
 # column, so it sits before the metrics, in view without scrolling (a tag column comes after every param).
 VERDICT_TAG = "rlrun.verdict"
 ATTRIBUTE_COLUMNS = ("Description",)
+# The chart view's first section: each job's answer as bars (tools/verdict.metrics, logged at the sweep's end), its
+# memory peak and its learning curve's latest value. Where the view says so, MLflow keeps this section's place
+# above the ones it makes for every metric (sorted by name). The sweep's printed `compare` link opens it.
+ANSWER_SECTION = "rlrun-answer"
+ANSWER_CHARTS = ("answer/cost_x", "answer/same", "system/summary/peak_mib")
 MAX_TAG = 5000  # MLflow's limit on an experiment tag's value
 
 
@@ -53,6 +59,53 @@ def param_of(config, key: str) -> str:
 
     node = OmegaConf.select(config, key, default=None) if isinstance(config, DictConfig) else None
     return f"{key}.name" if isinstance(node, DictConfig) and "name" in node else key
+
+
+def compare_page(base: str, exp_id: str, view_id: str) -> str:
+    """The runs page's chart view with a sweep's own saved view (sweep_view)."""
+    return (f"{base}/#/experiments/{exp_id}/runs?workflowType=machine_learning&viewStateShareKey={view_id}"
+            "&compareRunsMode=CHART")
+
+
+def sweep_view(client, exp_id: str, run_id: str, group: str) -> str | None:
+    """A saved view of one sweep's runs (the experiment's view `rlrun` with a search on the sweep's group tag:
+    MLflow ignores a view whose URL also carries a search, so the search is in the view); its id, or None where it
+    could not be written."""
+    with contextlib.suppress(Exception):  # a UI hint: never worth failing a sweep for
+        tags = client.get_experiment(exp_id).tags
+        state = read_view(tags)[0] or default_state()
+        with_answer(state, tags.get(PRIMARY_METRIC_TAG, "train/reward_mean"))
+        state["searchFilter"] = f"tags.`{GROUP_TAG}` = '{group}'"
+        view_id = f"{VIEW_ID}-sweep-{run_id}"
+        now = int(time.time() * 1000)
+        client.set_experiment_tag(exp_id, VIEW_TAG_PREFIX + view_id, json.dumps(
+            {"name": f"rlrun sweep: {group}"[:200], "createdAt": now, "updatedAt": now, "state": json.dumps(state)}))
+        return view_id
+    return None
+
+
+def answer_charts(primary: str) -> tuple[list[dict], dict]:
+    """The bar charts of the chart view's first section and the section, as MLflow's UI state spells them."""
+    charts = [{"uuid": f"{ANSWER_SECTION}-{i}", "type": "BAR", "runsCountToCompare": 10, "deleted": False,
+               "isGenerated": False, "metricSectionId": ANSWER_SECTION, "metricKey": key}
+              for i, key in enumerate((*ANSWER_CHARTS, primary))]
+    # two columns: the cards' titles (the metric keys) stay readable beside MLflow's Assistant panel
+    section = {"uuid": ANSWER_SECTION, "name": "rlrun: each job's answer (cost vs baseline, same result, memory)",
+               "display": True, "isReordered": True, "deleted": False, "isGenerated": False, "columns": 2,
+               "cardHeight": 250}
+    return charts, section
+
+
+def with_answer(state: dict, primary: str) -> bool:
+    """Put the answer's section first in a saved view's chart state (False where it is already there)."""
+    sections = state.setdefault("compareRunSections", [])
+    if any(sec.get("uuid") == ANSWER_SECTION for sec in sections):
+        return False
+    charts, section = answer_charts(primary)
+    state["compareRunCharts"] = charts + state.get("compareRunCharts", [])
+    sections.insert(0, section)
+    state["isAccordionReordered"] = True  # else MLflow sorts the sections by name
+    return True
 
 
 def default_state() -> dict:
@@ -87,7 +140,8 @@ def prepare(client, exp_id: str, params: tuple[str, ...] = (), primary: str = "t
         columns = state.setdefault("selectedColumns", [])
         fixed = [column("metrics", k) for k in METRIC_COLUMNS] + [column("attributes", k) for k in ATTRIBUTE_COLUMNS]
         new = [c for c in fixed + [column("params", p) for p in params] if c not in columns]
-        if not new and VIEW_TAG in tags:
+        charted = with_answer(state, tags.get(PRIMARY_METRIC_TAG, primary))
+        if not new and not charted and VIEW_TAG in tags:
             return
         columns += new
         while len(columns) > len(fixed) and len(envelope(state, created)) > MAX_TAG:
