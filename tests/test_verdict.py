@@ -142,3 +142,24 @@ def test_each_job_gets_its_answer_in_a_few_words():
     _, alone = verdict.answer(names[:2], [base, fast], [{"loss.name": "dapo"}, {"loss.name": "cispo"}], {})
     assert {verdict.brief(r) for r in alone.values()} == {"no baseline in the sweep"}
     assert {r["same_text"] for r in alone.values()} == {"no baseline in the sweep"}  # not "the baseline" for each
+
+
+def test_each_jobs_answer_as_bars_has_no_cost_bar_within_the_noise():
+    """answer/* (the chart view's bars): the baseline 1 and 1; a measured difference its ratio; a difference within
+    the spreads no cost bar (never a ranking); a wrong result same 0; no baseline: no ratio, no same."""
+    base, fast = run([1.0, 1.1, 0.9, 1.0, 1.05, 0.95]), run([0.5, 0.52, 0.48, 0.5, 0.51, 0.49])
+    as_slow = run([0.98, 1.12, 0.91, 1.01, 1.04, 0.96])
+    wrong = run([0.98, 1.12, 0.91, 1.01, 1.04, 0.96], loss=[0.1, 0.3, 0.3, 0.3, 0.3, 0.3])
+    names = ["head=dense", "head=tiled", "head=chunked"]
+    _, rows = verdict.answer(names, [base, fast, as_slow], [params(head=n[5:]) for n in names], {1: 0, 2: 0})
+    bars = {n: verdict.metrics(rows[n]) for n in names}
+    for n in names:  # the median seconds per step on the changed phases, at 4 significant digits
+        assert bars[n].pop("answer/phase_s") == float(f"{rows[n]['phase_s']:.4g}")
+    assert bars["head=dense"] == {"answer/cost_x": 1.0, "answer/same": 1.0}
+    assert bars["head=tiled"] == {"answer/cost_x": float(f"{rows['head=tiled']['ratio']:.4g}"), "answer/same": 1.0}
+    assert 0.45 < bars["head=tiled"]["answer/cost_x"] < 0.55
+    assert bars["head=chunked"] == {"answer/same": 1.0}
+    _, rows = verdict.answer(names[:2], [base, wrong], [params(head=n[5:]) for n in names[:2]], {1: 0})
+    assert verdict.metrics(rows["head=tiled"])["answer/same"] == 0.0
+    _, alone = verdict.answer(names[:2], [base, fast], [{"loss.name": "dapo"}, {"loss.name": "cispo"}], {})
+    assert [set(verdict.metrics(r)) for r in alone.values()] == [{"answer/phase_s"}] * 2
