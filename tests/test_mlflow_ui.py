@@ -200,6 +200,6 @@ def test_the_compare_link_opens_the_chart_view_on_each_jobs_answer(swept):
                 assert abs(m["answer/cost_x"] - float(brief.split(" · ")[1].split("x vs")[0])) <= 0.006
     view_id = f"rlrun-sweep-{parent.info.run_id}"  # the sweep's own view: its runs only
     sweep_state = json.loads(json.loads(exp.tags[f"mlflow.sharedViewState.{view_id}"])["state"])
-    assert sweep_state["searchFilter"] == f"tags.`rlrun.sweep_group` = '{parent.data.tags['rlrun.sweep_group']}'"
+    assert sweep_state["searchFilter"] == f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     assert sweep_state["compareRunSections"][0]["uuid"] == ui.ANSWER_SECTION
     assert f"viewStateShareKey={view_id}&compareRunsMode=CHART" in (tmp / "out.txt").read_text()

@@ -68,18 +68,18 @@ def compare_page(base: str, exp_id: str, view_id: str) -> str:
 
 
 def sweep_view(client, exp_id: str, run_id: str, group: str) -> str | None:
-    """A saved view of one sweep's runs (the experiment's view `rlrun` with a search on the sweep's group tag:
-    MLflow ignores a view whose URL also carries a search, so the search is in the view); its id, or None where it
-    could not be written."""
+    """A saved view of the jobs of one sweep, whose parent run is `run_id` (the experiment's view `rlrun` with a
+    search on the jobs' parent: an id, never a quote to escape; MLflow ignores a view whose link carries a search
+    of its own, so the search is in the view); its id, or None where it could not be written."""
     with contextlib.suppress(Exception):  # a UI hint: never worth failing a sweep for
         tags = client.get_experiment(exp_id).tags
         state = read_view(tags)[0] or default_state()
         with_answer(state, tags.get(PRIMARY_METRIC_TAG, "train/reward_mean"))
-        state["searchFilter"] = f"tags.`{GROUP_TAG}` = '{group}'"
+        state["searchFilter"] = f"tags.mlflow.parentRunId = '{run_id}'"
         view_id = f"{VIEW_ID}-sweep-{run_id}"
         now = int(time.time() * 1000)
         client.set_experiment_tag(exp_id, VIEW_TAG_PREFIX + view_id, json.dumps(
-            {"name": f"rlrun sweep: {group}"[:200], "createdAt": now, "updatedAt": now, "state": json.dumps(state)}))
+            {"name": f"rlrun: {group}"[:200], "createdAt": now, "updatedAt": now, "state": json.dumps(state)}))
         return view_id
     return None
 
