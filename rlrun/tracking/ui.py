@@ -77,9 +77,7 @@ def sweep_view(client, exp_id: str, run_id: str, group: str) -> str | None:
         with_answer(state, tags.get(PRIMARY_METRIC_TAG, "train/reward_mean"))
         state["searchFilter"] = f"tags.mlflow.parentRunId = '{run_id}'"
         view_id = f"{VIEW_ID}-sweep-{run_id}"
-        now = int(time.time() * 1000)
-        client.set_experiment_tag(exp_id, VIEW_TAG_PREFIX + view_id, json.dumps(
-            {"name": f"rlrun: {group}"[:200], "createdAt": now, "updatedAt": now, "state": json.dumps(state)}))
+        client.set_experiment_tag(exp_id, VIEW_TAG_PREFIX + view_id, envelope(state, name=f"rlrun: {group}"[:200]))
         return view_id
     return None
 
@@ -149,7 +147,7 @@ def prepare(client, exp_id: str, params: tuple[str, ...] = (), primary: str = "t
         client.set_experiment_tag(exp_id, VIEW_TAG, envelope(state, created))
 
 
-def envelope(state: dict, created: int | None = None) -> str:
+def envelope(state: dict, created: int | None = None, name: str = VIEW_NAME) -> str:
     """A saved view as the UI stores it: name and times in plain JSON, the state as a JSON string."""
     now = int(time.time() * 1000)
-    return json.dumps({"name": VIEW_NAME, "createdAt": created or now, "updatedAt": now, "state": json.dumps(state)})
+    return json.dumps({"name": name, "createdAt": created or now, "updatedAt": now, "state": json.dumps(state)})
