@@ -286,17 +286,18 @@ def test_trl_bench_varied_lengths_gives_both_the_same_work_and_rlrun_its_best_ex
 
 
 def test_replay_bench_compares_each_round_with_its_generating_sweep(tmp_path):
-    """The replay bench's logic on made-up sweeps: the ratio is taken within a round (paired), its range shown;
-    the jobs that generated and the first and other jobs' seconds; each mode's command sweeps the same option, the
-    paired one with report.replay=true, in a folder and store of its own."""
+    """The replay bench's logic on made-up sweeps: the ratio is taken within a round (paired), its range shown,
+    beside the round's ratio at best (the generating sweep less its later jobs' generation); the jobs that generated
+    and the first and other jobs' seconds; each mode's command sweeps the same option, the paired one with
+    report.replay=true, in a folder and store of its own."""
     from rlrun.tools import bench_replay
 
     a = bench.parser().parse_args(["replay", "--rounds", "2", "--tracking-uri", "none"])
 
     def fake(mode, seed, args):
         paired = mode == "paired"
-        jobs = [{"seconds": 50.0, "generated": True}] + [{"seconds": 15.0 if paired else 50.0,
-                                                          "generated": not paired}] * 2
+        jobs = [{"seconds": 50.0, "generated": True, "generate_s": 30.0}] + [
+            {"seconds": 15.0 if paired else 50.0, "generated": not paired, "generate_s": 0.0 if paired else 30.0}] * 2
         # round 0: 100 s of 200 (0.5x); round 1 slower throughout: 140 s of 200 (0.7x)
         return {"wall_s": (100.0 + 40.0 * seed if paired else 200.0) * (1 + seed), "jobs": jobs}
 
@@ -306,9 +307,12 @@ def test_replay_bench_compares_each_round_with_its_generating_sweep(tmp_path):
     assert paired["wall_s"] == pytest.approx(190.0) and generating["ratio"] == 1.0
     assert (paired["generated"], paired["jobs"], generating["generated"]) == (1.0, 3.0, 3.0)
     assert paired["first_job_s"] == 50.0 and paired["other_jobs_s"] == 15.0
+    # at best: round 0 (200 - 2 x 30) / 200, round 1 (400 - 60) / 400
+    assert (paired["at_best_min"], paired["at_best_max"], paired["at_best"]) == pytest.approx((0.7, 0.85, 0.775))
+    assert generating["at_best"] == 1.0 and generating["generate_s"] == 30.0
     cores = os.cpu_count() or 1
     text = bench_replay.table([generating, paired], a, (cores * 2.0, 0.0))
-    assert "0.60x [0.50, 0.70]" in text and "1 of 3" in text and "LOADED" in text
+    assert "0.60x [0.50, 0.70]" in text and "0.77x [0.70, 0.85]" in text and "1 of 3" in text and "LOADED" in text
     assert "LOADED" not in bench_replay.table([generating, paired], a, (0.0, cores * 2.0))  # the end's: its own
     args = bench_replay.arguments("paired", 1, a, str(tmp_path))
     assert args[:2] == ["-m", "head=dense,tiled,chunked"] and "report.replay=true" in args and "seed=1" in args
@@ -327,8 +331,10 @@ def test_replay_bench_reads_the_sweeps_jobs_from_its_store(tmp_path):
     parent = client.create_run(exp, start_time=1000, tags={"rlrun.kind": "sweep"})
     for start, generated in ((2000, True), (5000, False)):
         run = client.create_run(exp, start_time=start)
-        if generated:
-            client.log_metric(run.info.run_id, metric_key("time/generate_s"), 0.5)
+        if generated:  # two steps' generate phases: the job's is their sum
+            client.log_metric(run.info.run_id, metric_key("time/generate_s"), 0.5, step=0)
+            client.log_metric(run.info.run_id, metric_key("time/generate_s"), 0.25, step=1)
         client.set_terminated(run.info.run_id, end_time=start + 1500)
     client.set_terminated(parent.info.run_id, end_time=9000)
-    assert bench_replay.jobs_of(uri) == [{"seconds": 1.5, "generated": True}, {"seconds": 1.5, "generated": False}]
+    assert bench_replay.jobs_of(uri) == [{"seconds": 1.5, "generated": True, "generate_s": 0.75},
+                                         {"seconds": 1.5, "generated": False, "generate_s": 0.0}]

@@ -65,6 +65,20 @@ def test_replaying_the_recorded_config_reproduces_every_curve_bit_for_bit(record
     assert "system/time/generate_s" not in r.data.metrics  # nothing generated; the read is the wait phase
 
 
+@pytest.mark.slow  # an async run (its generator process) and its replay
+def test_an_async_run_recorded_replays_as_it_trained_stale_rollouts_included(tmp_path):
+    """rollout.pipeline=async records its rollouts as the trainer takes them, each with the older weights version
+    that drew it; the replay (in step, no generator) trains those stale rollouts to the async run's curves."""
+    _, curves = run(tmp_path / "async", "rollout.pipeline=async", "rollout.max_staleness=1", "train.num_iterations=1",
+                    f"rollout.record={tmp_path}/rec")
+    entries = record.read_index(str(tmp_path / "rec"))
+    assert [e["step"] for e in entries] == [0, 1, 2, 3]
+    assert [e["version"] for e in entries] == [0, 0, 1, 2]  # up to one step behind: rollout n drawn ahead
+    _, again = run(tmp_path / "replay", "rollout=replay", f"rollout.path={tmp_path}/rec", "train.num_iterations=1")
+    assert again == curves  # train/* and eval/*: staleness and the sampler mismatch included
+    assert max(v for _, v in curves["train/staleness_max"]) == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [["head=chunked", "head.size=16"], ["batching=packed", "batching.max_tokens=48"],
                                      ["activations=checkpoint", "train.micro_batch=2"]],
