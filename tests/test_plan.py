@@ -111,7 +111,11 @@ def test_packed_forwards_are_planned_by_their_token_budget():
     assert small.phases["train"].parts[saved] < padded.phases["train"].parts[saved]
     assert large.phases["train"].parts[saved] >= padded.phases["train"].parts[saved]  # a whole step in one forward
     assert small.phases["train"].parts["attention mask (64 positions in rows of 8, bool)"] == 64 * 8  # 4 + 4 new
-    assert "attention mask" not in " ".join(padded.phases["train"].parts)
+    assert "attention mask (" not in " ".join(padded.phases["train"].parts)  # padded rows: no mask of packing's
+    # sdpa's fp32 copy of the boolean mask, kept by each of the 3 layers: a pack's, or the padded rows' [L, L] each
+    copies = "attention mask as sdpa's additive copy (saved by 3 layers)"
+    assert small.phases["train"].parts[copies] == 3 * 64 * 8 * 4
+    assert padded.phases["train"].parts[copies] == 3 * padded.layer_tokens * padded.seq_len * 4
     # the heads' tokens: a forward holds whole sequences, so half its 64 positions are responses (not all 64: with
     # small micro-batches bench plan's dense point was over-predicted by 40% so)
     assert small.tokens == 32 and large.tokens == 128 * 4
@@ -347,6 +351,40 @@ def test_saved_activation_constants_are_what_autograd_saves(kind):
         # autocast with grouped KV heads saves a little more or less than the linear count (within 5%)
         tolerance = 0.05 if kind == "autocast" else 0.01
         assert plan.layer_bytes(s, kind) == pytest.approx(measured, rel=tolerance), (hidden, inter, heads, kv_heads)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_each_layer_keeps_sdpas_copy_of_a_padding_mask_as_planned(precision):
+    """Rows of unequal lengths (left-padded prompts, right-padded answers) give the model a boolean mask; torch's
+    sdpa turns it into an additive one of the queries' dtype in every layer, which keeps it for backward: rows x
+    L^2 each. The plan's part is what saved-tensor hooks measure beyond the same rows unpadded."""
+    from helpers import tiny_model
+
+    cfg, p = planned("model.layers=2", "train.micro_batch=4", "rollout.max_new_tokens=220",
+                     "model.max_positions=256", f"train.precision={precision}")
+    rows, seq_len = p.layer_tokens // p.seq_len, p.seq_len
+    model, _ = tiny_model(0, hidden_size=cfg.model.hidden_size, intermediate_size=cfg.model.intermediate_size,
+                          layers=2, heads=cfg.model.heads, kv_heads=cfg.model.heads,
+                          dtype="bfloat16" if precision == "bf16" else "float32")
+    ids = torch.randint(4, 40, (rows, seq_len), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0  # one shorter prompt (left) and one shorter answer (right)
+    padded[1, -5:] = 0
+
+    def saved(mask):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            models.hidden_states(models.split(model)[0], ids, mask)
+        return sum(seen.values())
+
+    copies = p.phases["train"].parts["attention mask as sdpa's additive copy (saved by 2 layers)"]
+    assert copies == saved(padded) - saved(torch.ones_like(ids))
+    assert copies == 2 * rows * seq_len**2 * (4 if precision == "fp32" else 2)
 
 
 class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):

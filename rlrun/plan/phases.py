@@ -76,17 +76,20 @@ def sampled_top_p(cfg) -> float:
 
 RECOMPUTED = "one layer recomputed in backward"
 # the train parts that are the saved-activation term (plan/train_activations_mib)
-ACTIVATIONS = ("activations saved", "layer inputs kept", RECOMPUTED, "one layer's saved tensors", "saved outside")
+MASK_COPIES = "attention mask as sdpa's additive copy"
+ACTIVATIONS = ("activations saved", "layer inputs kept", RECOMPUTED, "one layer's saved tensors", "saved outside",
+               MASK_COPIES)
 
 
 def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, device_type: str, kind: str,
-                mask: dict, heap_tokens: int, forwards: int) -> dict[str, int]:
+                mask: dict, mask_elements: int, heap_tokens: int, forwards: int) -> dict[str, int]:
     """The train pass at its peak in a forward after the step's first: the gradients already accumulated, what the
     forward saved for backward (activations; autocast's bf16 weight copies), and the larger of two moments: the
     head's backward (its working set and the next lm-head gradient) or, with checkpointing, a layer's recompute
     (its internals and weight copies again). On CPU also the heap blocks freed small tensors leave (terms.py).
     `forwards`: a step's forwards, each with its backward (padded: the micro-batches that accumulate; packed and
-    shared_prompt: also the packs of each); `heap_tokens`: the positions of one, for the heap term."""
+    shared_prompt: also the packs of each); `heap_tokens`: the positions of one, for the heap term;
+    `mask_elements`: its attention mask's (terms.mask_copy: each layer that saves its internals keeps a copy)."""
     zero = cfg.engine.zero_stage if cfg.engine.name == "deepspeed" else 0
     a = activations.option(cfg.activations)
     n = a.checkpointed_layers(s.layers)
@@ -94,6 +97,11 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
     saved = terms.saved_activations(a, s, layer_tokens, kind, device_type)
     recompute = {RECOMPUTED: saved.pop(RECOMPUTED)} if RECOMPUTED in saved else {}
     parts.update(saved)
+    copy = terms.mask_copy(mask_elements, kind)
+    if copy and s.layers > n:
+        parts[f"{MASK_COPIES} (saved by {s.layers - n} layers)"] = copy * (s.layers - n)
+    if copy and recompute:  # the layer rerun in backward makes its own
+        recompute[f"{MASK_COPIES} (the layer rerun)"] = copy
     if kind == "autocast":  # cast once per forward of a layer; a checkpointed layer's casts live while it reruns
         copies = s.layer_matrices * 2 // s.layers
         parts["bf16 weight copies (autocast, saved for backward)"] = copies * (s.layers - n)
@@ -163,6 +171,7 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
     weights, adam = terms.resident(cfg, s, world=world, device_type=device_type, ref_copy=ref_copy, path=path,
                                    device_gib=device_gib)
     layer_tokens, mask, accum = rows * seq_len, {}, grad_accum(cfg, world)
+    mask_elements = layer_tokens * seq_len  # padded rows: [rows, 1, seq_len, seq_len] (prompts and answers padded)
     # the CPU heap term's forward: its positions, and how many forwards (each with its backward) a step has
     heap_tokens, forwards = layer_tokens, accum
     packed = layout.planned_forward(cfg, rows * accum, seq_len, tokens // rows)
@@ -170,6 +179,7 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         step_tokens = tokens * accum
         layer_tokens, width, tokens = packed
         mask = {f"attention mask ({layer_tokens} positions in rows of {width}, bool)": layer_tokens * width}
+        mask_elements = layer_tokens * width
         forwards = -(-step_tokens // tokens)
         # whole units (rows of `width`) fill a forward to at most max_tokens, so a full one is usually a little
         # under it: its [positions, hidden] tensors go to the heap where max_tokens' would just reach 1 MiB
@@ -180,6 +190,8 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         if policy and kind == "autocast":  # the autocast cache keeps the casts of weights that require grad
             held["bf16 weight copies (autocast cache)"] = s.layer_matrices * 2
         layer = {"one layer's activations (no grad)": layer_tokens * live_bytes(s, kind)}
+        if terms.mask_copy(mask_elements, kind):  # made by the layer's attention call, freed when it returns
+            layer[f"{MASK_COPIES} (one layer's, no grad)"] = terms.mask_copy(mask_elements, kind)
         if adapters:  # LoRA on (the reference runs with them off, or is a copy without them)
             layer["LoRA: an adapter's output beside its layer's (no grad)"] = layer_tokens * lora_bytes(s, kind)
         lm_head = terms.head_parts(head, size, tokens, s, grad=False, top_p=sampled_top_p(cfg))
@@ -204,7 +216,7 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
     if needs_ref:
         phases["ref_logprobs"] = logprob_phase(not ref_copy, trainer, False)
     train = train_parts(cfg, s, layer_tokens, tokens, size, world=world, device_type=device_type, kind=kind,
-                        mask=mask, heap_tokens=heap_tokens, forwards=forwards)
+                        mask=mask, mask_elements=mask_elements, heap_tokens=heap_tokens, forwards=forwards)
     phases["train"] = Phase(train, {**trainer, **adam})
     return Plan(phases, tokens, seq_len, size if head.TILED else None, s, world, device_type, layer_tokens, kind)
 

@@ -72,6 +72,15 @@ def saved_activations(option, s, layer_tokens: int, kind: str, device_type: str)
                          2 if kind == "bf16" else FP32, device_type)
 
 
+def mask_copy(mask_elements: int, kind: str) -> int:
+    """Bytes of torch sdpa's additive copy of a boolean attention mask ([rows, 1, L, L] with padding, a pack's rows
+    with packing), in the queries' dtype (fp32; bf16 under autocast and with bf16 weights). Every attention call
+    makes one, and a layer that saves its internals keeps it for backward: L^2 per row, so at long sequences of a
+    narrow model it is a large part of what a layer saves (576 positions at hidden 32: 40.5 MiB a layer for 32 rows,
+    beside 60 MiB of its other saved tensors). With no padding transformers passes no mask and nothing is copied."""
+    return mask_elements * (FP32 if kind == "fp32" else 2)
+
+
 def heap_slack(s, layer_tokens: int, layers: int, kind: str, recomputed: int = 0, lora: bool = False) -> int:
     """CPU only: the heap blocks that freed [tokens, hidden] tensors leave in a train pass whose forward saves the
     internals of `layers` layers at once (with `lora`, their adapters' temporaries too) and whose backward reruns
