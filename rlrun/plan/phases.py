@@ -190,8 +190,7 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         if policy and kind == "autocast":  # the autocast cache keeps the casts of weights that require grad
             held["bf16 weight copies (autocast cache)"] = s.layer_matrices * 2
         layer = {"one layer's activations (no grad)": layer_tokens * live_bytes(s, kind)}
-        if terms.mask_copy(mask_elements, kind):  # made by the layer's attention call, freed when it returns
-            layer[f"{MASK_COPIES} (one layer's, no grad)"] = terms.mask_copy(mask_elements, kind)
+        layer[f"{MASK_COPIES} (one layer's, no grad)"] = terms.mask_copy(mask_elements, kind)  # freed as it returns
         if adapters:  # LoRA on (the reference runs with them off, or is a copy without them)
             layer["LoRA: an adapter's output beside its layer's (no grad)"] = layer_tokens * lora_bytes(s, kind)
         lm_head = terms.head_parts(head, size, tokens, s, grad=False, top_p=sampled_top_p(cfg))
