@@ -79,6 +79,19 @@ def test_an_async_run_recorded_replays_as_it_trained_stale_rollouts_included(tmp
     assert max(v for _, v in curves["train/staleness_max"]) == 1
 
 
+@pytest.mark.slow  # a LoRA run recorded, its replay, and a LoRA replay of the full-weights record
+def test_lora_records_replays_bit_for_bit_and_is_free_on_a_replay(recorded, tmp_path):
+    """LoRA (adapters trained, the reference its adapters off) records and replays as any run; and `model.lora` is
+    the training side: a full-weights record replays with adapters on, on its rewards, its rollouts' versions."""
+    _, curves = run(tmp_path / "lora", "model.lora.enabled=true", f"rollout.record={tmp_path}/rec")
+    _, again = run(tmp_path / "replay", "model.lora.enabled=true", "rollout=replay", f"rollout.path={tmp_path}/rec")
+    assert again == curves
+    _, rec, full = recorded
+    _, adapters = run(tmp_path / "on-full", "model.lora.enabled=true", "rollout=replay", f"rollout.path={rec}")
+    assert adapters["train/reward_mean"] == full["train/reward_mean"]  # the record's rollouts, trained otherwise
+    assert adapters["train/grad_norm"] != full["train/grad_norm"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [["head=chunked", "head.size=16"], ["batching=packed", "batching.max_tokens=48"],
                                      ["activations=checkpoint", "train.micro_batch=2"]],
