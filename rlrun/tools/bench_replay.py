@@ -15,7 +15,8 @@ of its jobs after the first, each job's `time/generate_s` summed). The measured 
 rest of a job (the train pass, evaluations, `rlrun check`, setup) and of the sweep are the same work either way.
 
 The default workload is one where generation is most of a step, as in LLM RL: the embedded model untrained
-(`warm_start.enabled=false`: no answer stops early) drawing 512 new tokens for 32 sequences per step, 120 steps.
+(`warm_start.enabled=false`: its answers run long, so a decode runs to about 512 steps) drawing 512 new tokens for
+32 sequences per step, 120 steps.
 `--rlrun-args` replaces it, e.g. `--rlrun-args train.steps=200` for the default run.
 """
 
