@@ -98,9 +98,9 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
     recompute = {RECOMPUTED: saved.pop(RECOMPUTED)} if RECOMPUTED in saved else {}
     parts.update(saved)
     copy = terms.mask_copy(mask_elements, kind)
-    if copy and s.layers > n:
+    if s.layers > n:
         parts[f"{MASK_COPIES} (saved by {s.layers - n} layers)"] = copy * (s.layers - n)
-    if copy and recompute:  # the layer rerun in backward makes its own
+    if recompute:  # the layer rerun in backward makes its own
         recompute[f"{MASK_COPIES} (the layer rerun)"] = copy
     if kind == "autocast":  # cast once per forward of a layer; a checkpointed layer's casts live while it reruns
         copies = s.layer_matrices * 2 // s.layers

@@ -167,14 +167,24 @@ def answer(names: list[str], data: list[dict], all_params: list[dict[str, str]],
     return headline(opts, groups, phases, cost, base_opt, rows), rows
 
 
+def cost_x(row: dict) -> float | None:
+    """A row's cost against its baseline: its ratio, or None where no difference was measured (within both
+    spreads), which is never a ranking."""
+    return None if row["differs"] == 0 else row["ratio"]
+
+
+def cost_text(row: dict) -> str:
+    c = cost_x(row)
+    return "no difference measured" if c is None else f"{c:.2f}x"
+
+
 def brief(row: dict) -> str:
     """One job's answer in a few words, for a narrow column of MLflow's runs table: whether it trains the same as
     its baseline, then its cost on the changed phases against the baseline's (answer's row of its option)."""
     if "baseline" not in row:
         return "baseline" if row.get("is_baseline") else row["same_text"]
     same = {True: "same", False: "DIFFERENT", None: "not judged"}[row["same"]]
-    cost = "no difference measured" if row["differs"] == 0 else f"{row['ratio']:.2f}x"
-    return f"{same} · {cost} vs {row['baseline']}"
+    return f"{same} · {cost_text(row)} vs {row['baseline']}"
 
 
 def metrics(row: dict) -> dict[str, float]:
@@ -187,8 +197,8 @@ def metrics(row: dict) -> dict[str, float]:
         out["answer/phase_s"] = row["phase_s"]
     if row.get("is_baseline"):
         out["answer/cost_x"] = out["answer/same"] = 1.0
-    elif "baseline" in row and row["differs"] != 0 and row["ratio"] == row["ratio"]:
-        out["answer/cost_x"] = row["ratio"]
+    elif "baseline" in row and (c := cost_x(row)) is not None and c == c:
+        out["answer/cost_x"] = c
     if row.get("same") is not None:
         out["answer/same"] = float(row["same"])
     return {k: float(f"{v:.4g}") for k, v in out.items()}
@@ -213,7 +223,7 @@ def headline(names, groups, phases, cost, base_of, rows) -> str:
     parts = []
     for i in sorted(base_of):  # answer() put each one's difference from its baseline in its row
         row = rows[names[i]]
-        parts.append(f"{names[i]}: " + ("no difference measured" if row["differs"] == 0 else f"{row['ratio']:.2f}x"))
+        parts.append(f"{names[i]}: {cost_text(row)}")
     judged = [rows[names[i]]["same"] for i in base_of if rows[names[i]]["same"] is not None]
     same = ("yes" if all(judged) else "NO") if judged else "not judged (approximate options)"
     base = names[next(iter(base_of.values()))]
