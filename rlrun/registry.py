@@ -29,8 +29,10 @@ REGISTRY: dict[str, dict[str, Any]] = {
                     "offload": "rlrun.activations:Offload"},
     "precision": {"fp32": "rlrun.precision:Fp32", "bf16": "rlrun.precision:Bf16"},
     "pipeline": {"sync": "rlrun.recipes.sources:Sync", "async": "rlrun.recipes.sources:Async"},
-    "model": {"tiny": "rlrun.models:tiny", "hf": "rlrun.models:hf"},  # (cfg, seed) -> (model, tokenizer)
-    "task": {"arith": "rlrun.tasks.arith:read", "jsonl": "rlrun.tasks.jsonl:read",
+    # models.Source: load(cfg, seed) -> (model, tokenizer), meta(cfg, seed) -> (model on the meta device, tokenizer)
+    "model": {"tiny": "rlrun.models:tiny", "hf": "rlrun.models:hf", "smollm2": "rlrun.models:smollm2"},
+    "task": {"arith": "rlrun.tasks.arith:read", "word_problems": "rlrun.tasks.word_problems:read",
+             "jsonl": "rlrun.tasks.jsonl:read",
              "dataset": "rlrun.tasks.dataset:read"},
     "rollout": {"hf": "rlrun.rollout.hf", "vllm": "rlrun.rollout.vllm", "replay": "rlrun.rollout.replay"},
     "engine": {"single": "rlrun.engine.single", "deepspeed": "rlrun.engine.deepspeed"},

@@ -38,9 +38,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def pytest_configure(config):
     """The warm-start cache (rlrun/warmstart.py, default ~/.cache/rlrun) lives in a folder of this session, unless
-    RLRUN_CACHE is set: results never depend on what earlier sessions (or other rlrun versions) left there. Set
-    here, before test modules are imported, so that the environments they build for subprocesses carry it."""
+    RLRUN_CACHE is set (the model cache, $RLRUN_MODEL_CACHE, stays where it is): results never depend on what
+    earlier sessions (or other rlrun versions) left there. Set here, before test modules are imported, so that the
+    environments they build for subprocesses carry it."""
     if not os.environ.get("RLRUN_CACHE"):
+        # converted models are the exception: a conversion is checked by the digests of its source and of every
+        # file it wrote (rlrun/pretrained.py), so it cannot differ between sessions; SmolLM2's takes a minute
+        os.environ.setdefault("RLRUN_MODEL_CACHE", str(Path.home() / ".cache" / "rlrun" / "models"))
         config._rlrun_cache = tempfile.mkdtemp(prefix="rlrun-test-cache-")
         os.environ["RLRUN_CACHE"] = config._rlrun_cache
 

@@ -14,7 +14,8 @@ MAX_MODULE_LINES = 400
 LAYERS = [
     {"__init__", "errors", "config", "registry", "ranks", "signals", "render", "folders",
      "nofollow", "exportdir", "procs", "pairs"},  # __init__: the version
-    {"losses", "heads", "logprobs", "offload", "batching", "activations", "meters", "models", "tasks", "checkpoint",
+    {"losses", "heads", "logprobs", "offload", "batching", "activations", "meters", "models", "pretrained", "tasks",
+     "checkpoint",
      "tracking", "rollout", "engine", "plan", "pipeline", "precision", "policy", "axes", "faults"},
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},

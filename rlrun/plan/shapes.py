@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import activations, models, precision
+from .. import activations, models, precision, registry
 
 
 @dataclass
@@ -52,16 +52,7 @@ def meta_model(mcfg, seed: int):
     """(the model on the meta device, its tokenizer): shapes without weights, LoRA adapters added as in a run."""
     import torch
 
-    if mcfg.name == "tiny":
-        tokenizer = models.char_tokenizer()
-        with torch.device("meta"):
-            model = models.tiny_model(mcfg, tokenizer, seed)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        config, tokenizer = models.load_hf_config(mcfg.path)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=models.DTYPES[mcfg.dtype])
+    model, tokenizer = registry.get("model", mcfg.name).meta(mcfg, seed)
     models.split(model)
     if mcfg.lora.enabled:
         with torch.device("meta"):
