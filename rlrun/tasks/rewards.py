@@ -7,6 +7,7 @@ such as `pattern` come from the reward's `kwargs`. `partial_credit` and `exact_m
 
 from __future__ import annotations
 
+import random
 import re
 from decimal import Decimal, InvalidOperation
 
@@ -76,3 +77,41 @@ def length_penalty(completion: str, max_chars: int = 1000, **_) -> float:
     if max_chars <= 0:
         raise ValueError(f"length_penalty needs max_chars > 0, got {max_chars}")
     return -min(len(completion) / max_chars, 1.0)
+
+
+def math_verify(completion: str, answer: str, lenient: bool = False, **_) -> float:
+    """1.0 when HF's math-verify finds the completion's answer mathematically equal to `answer` (7/2 == 3.5 ==
+    \\frac{7}{2}). By default only an answer written in LaTeX counts: a \\boxed{...}, or $...$ after "the answer
+    is", as TRL's accuracy reward reads it; `lenient: true` also takes math-verify's plain-text extraction (the
+    final number or expression), so it shows what a model knows apart from the form it is asked for."""
+    mv = _math_verify()
+    gold = mv.parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$", **_timeouts())
+    if not gold:
+        raise ValueError(f"math-verify cannot read the reference answer {answer[-80:]!r}")
+    latex = mv.LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)
+    configs = [latex, mv.ExprExtractionConfig()] if lenient else [latex]
+    got = mv.parse(completion, extraction_config=configs, extraction_mode="first_match", **_timeouts())
+    return float(bool(got) and mv.verify(gold, got, **_timeouts(verify=True)))
+
+
+def _math_verify():
+    import math_verify
+
+    return math_verify
+
+
+def _timeouts(verify: bool = False) -> dict:
+    """math-verify bounds a call with SIGALRM, which only the main thread may set: elsewhere (a library caller's
+    thread) no bound; a run's reward worker bounds every call itself (task.reward_timeout_s)."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        return {}
+    return {"timeout_seconds": None} if verify else {"parsing_timeout": None}
+
+
+def random_reward(completion: str, **_) -> float:
+    """A control, not a reward: a uniform draw in [0, 1) that ignores the completion (from the reward worker's
+    `random`, seeded with the run's seed). A run that learns with its real reward and not with this one learned
+    from the reward, not from the updates themselves (docs/real-model.md)."""
+    return random.random()
