@@ -338,3 +338,52 @@ def test_replay_bench_reads_the_sweeps_jobs_from_its_store(tmp_path):
     client.set_terminated(parent.info.run_id, end_time=9000)
     assert bench_replay.jobs_of(uri) == [{"seconds": 1.5, "generated": True, "generate_s": 0.75},
                                          {"seconds": 1.5, "generated": False, "generate_s": 0.0}]
+
+
+def test_check_bench_covers_every_pair_and_names_what_failed():
+    """`bench check`: the exact axes' covering array from the registry, its rows' overrides on the model's
+    experiment, a table that names each failed probe and counts the configurations passing every probe."""
+    from rlrun import pairs
+    from rlrun.tools import bench_check
+
+    configs = bench_check.configurations()
+    assert configs == pairs.all_pairs(pairs.exact_axes()) and len(configs) >= 9
+    ok = {"probes": {"vs baseline": (True, "1e-8"), "no full logits": (None, "-")}, "seconds": 3.0}
+    bad = {"probes": {"vs baseline": (False, "1e-1"), "accumulation": (True, "0")}, "seconds": 4.0}
+    text = bench_check.table(configs[:3], [ok, bad, {"error": "RuntimeError: boom"}])
+    assert "1 of 1" in text and "1 of 2" in text and "vs baseline" in text and "error: RuntimeError: boom" in text
+    assert text.endswith("1 of 3 configurations pass every probe")
+    a = bench.parser().parse_args(["check", "--model", "smollm2", "--tracking-uri", "none"])
+    assert bench_check.MODELS[a.model] == ["experiment=smollm2"]
+
+
+@pytest.mark.slow  # one configuration's check in a child process (~10 s)
+def test_check_bench_child_runs_rlrun_check_on_a_configuration():
+    from rlrun import render
+    from rlrun.tools import bench_check
+
+    row = bench_check.configurations()[1]
+    res = render.in_child(bench_check.child, ["experiment=smoke", *(f"{k}={v}" for k, v in row.items())], 1)
+    bad = render.in_child(bench_check.child, ["experiment=smoke", "train.micro_batch=3"], 1)
+    assert bad["error"].startswith("ConfigError: ") and "train.micro_batch=3" in bad["error"]
+    assert "error" not in res, res
+    assert res["probes"]["vs baseline"][0] is True and all(ok is not False for ok, _ in res["probes"].values())
+
+
+def test_trl_bench_on_a_real_model_runs_its_experiment_for_both():
+    """--model smollm2: rlrun runs experiment=smollm2 as it is; TRL gets the same sizes, sampling and LoRA, read
+    from that config (one source for both)."""
+    from rlrun.tools import bench_trl
+
+    args = bench_trl.rlrun_overrides("/m", 5, 1, "sqlite:///x.db", [], "default", "rlrun_async", "smollm2")
+    assert args[0] == "experiment=smollm2" and "seed=1" in args and "rollout.pipeline=async" in args
+    assert not any(a.startswith(("model.path", "train.lr", "train.micro_batch")) for a in args)
+    cfg = bench_trl.work("default", 0, "smollm2")
+    size = bench_trl.sizes(cfg, "smollm2")
+    t = cfg.train
+    assert size == dict(prompts=t.rollout_batch // t.group_size, group=t.group_size, micro=t.micro_batch, lr=t.lr,
+                        temperature=cfg.rollout.temperature, new_tokens=cfg.rollout.max_new_tokens,
+                        lora=(cfg.model.lora.rank, cfg.model.lora.alpha))
+    assert cfg.model.name == "smollm2" and cfg.task.name == "word_problems"
+    lora = bench_trl.lora_config(cfg)
+    assert lora.r == cfg.model.lora.rank and lora.target_modules == "all-linear"

@@ -3,8 +3,9 @@
     python -m rlrun.bench heads --tokens 2048 --hidden 512 --vocab 151936 --tile-size 256
     python -m rlrun.bench heads --loss gspo --impls dense,tiled,chunked   # a sequence-level loss (tiled: 2 sweeps)
     python -m rlrun.bench dpo --vocab 151936 --lengths 256,512,1024,2048,4096 --budget-mib 4096
-    python -m rlrun.bench trl                     # needs TRL: pip install -e '.[bench]'
-    python -m rlrun.bench plan                    # the memory plan's accuracy (rlrun/tools/bench_plan.py)
+    python -m rlrun.bench trl                     # needs TRL: pip install -e '.[bench]'; --model smollm2: real
+    python -m rlrun.bench check --model smollm2   # rlrun check over the exact axes' covering array (bench_check.py)
+    python -m rlrun.bench plan                    # the memory plan's accuracy (bench_plan.py); --model smollm2
     python -m rlrun.bench batching                # padded vs packed vs shared_prompt (rlrun/tools/bench_batching.py)
     python -m rlrun.bench pipeline                # rollout.pipeline=sync vs async (rlrun/tools/bench_pipeline.py)
     python -m rlrun.bench skip                    # train.skip_zero_advantage on vs off (rlrun/tools/bench_skip.py)
@@ -49,7 +50,17 @@ from ..losses.dapo import token_loss as dapo_token_loss
 from ..meters import MIB, Meter, proc_bytes
 from ..render import in_child, num, table
 from ..tracking import MLflow, TrackingError, check_uri, log_metrics
-from . import bench_batching, bench_generate, bench_gpu, bench_pipeline, bench_plan, bench_replay, bench_skip, bench_trl
+from . import (
+    bench_batching,
+    bench_check,
+    bench_generate,
+    bench_gpu,
+    bench_pipeline,
+    bench_plan,
+    bench_replay,
+    bench_skip,
+    bench_trl,
+)
 
 PEERS = ("deepspeed", "liger")
 
@@ -355,6 +366,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
     d.set_defaults(func=dpo_bench, tokens=None, seqs=None)
     bench_trl.add_parser(sub, log_mlflow)
+    bench_check.add_parser(sub, log_mlflow)
     bench_plan.add_parser(sub, plan_bench, ints)
     bench_batching.add_parser(sub, batching_bench)
     bench_pipeline.add_parser(sub, log_mlflow)

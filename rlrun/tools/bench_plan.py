@@ -39,6 +39,11 @@ TOKENS = {512: (64, 8), 2048: (128, 16)}  # tokens per micro-batch -> (micro_bat
 
 
 SHAPE_VARIANTS = (("dense", "fp32"), ("tiled", "fp32"), ("chunked", "fp32"), ("chunked", "bf16"))
+# --model: a real model's points: its experiment's run (sizes, task, sampling) with each head, full weights trained in
+# fp32, then LoRA and bf16 (head, precision, lora)
+MODELS = {"smollm2": ["experiment=smollm2"]}
+MODEL_VARIANTS = (("dense", "fp32", False), ("tiled", "fp32", False), ("chunked", "fp32", False),
+                  ("chunked", "fp32", True), ("tiled", "bf16", False))
 
 
 def pair_axes() -> dict[str, list]:
@@ -57,7 +62,15 @@ def pair_points() -> list[dict]:
             for row in all_pairs(pair_axes())]
 
 
+def model_points(model: str) -> list[dict]:
+    return [dict(model=model, head=h, precision=p, lora=lora) for h, p, lora in MODEL_VARIANTS]
+
+
 def overrides(point: dict, steps: int, uri: str) -> list[str]:
+    if "model" in point:  # a real model's run, as its experiment sizes it; every logprob pass runs
+        return [*MODELS[point["model"]], f"head={point['head']}", f"train.precision={point['precision']}",
+                f"model.lora.enabled={str(point['lora']).lower()}", f"train.steps={steps}", "logprob_policy=always",
+                "loss.kl_coef=0.01", "eval.every=0", "export.enabled=false", "progress=false", f"tracking.uri={uri}"]
     if "hidden" in point:  # a shape point: 32 rows x 16 new tokens per micro-batch, 4 micro-batches per step
         h, heads = point["hidden"], max(1, point["hidden"] // 64)
         size = [f"model.hidden_size={h}", f"model.intermediate_size={4 * h}", f"model.layers={point['layers']}",
@@ -119,6 +132,8 @@ def auto_child(point: dict, out_path: str) -> None:
 
 
 def points(a) -> list[dict]:
+    if a.model:
+        return model_points(a.model)
     grid = [dict(head=h, vocab=v, tokens=t, lora=False) for v in a.vocabs for t in a.tokens for h in a.heads]
     if a.lora:
         head, vocab, tokens = a.lora.split(",")
@@ -129,6 +144,8 @@ def points(a) -> list[dict]:
 
 
 def label(p: dict) -> str:
+    if "model" in p:
+        return "-".join([p["model"], p["head"], p["precision"], *(["lora"] if p["lora"] else [])])
     if p.get("pair"):
         return "-".join([p["head"], p["batching"], p["activations"], p["precision"], *(["lora"] if p["lora"] else []),
                          f"mb{p['micro']}"])  # an MLflow metric name's characters
@@ -187,7 +204,7 @@ def figure(rows: list[dict], path: str) -> str:
     colors = {"dense": "tab:red", "tiled": "tab:blue", "chunked": "tab:green"}
     for head, color in colors.items():
         for phase, marker in markers.items():
-            pts = [r for r in done if r["phase"] == phase and r["point"].startswith(head)]
+            pts = [r for r in done if r["phase"] == phase and head in r["point"].split("-")[:2]]
             if pts:
                 ax.scatter([r["measured_mib"] for r in pts], [r["predicted_mib"] for r in pts], color=color,
                            marker=marker, s=40, alpha=0.8, label=f"{head} {phase}", edgecolors="black",
@@ -229,7 +246,7 @@ def bench(a, log_mlflow) -> list[dict]:
     grid = points(a)
     results = [render.in_child(child, p, a.steps) for p in tqdm(grid, desc="plan", unit="run")]
     rows = rows_of(grid, results)
-    autos = auto_rows(a)
+    autos = [] if a.model else auto_rows(a)
     text = table(rows) + ("\n\n" + auto_table(autos) if autos else "")
     print(text)
     files = [figure(rows, a.figure)] if a.figure and any("error" not in r for r in rows) else []
@@ -253,6 +270,8 @@ def add_parser(sub, func, ints) -> None:
     m.add_argument("--auto-budget", type=int, default=24, help="MiB for the head.size=auto points (0: none)")
     m.add_argument("--pairs", action=argparse.BooleanOptionalAction, default=True,
                    help="the combination points: an all-pairs covering array of the options that change the plan")
+    m.add_argument("--model", choices=list(MODELS), default=None,
+                   help="a real model's points instead: its experiment's run with each head, LoRA and bf16")
     m.add_argument("--steps", type=int, default=3)
     m.add_argument("--figure", default="plan_accuracy.png", help="predicted vs measured (PNG); '' for none")
     m.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")

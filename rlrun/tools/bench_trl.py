@@ -33,7 +33,10 @@ import torch
 from .. import render
 from ..meters import MIB
 
-PROMPTS_PER_STEP, GROUP, MICRO, LR = 8, 16, 64, 1e-3
+PROMPTS_PER_STEP, GROUP, MICRO, LR = 8, 16, 64, 1e-3  # the tiny model's workload
+# --model: the tiny model's work is the embedded default after its warm start (--task picks the task); a real
+# model's is its experiment (sizes, task, sampling, LoRA), read from the composed config for both rlrun and TRL
+MODELS = {"tiny": [], "smollm2": ["experiment=smollm2"]}
 # --task: the rlrun overrides that make the work, and rlrun's best exact settings for it beyond the defaults
 # (logprob_policy=window and train.skip_zero_advantage are defaults already)
 TASKS = {"default": ([], []), "varied_lengths": (["experiment=varied_lengths"], ["batching=shared_prompt"])}
@@ -61,11 +64,24 @@ def compose(overrides: list[str]):
         return hydra_compose("config", overrides=overrides)
 
 
-def work(task: str, seed: int):
-    """The validated config of `task`'s work with `seed` (model, task, rollout length)."""
+def work(task: str, seed: int, model: str = "tiny"):
+    """The validated config of the work with `seed` (model, task, rollout length): `task`'s on the tiny model, a
+    real model's experiment otherwise."""
     from ..config import validate
 
-    return validate(compose(["tracking=none", f"seed={seed}", *TASKS[task][0]]))
+    return validate(compose(["tracking=none", f"seed={seed}", *(MODELS[model] or TASKS[task][0])]))
+
+
+def sizes(cfg, model: str) -> dict:
+    """The workload's sizes and settings, the same for rlrun and TRL: the tiny model's constants, else the
+    experiment's (its config)."""
+    if model == "tiny":
+        return dict(prompts=PROMPTS_PER_STEP, group=GROUP, micro=MICRO, lr=LR, temperature=1.0, lora=None,
+                    new_tokens=cfg.rollout.max_new_tokens)
+    t, lora = cfg.train, cfg.model.lora
+    return dict(prompts=t.rollout_batch // t.group_size, group=t.group_size, micro=t.micro_batch, lr=t.lr,
+                temperature=cfg.rollout.temperature, new_tokens=cfg.rollout.max_new_tokens,
+                lora=(lora.rank, lora.alpha) if lora.enabled else None)
 
 
 def warm_policy(cfg, seed: int):
@@ -79,21 +95,30 @@ def warm_policy(cfg, seed: int):
     return policy, tokenizer, task
 
 
-def prepare(folder: str, seed: int, steps: int, task_name: str = "default") -> list[dict]:
-    """Write the warm-started embedded model to `folder` (save_pretrained) and return the first `steps` steps'
-    prompt rows in the order rlrun draws them with `seed`."""
-    from .. import export, tasks
+def prepare(folder: str, seed: int, steps: int, task_name: str = "default", model: str = "tiny"):
+    """(the model folder both load, the first `steps` steps' prompt rows in the order rlrun draws them with `seed`):
+    the tiny model warm-started and written to `folder`, or a real model's cached folder as it is."""
+    from .. import export, models, registry, tasks
 
-    policy, tokenizer, task = warm_policy(work(task_name, seed), seed)
-    export.export(policy, tokenizer, folder)
+    cfg = work(task_name, seed, model)
+    if model == "tiny":
+        policy, tokenizer, task = warm_policy(cfg, seed)
+        export.export(policy, tokenizer, folder)
+    else:
+        folder = registry.get("model", cfg.model.name).folder(cfg.model)
+        _, tokenizer = models.load_hf_config(folder)
+        task = tasks.load(cfg.task, seed, tokenizer)
     stream = tasks.prompt_stream(task.train, seed)
-    return [dict(next(stream)) for _ in range(steps * PROMPTS_PER_STEP)]
+    return folder, [dict(next(stream)) for _ in range(steps * sizes(cfg, model)["prompts"])]
 
 
 def rlrun_overrides(model_dir: str, steps: int, seed: int, uri: str, extra: list[str], task: str = "default",
-                    impl: str = "rlrun") -> list[str]:
+                    impl: str = "rlrun", model: str = "tiny") -> list[str]:
     """rlrun's default run on the workload: only what the workload fixes, and what TRL does not do here; then the
-    task's best exact settings, the impl's (async) and `extra`."""
+    task's best exact settings, the impl's (async) and `extra`. A real model: its experiment as it is."""
+    if model != "tiny":
+        return [*MODELS[model], f"train.steps={steps}", f"seed={seed}", "eval.every=0", "export.enabled=false",
+                "progress=false", f"tracking.uri={uri}", *RLRUN[impl], *extra]
     work_args, best = TASKS[task]
     new_tokens = work(task, seed).rollout.max_new_tokens
     return [*work_args, "model=hf", f"model.path={model_dir}", f"train.steps={steps}", f"seed={seed}",
@@ -124,7 +149,7 @@ def rlrun_child(a, model_dir: str, seed: int, log_path: str, impl: str, out_path
     """One rlrun run of the workload in this (fresh) process; saves per-step wall times, rewards and lengths."""
     render.quiet(log_path)
     torch.set_num_threads(a.threads)
-    with rlrun_run(lambda uri: rlrun_overrides(model_dir, a.steps, seed, uri, a.rlrun_args, a.task, impl),
+    with rlrun_run(lambda uri: rlrun_overrides(model_dir, a.steps, seed, uri, a.rlrun_args, a.task, impl, a.model),
                    f"bench-trl-{impl}") as history:
         # a step's metrics are logged as it ends: consecutive timestamps (ms) bound each step's wall time
         ends = [m.timestamp / 1000 for m in history("loss")]
@@ -147,8 +172,9 @@ def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, imp
 
     from .. import tasks
 
-    cfg = work(a.task, seed)
+    cfg = work(a.task, seed, a.model)
     task = tasks.load(cfg.task, seed)
+    size = sizes(cfg, a.model)
 
     def reward(completions, answer, **_):  # rlrun's reward on the same rows
         return task.score(completions, [{"answer": x} for x in answer])[0]
@@ -167,18 +193,19 @@ def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, imp
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
             output_dir=tmp, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=True,
-            seed=seed, max_steps=a.steps, per_device_train_batch_size=MICRO,
-            gradient_accumulation_steps=PROMPTS_PER_STEP * GROUP // MICRO, num_generations=GROUP,
-            max_completion_length=cfg.rollout.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-            shuffle_dataset=False,
-            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.99,
+            seed=seed, max_steps=a.steps, per_device_train_batch_size=size["micro"],
+            gradient_accumulation_steps=size["prompts"] * size["group"] // size["micro"],
+            num_generations=size["group"], max_completion_length=size["new_tokens"], temperature=size["temperature"],
+            top_p=1.0, top_k=0, shuffle_dataset=False,
+            learning_rate=size["lr"], lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.99,
             weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
             scale_rewards="group", bf16=False, fp16=False, model_init_kwargs={"dtype": torch.float32}, **TRL[impl],
         )
         record = Record()
         data = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
         trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=data,
-                              processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[record])
+                              processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[record],
+                              peft_config=lora_config(cfg) if size["lora"] else None)
         trainer.train()
     torch.save({"step_s": [b - e for e, b in zip(record.ends, record.ends[1:])],
                 "reward": [x["reward"] for x in record.logs],
@@ -186,21 +213,33 @@ def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, imp
                out_path)
 
 
+def lora_config(cfg):
+    """peft's LoraConfig of the experiment's model.lora, for TRL (rlrun builds its own: rlrun.models.add_lora)."""
+    import peft
+
+    lora = cfg.model.lora
+    targets = list(lora.target_modules)
+    return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                           target_modules="all-linear" if targets == ["all-linear"] else targets,
+                           task_type="CAUSAL_LM")
+
+
 def peak_rss() -> int:
     """This process's peak resident memory in bytes (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def round_row(impl: str, r: dict, warmup: int) -> dict:
+def round_row(impl: str, r: dict, warmup: int, sequences: int = PROMPTS_PER_STEP * GROUP) -> dict:
     """A run's speed: median step wall time after `warmup` steps, and what follows from it."""
     step_s = statistics.median(r["step_s"][warmup:])
-    tokens = statistics.mean(r["length"]) * PROMPTS_PER_STEP * GROUP  # completion tokens per step
+    tokens = statistics.mean(r["length"]) * sequences  # completion tokens per step
     return {"impl": impl, "step_s": step_s, "steps_per_s": 1 / step_s, "tokens_per_s": tokens / step_s,
             "peak_rss_mib": r["rss"] / MIB, **{f"{k}_s": statistics.median(v[warmup:])
                                                  for k, v in r["phases"].items()}}
 
 
-def summarize(rounds: list[dict[str, dict]], warmup: int, last: int) -> list[dict]:
+def summarize(rounds: list[dict[str, dict]], warmup: int, last: int, sequences: int = PROMPTS_PER_STEP * GROUP
+              ) -> list[dict]:
     """One row per implementation: medians over rounds of each round's numbers, each round's steps/s, the mean
     reward curve over rounds (seeds), its mean over all steps and over the last `last` steps."""
     rows = []
@@ -208,7 +247,7 @@ def summarize(rounds: list[dict[str, dict]], warmup: int, last: int) -> list[dic
         runs = [rnd[impl] for rnd in rounds if impl in rnd]
         if not runs:
             continue
-        per_round = [round_row(impl, r, warmup) for r in runs]
+        per_round = [round_row(impl, r, warmup, sequences) for r in runs]
         keys = dict.fromkeys(k for p in per_round for k in p if k != "impl")
         row = {k: statistics.median(p[k] for p in per_round if k in p) for k in keys}
         curve = mean_curve([r["reward"] for r in runs])
@@ -224,9 +263,14 @@ def mean_curve(curves: list[list[float]]) -> list[float]:
 
 
 def table(rows: list[dict], a) -> str:
-    work_args, best = TASKS[a.task]
-    lines = [f"GRPO (DAPO) on the embedded model, task {a.task}, {PROMPTS_PER_STEP} prompts x {GROUP} completions "
-             f"per step, micro {MICRO}, {work(a.task, 0).rollout.max_new_tokens} new tokens at most, fp32, "
+    model = getattr(a, "model", "tiny")
+    cfg = work(a.task, 0, model)
+    size, best = sizes(cfg, model), (TASKS[a.task][1] if model == "tiny" else MODELS[model])
+    what = (f"the embedded model, task {a.task}" if model == "tiny" else
+            f"{model} ({cfg.task.name}{', LoRA r' + str(size['lora'][0]) if size['lora'] else ''}, temperature "
+            f"{size['temperature']}, lr {size['lr']:g})")
+    lines = [f"GRPO (DAPO) on {what}, {size['prompts']} prompts x {size['group']} completions "
+             f"per step, micro {size['micro']}, {size['new_tokens']} new tokens at most, fp32, "
              f"{a.threads} thread(s) a process; rlrun with {' '.join([*best, *a.rlrun_args]) or 'its defaults'}; "
              f"{a.rounds} interleaved round(s) of {a.steps} steps; medians over rounds of the median step after "
              f"{a.warmup}"
@@ -300,7 +344,7 @@ def bench(a, log_mlflow) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
             model_dir = os.path.join(tmp, f"model-seed{r}")
-            rows = prepare(model_dir, r, a.steps, a.task)
+            model_dir, rows = prepare(model_dir, r, a.steps, a.task, a.model)
             for impl in impls[r % len(impls):] + impls[:r % len(impls)]:  # rotate who goes first
                 log_path = os.path.join(tmp, f"{impl}-{r}.log")
                 call = ((rlrun_child, a, model_dir, r, log_path, impl) if impl in RLRUN
@@ -308,11 +352,12 @@ def bench(a, log_mlflow) -> list[dict]:
                 todo.append((r, impl, log_path, call))
         results = run_children(todo, a.jobs)
     rounds = [{impl: results[r, impl] for impl in impls} for r in range(a.rounds)]
-    rows = summarize(rounds, a.warmup, a.last)
+    size = sizes(work(a.task, 0, a.model), a.model)
+    rows = summarize(rounds, a.warmup, a.last, size["prompts"] * size["group"])
     text = table(rows, a)
     print(text)
     if a.figure:
-        print(f"figure: {figure(rows, a.figure, a.task)}")
+        print(f"figure: {figure(rows, a.figure, a.task if a.model == 'tiny' else a.model)}")
     log_mlflow(a, [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows], text, "trl",
                curves={f"reward_mean/{r['impl']}": r["reward_curve"] for r in rows},
                files=[a.figure] if a.figure else [])
@@ -335,6 +380,8 @@ def add_parser(sub, log_mlflow) -> None:
                    "rollout.pipeline=async K=1, trl_cb TRL generating with transformers' continuous batching")
     t.add_argument("--task", default="default", choices=list(TASKS),
                    help="varied_lengths: experiment=varied_lengths, rlrun with batching=shared_prompt")
+    t.add_argument("--model", default="tiny", choices=list(MODELS),
+                   help="smollm2: SmolLM2-135M-Instruct's experiment (experiment=smollm2) for both, instead of --task")
     t.add_argument("--rlrun-args", nargs="*", default=[], help="extra rlrun overrides, e.g. logprob_policy=always")
     t.add_argument("--figure", default="bench_trl.png", help="mean reward curves (PNG); '' for none")
     t.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")
