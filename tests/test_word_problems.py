@@ -56,7 +56,13 @@ def test_the_task_feeds_the_instruction_through_the_chat_template_and_holds_prom
     assert p.startswith("[user] ") and p.endswith("The answer is \\boxed{7}.\n[assistant] ")
     totals, per = task.score(["so the answer is \\boxed{" + task.train[0]["answer"] + "}.", "no idea"],
                              task.train[:2])
-    assert per["correct"] == [1.0, 0.0] and per["boxed"] == [1.0, 0.0] and totals == [1.1, 0.0]
+    assert per["correct"] == [1.0, 0.0] and per["correct_any"] == [1.0, 0.0] and totals == [1.2, 0.0]
+    # a right answer in another form earns the partial credit only; a wrong boxed answer nothing (no reward for
+    # the form alone: it was gamed, every answer boxed as the instruction's example)
+    answer = task.train[0]["answer"]
+    wrong = "The answer is \\boxed{" + str(int(answer) + 1) + "}."
+    totals, _ = task.score([f"so it is {answer}", wrong], task.train[:2])
+    assert totals == [0.2, 0.0]
     pairs, _ = tasks.load_pairs(cfg, 0, tok)
 
     assert all(p["chosen"] != p["rejected"] and p["chosen"].startswith("\\boxed{") for p in pairs)
