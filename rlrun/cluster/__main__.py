@@ -1,5 +1,6 @@
 """python -m rlrun.cluster start|stop|restart|status|kill-node DIR: a one-node SLURM cluster, PostgreSQL and an MLflow
-server on this machine (rlrun/cluster/__init__.py; docs/cluster.md)."""
+server on this machine (rlrun/cluster/__init__.py; docs/cluster.md). python -m rlrun.cluster collect PARENT_RUN_ID:
+the end of a sweep rlrun's SLURM launcher submitted (collect.py), on any cluster."""
 
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ def server_up(state: dict) -> bool:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["collect"]:  # a sweep submitted by rlrun's SLURM launcher: its end (collect.py)
+        from . import collect
+
+        sys.exit(collect.main(argv[1:]))
     a = parser().parse_args(argv)
     folder, parts = os.path.abspath(a.folder), [p.strip() for p in a.only.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
