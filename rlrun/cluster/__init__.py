@@ -1,14 +1,16 @@
 """A SLURM cluster and an MLflow server on this machine, for tests, CI, and trying rlrun's cluster path on a laptop
 (docs/cluster.md): `python -m rlrun.cluster start DIR` starts munged, slurmctld and slurmd (one node, slurm.py),
 PostgreSQL with a database for MLflow (postgres.py) and `mlflow server` on it with proxied artifacts (server.py),
-each on a free port with its state under DIR; `stop DIR` ends all of it, and nothing of it is left running.
+each on a free port with its state under DIR (a part already running is left as it is); `stop DIR` ends all of it,
+and nothing of it is left running.
 
 A step that fails names itself (`slurm: slurmctld`, `postgres: initdb`, ...) with the cause and its log's last
 lines, and what the start had brought up is stopped again. `restart DIR --only postgres`, `stop`/`start --only
-mlflow` and `kill-node DIR` (slurmd and its jobs die at once, as when a node fails) are the faults the tests inject.
+mlflow` and `kill-node DIR` (slurmd and its jobs die at once, as when a node fails; `start DIR` brings it back) are the
+faults the tests inject.
 
 Running sweeps on it (or on a real cluster) is rlrun's SLURM launcher (submit.py, `hydra/launcher=slurm`) and
-`rlrun collect` (collect.py).
+`python -m rlrun.cluster collect` (collect.py).
 """
 
 from __future__ import annotations

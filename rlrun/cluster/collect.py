@@ -49,7 +49,7 @@ def client_for(uri: str, wait_s: float):
                 log.warning("MLflow at %s does not answer (%s); trying again for up to %g s", uri, type(e).__name__,
                             wait_s)
                 said = True
-            time.sleep(5)
+            time.sleep(2)
 
 
 def active_jobs(arrays: list[str]) -> dict[str, str]:

@@ -118,14 +118,17 @@ def read_pid(path: str) -> int | None:
     return None
 
 
-def alive(pid: int | None) -> bool:
-    if not pid:
-        return False
+def state(pid: int) -> str:
+    """The process's state letter (R, S, T: stopped, Z: ended, not reaped), "" when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except OSError:
-        return False
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def alive(pid: int | None) -> bool:
+    return pid is not None and pid > 0 and state(pid) not in ("Z", "")
 
 
 def stop_pid(pid: int | None, group: bool = False, wait_s: float = 20) -> bool:
@@ -156,20 +159,39 @@ def parents() -> dict[int, int]:
     return out
 
 
-def marked(folder: str) -> list[int]:
-    """The live processes of the cluster in `folder`: those whose environment carries its mark, and their
-    descendants (a job's processes below its slurmstepd)."""
-    found, tree = set(), parents()
-    needle = f"{MARK}={folder}".encode()
-    for pid in tree:
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.add(pid)
-    grew = True
+def command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def ours(pid: int, folder: str) -> bool:
+    """`pid` belongs to the cluster in `folder`: its environment carries the mark, or it is a slurmstepd working in
+    the cluster's folder (slurmstepd overwrites its environment, and its parent is init)."""
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"{MARK}={folder}".encode() in f.read().split(b"\0"):
+                return True
+        if command(pid) == "slurmstepd":
+            return os.readlink(f"/proc/{pid}/cwd").startswith(folder + os.sep)
+    return False
+
+
+def descendants(roots: set[int], tree: dict[int, int]) -> set[int]:
+    found, grew = set(roots), True
     while grew:
         more = {pid for pid, parent in tree.items() if parent in found} - found
         grew, found = bool(more), found | more
+    return found
+
+
+def marked(folder: str) -> list[int]:
+    """The live processes of the cluster in `folder` (`ours`) and their descendants (a job's processes below its
+    slurmstepd)."""
+    tree = parents()
+    found = descendants({pid for pid in tree if ours(pid, folder)}, tree)
     return sorted(p for p in found if p != os.getpid() and alive(p))
 
 

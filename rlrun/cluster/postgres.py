@@ -37,7 +37,7 @@ def uri(folder: str, port: int) -> str:
 
 
 def start(folder: str, port: int) -> None:
-    """initdb (once), the server, then the role and the database (once)."""
+    """initdb (once), the server (unless it runs), then the role and the database (once)."""
     p = paths(folder)
     daemon.reachable(p["dir"], USER)
     daemon.owner(p["dir"], USER, 0o755)
@@ -46,7 +46,8 @@ def start(folder: str, port: int) -> None:
     if fresh:
         run("postgres: initdb", [binary("initdb"), "-D", p["data"], "-U", USER, "--auth-local=trust",
                                  "--auth-host=scram-sha-256", "-E", "UTF8"], USER, env, timeout=300)
-    server(folder, port, "start")
+    if not running(folder):
+        server(folder, port, "start")
     if fresh:
         password = secrets.token_hex(16)
         sql = f"CREATE ROLE {ROLE} LOGIN PASSWORD '{password}';\nCREATE DATABASE {DATABASE} OWNER {ROLE};\n"

@@ -2,15 +2,16 @@
 with a slurm.conf written here (ports, state, spool and log folders of its own; no cgroups: proctrack/linuxproc,
 task/none; select/cons_tres over one node of `cpus` CPUs). Clients find it through SLURM_CONF=<folder>/slurm/slurm.conf.
 
-Two partitions share the node: `debug` (the default) and `urgent`, whose jobs preempt `debug`'s (PreemptMode=REQUEUE):
-a preempted job gets SIGTERM, `grace_s` seconds (GraceTime, and KillWait for `scontrol requeue` and scancel) to
-end, then SIGKILL, and goes back to the queue, as on a cluster that preempts. A requeued job waits `requeue_s`
-(AuthInfo's cred_expire, Slurm's own minimum; 120 s by default on a real cluster) before it may start again, and the
-node is declared dead `node_timeout_s` after slurmd stops answering (SlurmdTimeout; 300 s by default).
+One partition, `debug`. A job that is requeued (`scontrol requeue`, the node failed) or cancelled gets SIGTERM and
+`grace_s` seconds (KillWait) to end before SIGKILL, as a preempted job gets GraceTime on a cluster that preempts;
+a requeued job waits `requeue_s` (AuthInfo's cred_expire; 120 s by default) before it may start again, and the node
+is declared down `node_timeout_s` after slurmd stops answering (SlurmdTimeout; 300 s by default), its jobs requeued.
+`start` starts what is not running, so after `kill_node` it brings the node back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -56,16 +57,22 @@ def config(folder: str, s: dict) -> str:
         "MpiDefault=none", "ReturnToService=2", "JobRequeue=1", "SlurmdParameters=config_overrides",
         "SchedulerType=sched/builtin", "SchedulerParameters=sched_interval=2",
         f"KillWait={s['grace_s']}", f"SlurmdTimeout={s['node_timeout_s']}",
-        "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
         f"NodeName={NODE} NodeHostname={host} NodeAddr=127.0.0.1 CPUs={s['cpus']} RealMemory={memory_mib()} "
         "State=UNKNOWN",
-        f"PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 "
-        f"GraceTime={s['grace_s']}",
-        f"PartitionName=urgent Nodes={NODE} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF", ""])
+        f"PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP", ""])
+
+
+def depth(pid: int, tree: dict[int, int]) -> int:
+    n = 0
+    while pid in tree and n < 64:
+        pid, n = tree[pid], n + 1
+    return n
 
 
 def start_munge(folder: str, env: dict) -> None:
     p = paths(folder)
+    if daemon.alive(daemon.read_pid(p["munged_pid"])):
+        return
     daemon.reachable(p["munge"], MUNGE_USER)
     daemon.owner(p["munge"], MUNGE_USER, 0o755)  # the socket's folder: everyone may connect
     daemon.owner(os.path.dirname(p["key"]), MUNGE_USER, 0o700)
@@ -95,20 +102,25 @@ def node_state(env: dict) -> str:
 
 
 def start(folder: str, s: dict) -> None:
-    """munged, slurmctld, slurmd; then the node idle and a one-line job run through srun."""
+    """munged, slurmctld, slurmd, each unless it runs; then the node up, and on a new controller a one-line job run
+    through srun."""
     p = paths(folder)
     for sub in ("state", "spool"):
         os.makedirs(os.path.join(p["dir"], sub), exist_ok=True)
     env = daemon.environment(folder, SLURM_CONF=p["conf"])
     start_munge(folder, env)
-    with open(p["conf"], "w") as f:
-        f.write(config(folder, s))
-    run("slurm: slurmctld", ["slurmctld", "-f", p["conf"], "-i"], env=env, log=p["ctld_log"])
-    daemon.wait_for("slurm: slurmctld to answer (scontrol ping)",
-                    lambda: "UP" in run("slurm: scontrol ping", ["scontrol", "ping"], env=env, check=False).stdout,
-                    60, p["ctld_log"])
-    start_slurmd(folder, env)
-    run("slurm: a test job (srun true)", ["srun", "--time=1", "true"], env=env, log=p["slurmd_log"], timeout=60)
+    new = not daemon.alive(daemon.read_pid(p["ctld_pid"]))
+    if new:
+        with open(p["conf"], "w") as f:
+            f.write(config(folder, s))
+        run("slurm: slurmctld", ["slurmctld", "-f", p["conf"], "-i"], env=env, log=p["ctld_log"])
+        daemon.wait_for("slurm: slurmctld to answer (scontrol ping)",
+                        lambda: "UP" in run("slurm: scontrol ping", ["scontrol", "ping"], env=env,
+                                            check=False).stdout, 60, p["ctld_log"])
+    if not daemon.alive(daemon.read_pid(p["slurmd_pid"])):
+        start_slurmd(folder, env)
+    if new:
+        run("slurm: a test job (srun true)", ["srun", "--time=1", "true"], env=env, log=p["slurmd_log"], timeout=60)
 
 
 def jobs(env: dict) -> list[str]:
@@ -137,24 +149,21 @@ def stop(folder: str, grace_s: float) -> list[str]:
 
 
 def kill_node(folder: str) -> list[int]:
-    """The node dies: SIGKILL to slurmd, every slurmstepd of this cluster and everything they run (its jobs)."""
-    node = [pid for pid in daemon.marked(folder) if command(pid) in ("slurmd", "slurmstepd")]
-    tree, victims = daemon.parents(), set(node)
-    grew = True
-    while grew:
-        more = {pid for pid, parent in tree.items() if parent in victims} - victims
-        grew, victims = bool(more), victims | more
-    for pid in sorted(victims):
-        try:
+    """The node dies: slurmd, every slurmstepd of this cluster and everything they run (its jobs) stop at once
+    (SIGSTOP), then get SIGKILL, the deepest first. None may see another die and report it: an srun that did asked
+    slurmctld to cancel its step, and that request, queued for the dead node, cancelled the requeued job's step of
+    the same id once the node was back. (Parents first, an srun whose batch script died was continued by the kernel,
+    its process group orphaned, and did just that.)"""
+    tree = daemon.parents()
+    node = {pid for pid in tree if daemon.command(pid) in ("slurmd", "slurmstepd") and daemon.ours(pid, folder)}
+    victims = sorted(daemon.descendants(node, tree), key=lambda pid: -depth(pid, tree))
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5  # a signal takes effect when its process is next scheduled
+    while any(daemon.state(pid) not in ("T", "Z", "") for pid in victims) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return sorted(victims)
-
-
-def command(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    return victims
