@@ -60,9 +60,11 @@ def launch(launcher, job_overrides, initial_job_idx: int):
         info = record(config, parent, array, len(jobs), sweep_dir, params if collect else None)
         sweep.SUBMITTED.add(parent)  # its end is collect's, not this process's
         print(submitted(config, parent, info), flush=True)
-    else:
-        print(f"rlrun: {len(jobs)} jobs submitted to SLURM as array {array} (logs: {sweep_dir}/.submitit/); with "
-              "tracking=none nothing collects them", flush=True)
+    else:  # tracking=none, or the sweep's callback failed before its parent run existed (Hydra only warns)
+        why = ("with tracking=none" if config.tracking.name != "mlflow" else
+               "the sweep has no parent run (the warning above says why): its jobs log runs of their own, and")
+        print(f"rlrun: {len(jobs)} jobs submitted to SLURM as array {array} (logs: {sweep_dir}/.submitit/); {why} "
+              "nothing collects them", flush=True)
     return [JobReturn(overrides=list(o), status=JobStatus.COMPLETED) for o in job_overrides]
 
 
