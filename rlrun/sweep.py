@@ -40,7 +40,7 @@ from .tracking import ui
 ENV = "RLRUN_PARENT_RUN_ID"
 KEYS_ENV = tracking.SWEEP_KEYS_ENV
 # parent runs whose jobs a launcher submitted to a cluster and left running there (rlrun/cluster/submit.py): their
-# end is `rlrun collect`'s, once the jobs end, not this process's
+# end is collect's (python -m rlrun.cluster collect), once the jobs end, not this process's
 SUBMITTED: set[str] = set()
 log = logging.getLogger("rlrun.sweep")
 

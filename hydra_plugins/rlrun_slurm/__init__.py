@@ -22,7 +22,7 @@ if SlurmLauncher is not None:
     @dataclass
     class RlrunSlurmConf(SlurmQueueConf):
         _target_: str = "hydra_plugins.rlrun_slurm.RlrunSlurmLauncher"
-        # a SLURM job behind the sweep's jobs runs `rlrun collect` when they end (false: run it yourself)
+        # a SLURM job behind the sweep's jobs runs `python -m rlrun.cluster collect` when they end (false: by hand)
         collect: bool = True
 
     ConfigStore.instance().store(group="hydra/launcher", name="slurm", node=RlrunSlurmConf(), provider="rlrun")

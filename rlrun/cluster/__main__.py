@@ -35,12 +35,9 @@ def status(folder: str) -> str:
     return "\n".join([f"cluster in {folder}:",
                       f"  slurm: node {slurm.node_state(env) if ctld else 'controller not running'}",
                       f"  postgres: {'running' if postgres.running(folder) else 'stopped'} (port {state['pg_port']})",
-                      f"  mlflow server: {'answers' if server_up(state) else 'not answering'} at {state.get('uri')}",
+                      f"  mlflow server: {'answers' if server.healthy(state['mlflow_port']) else 'not answering'} at "
+                      f"{server.url(state['mlflow_port'])}",
                       f"  processes: {len(daemon.marked(folder))}"])
-
-
-def server_up(state: dict) -> bool:
-    return server.healthy(state["mlflow_port"])
 
 
 def main(argv=None) -> None:

@@ -69,7 +69,7 @@ def slurm_job() -> str | None:
 
 
 def slurm_tags() -> dict[str, str]:
-    """In a SLURM job: its id (`rlrun collect` asks SLURM whether a run's job still lives) and how many times SLURM
+    """In a SLURM job: its id (collect asks SLURM whether a run's job still lives) and how many times SLURM
     requeued it."""
     job = slurm_job()
     return {"rlrun.slurm.job": job, "rlrun.slurm.restarts": os.environ.get("SLURM_RESTART_COUNT", "0")} if job else {}
