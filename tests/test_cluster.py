@@ -45,8 +45,10 @@ SMOKE = ["experiment=smoke", "progress=false", "checkpoint.every=1", "resume=aut
 class Cluster:
     def __init__(self, folder: str, state: dict):
         self.folder, self.uri = folder, state["uri"]
+        # a busy machine's server can take longer than rlrun's default 10 s to answer a request
         self.env = {**os.environ, "SLURM_CONF": f"{folder}/slurm/slurm.conf", "OMP_NUM_THREADS": "1",
-                    "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PYTHONPATH": str(ROOT / "tests")}
+                    "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false", "PYTHONPATH": str(ROOT / "tests"),
+                    "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
 
     def script(self, *args: str) -> str:
         """`python -m rlrun.cluster ARGS FOLDER`, as a user runs it; its output (a failure fails the test)."""
@@ -81,6 +83,7 @@ def cluster(tmp_path_factory):
 
     c = Cluster(folder, daemon.load(folder))
     try:
+        wait_for("the MLflow server's first answer", lambda: answers(c.uri), every=2)  # its slowest: not a test's
         yield c
     finally:
         stopped = subprocess.run([sys.executable, "-m", "rlrun.cluster", "stop", folder], capture_output=True,
@@ -92,6 +95,25 @@ def cluster(tmp_path_factory):
         shutil.rmtree(folder, ignore_errors=True)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         assert not left, f"still running after stop: {[daemon.describe(p) for p in left]}"
+
+
+def answers(uri: str) -> bool:
+    try:
+        tracking.open_client(uri).search_experiments(max_results=1)
+        return True
+    except Exception:  # noqa: BLE001 - not yet
+        return False
+
+
+@pytest.fixture(autouse=True)
+def whole(cluster, monkeypatch):
+    """Each test finds the whole cluster up and its queue empty, whatever the test before it left: a part stopped
+    by a fault, jobs still queued."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+    cluster.script("start")
+    yield
+    subprocess.run(["scancel", "--user=root"], env=cluster.env, capture_output=True, timeout=60)
+    wait_for("the queue to empty", lambda: not cluster.slurm("squeue", "-h").strip(), timeout=120, every=1)
 
 
 def wait_for(what: str, ready, timeout: float = 600, every: float = 0.2):

@@ -40,6 +40,12 @@ def launch(launcher, job_overrides, initial_job_idx: int):
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
     config = launcher.config
+    parent = os.environ.get(sweep.ENV)
+    if parent is None and config.tracking.name == "mlflow":  # Hydra only warned that the sweep's callback failed
+        print("rlrun: error: the sweep's parent run could not be created (the warning above says why), so nothing "
+              "would collect its jobs; nothing was submitted. Check tracking.uri and run the sweep again.",
+              file=sys.stderr)
+        sys.exit(1)
     params = dict(launcher.params)
     collect = params.pop("collect", True)
     executor = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
@@ -55,16 +61,13 @@ def launch(launcher, job_overrides, initial_job_idx: int):
                       Singleton.get_state()))
     jobs = executor.map_array(launcher, *zip(*calls))
     array = str(jobs[0].job_id).split("_")[0]
-    parent = os.environ.get(sweep.ENV)
     if parent:
         info = record(config, parent, array, len(jobs), sweep_dir, params if collect else None)
         sweep.SUBMITTED.add(parent)  # its end is collect's, not this process's
         print(submitted(config, parent, info), flush=True)
-    else:  # tracking=none, or the sweep's callback failed before its parent run existed (Hydra only warns)
-        why = ("with tracking=none" if config.tracking.name != "mlflow" else
-               "the sweep has no parent run (the warning above says why): its jobs log runs of their own, and")
-        print(f"rlrun: {len(jobs)} jobs submitted to SLURM as array {array} (logs: {sweep_dir}/.submitit/); {why} "
-              "nothing collects them", flush=True)
+    else:
+        print(f"rlrun: {len(jobs)} jobs submitted to SLURM as array {array} (logs: {sweep_dir}/.submitit/); with "
+              "tracking=none nothing collects them", flush=True)
     return [JobReturn(overrides=list(o), status=JobStatus.COMPLETED) for o in job_overrides]
 
 
