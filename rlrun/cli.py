@@ -7,6 +7,7 @@ config never import torch, transformers, deepspeed, vllm or mlflow (tests/test_c
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -60,12 +61,39 @@ def restored(cfg: DictConfig) -> DictConfig:
     return saved
 
 
+def auto_resume(cfg: DictConfig) -> DictConfig:
+    """`resume=auto`, for a job a scheduler may restart (a SLURM requeue or preemption, a pod restarted): continue
+    from the newest checkpoint in checkpoint.dir when it holds one, else start a new run. checkpoint.dir defaults to
+    the run's output folder's checkpoints/ (in a sweep: one per job, the same when the job restarts). Decided before
+    validation; a restart with nothing to resume from says so (docs/cluster.md)."""
+    if str(cfg.resume) != "auto":
+        return cfg
+    cfg = cfg.copy()
+    if not cfg.checkpoint.dir and HydraConfig.initialized():
+        cfg.checkpoint.dir = os.path.join(HydraConfig.get().runtime.output_dir, "checkpoints")
+    folder = cfg.checkpoint.dir
+    if not folder:
+        raise ConfigError(["resume=auto continues from checkpoint.dir when it holds a checkpoint, and checkpoint.dir "
+                           "is not set. Set checkpoint.dir=FOLDER, or resume=false."])
+    from .folders import checkpoint_steps
+
+    found = checkpoint_steps(folder) if os.path.isdir(folder) else []
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    again = f"SLURM requeued this job (restart {restart}); " if restart != "0" else ""
+    if found:
+        log.info("resume=auto: %scontinuing the run of %s from its newest checkpoint", again, folder)
+    elif again:
+        log.warning("resume=auto: %s%s holds no checkpoint yet, so the job starts over as a new run", again, folder)
+    cfg.resume = bool(found)
+    return cfg
+
+
 def run(cfg: DictConfig, run_name: str | None = None, check_first: bool = False) -> dict:
     """Validate (no torch import), then hand over to the runner with the recipe that trains `loss`. `check_first`:
     run `rlrun check` on the configuration before it trains (a sweep's job: report.check_jobs): a failed probe is a
     CheckError naming it; the probes' results are logged to the run (check/*, check.txt)."""
     try:
-        cfg = restored(cfg)
+        cfg = auto_resume(restored(cfg))
         typed = validate(cfg)
     except ConfigError as e:
         e.before_start = True  # nothing built, nothing logged: the CLI leaves no output folder behind
@@ -146,7 +174,9 @@ def sweep_job(cfg: DictConfig, run_name: str):
             cfg = paired.job_config(cfg, hc.job.num, hc.sweep.dir)
         return run(cfg, run_name, check_first=bool(OmegaConf.select(cfg, "report.check_jobs", default=False)))
     except KeyboardInterrupt:
-        if cfg.tracking.name == "mlflow" and cfg.tracking.parent_run_id:
+        # a SLURM job's signal is its own (requeued, preempted, cancelled), not the sweep's end: the parent goes on
+        on_slurm = os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+        if cfg.tracking.name == "mlflow" and cfg.tracking.parent_run_id and not on_slurm:
             from . import tracking
 
             tracking.mark(cfg.tracking.uri, cfg.tracking.parent_run_id, "KILLED")

@@ -39,6 +39,9 @@ from .tracking import ui
 
 ENV = "RLRUN_PARENT_RUN_ID"
 KEYS_ENV = tracking.SWEEP_KEYS_ENV
+# parent runs whose jobs a launcher submitted to a cluster and left running there (rlrun/cluster/submit.py): their
+# end is collect's (python -m rlrun.cluster collect), once the jobs end, not this process's
+SUBMITTED: set[str] = set()
 log = logging.getLogger("rlrun.sweep")
 
 
@@ -193,6 +196,9 @@ class SweepCallback(Callback):
 
     def on_multirun_end(self, config, **kwargs):
         if self.parent_id is None:
+            return
+        if self.parent_id in SUBMITTED:  # the jobs run on the cluster: the parent stays RUNNING until collected
+            self.ended = True
             return
         from .tools import report
 

@@ -20,7 +20,7 @@ LAYERS = [
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},
     # bench: the `python -m rlrun.bench` name of tools/bench.py; check: `rlrun check`, it runs the recipes' steps
-    {"cli", "sweep", "sweep_jobs", "tools", "bench", "__main__", "check"},
+    {"cli", "sweep", "sweep_jobs", "tools", "bench", "__main__", "check", "cluster"},
 ]
 
 

@@ -21,7 +21,7 @@ def composed(config_dir, name, *overrides):
                                       resolve=False)
 
 
-@pytest.mark.parametrize("launcher", ["basic", "joblib", "submitit_slurm", "submitit_local"])
+@pytest.mark.parametrize("launcher", ["basic", "joblib", "submitit_slurm", "submitit_local", "slurm"])
 def test_what_rlrun_ships_passes(launcher):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="the launchers extra is not installed")
     extra = [] if launcher == "basic" else [f"hydra/launcher={launcher}"]

@@ -16,7 +16,7 @@ from . import ui
 from .spill import FILE_NAME as SPILL_FILE
 from .spill import Spill, replay
 from .store import absolute_uri, connect, flatten, job_overrides, log_params, metric_key, output_dir
-from .tags import describe_run, mark_experiment_kind, standard_tags
+from .tags import describe_run, mark_experiment_kind, slurm_tags, standard_tags
 
 log = logging.getLogger("rlrun")
 # The learning curves (GRPO, DPO): a run's first metric, which MLflow's compare page opens on (it shows the first
@@ -62,6 +62,7 @@ class MLflow:
             self._send_kept(previous_spill, resume_run_id)
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
+            self._reopened(resume_run_id)
             logged = self.client.get_metric_history(resume_run_id, metric_key("loss"))
             self.first_step = max((m.step for m in logged), default=-1) + 1
             self.held = None  # its metrics exist already: their order is set
@@ -85,6 +86,16 @@ class MLflow:
         self.run_id = self.run.info.run_id
         log_params(self.client, self.run_id, flatten(config))
         self.client.log_dict(self.run_id, config, "config.yaml")
+
+    def _reopened(self, run_id: str) -> None:
+        """A resumed run is no longer in error: the interruption's error moves to `rlrun.interrupted`; under SLURM
+        the job's id and requeue count are brought up to date."""
+        error = self.client.get_run(run_id).data.tags.get("error")
+        if error:
+            self.client.set_tag(run_id, "rlrun.interrupted", error)
+            self.client.delete_tag(run_id, "error")
+        for key, value in slurm_tags().items():
+            self.client.set_tag(run_id, key, value)
 
     def _send_kept(self, path: str | None, run_id: str) -> None:
         """What the interrupted process could not send goes in first: the steps it holds count as logged, and its

@@ -59,7 +59,20 @@ def standard_tags() -> dict[str, str]:
     commit = git_commit()
     if commit:
         tags["mlflow.source.git.commit"] = commit
-    return tags
+    return tags | slurm_tags()
+
+
+def slurm_job() -> str | None:
+    """This process's SLURM job as squeue names it (an array job's task: ARRAY_TASK), None outside SLURM."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
+def slurm_tags() -> dict[str, str]:
+    """In a SLURM job: its id (collect asks SLURM whether a run's job still lives) and how many times SLURM
+    requeued it."""
+    job = slurm_job()
+    return {"rlrun.slurm.job": job, "rlrun.slurm.restarts": os.environ.get("SLURM_RESTART_COUNT", "0")} if job else {}
 
 
 def describe_run(config: dict) -> str:
