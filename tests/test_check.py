@@ -274,3 +274,34 @@ def test_check_metrics_name_each_probe_that_applies():
             Row("vs baseline", "-", "-", False, "-")]
     assert check.metrics(rows) == {"check/generator_trainer": 1.0, "check/vs_baseline": 0.0}
     assert check.summary(rows) == "1 of 2 probes pass; FAILED: vs baseline"
+
+
+def rows_of(*overrides) -> dict:
+    cfg = validate(make_cfg("experiment=smoke", *overrides))
+    with torch.random.fork_rng():
+        return {r.probe: r for r in check.run_probes(check.build(cfg))}
+
+
+@pytest.mark.slow  # two checks (~10 s each)
+def test_past_the_fp_tolerance_an_exact_option_is_judged_against_float64_and_a_real_error_still_fails(monkeypatch):
+    """A real model's rounding can pass 1e-5 (SmolLM2, chunked: 1.6e-5); then the option must be no further from
+    the float64 step than the baseline's fp32 is. Forced here with a tolerance of 0 on the tiny model."""
+    from rlrun.check import probes
+
+    monkeypatch.setattr(probes, "FP_TOL", 0.0)
+    row = rows_of("head=chunked", "batching=packed")["vs baseline"]
+    assert row.ok is True and "vs fp64" in row.measured, row
+    base_err = float(row.measured.rsplit("baseline ", 1)[1])
+    assert 0 < base_err < 1e-5, row.measured  # fp32 rounds; the arbiter is float64 (the dense head included)
+
+    step = probes.train_step
+
+    def off(model, micros, ax, *a, **k):  # the option's path (the chunked head) 1e-4 off: far below any
+        loss, parts, grads = step(model, micros, ax, *a, **k)  # normaliser bug, far above rounding
+        if ax.head.impl.TILED:
+            loss, grads = loss * (1 + 1e-4), {n: g * (1 + 1e-4) for n, g in grads.items()}
+        return loss, parts, grads
+
+    monkeypatch.setattr(probes, "train_step", off)
+    row = rows_of("head=chunked", "batching=packed")["vs baseline"]
+    assert row.ok is False and "vs fp64" in row.measured, row

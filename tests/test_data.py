@@ -349,7 +349,8 @@ def test_unimportable_rewards_say_why(tmp_path, monkeypatch):
         f"directory {tmp_path} and the installed packages). Put no_such_module_rw.py in the working directory, give "
         "a file path ('path/to/file.py:function'), or install the module.")
     assert "rlrun/tasks/rewards.py has no function 'nope'; it defines ['answer_number', 'exact_match', 'format', " \
-           "'length_penalty', 'numeric_match', 'partial_credit']" in error("rlrun.tasks.rewards:nope")
+           "'length_penalty', 'math_verify', 'numeric_match', 'partial_credit', " \
+           "'random_reward']" in error("rlrun.tasks.rewards:nope")
     assert error("broken_rw:score") == (f"task.rewards[0].fn='broken_rw:score': {tmp_path}/broken_rw.py:2: syntax "
                                         "error (invalid syntax); fix the file.")
     assert error("broken_rw.py:score").endswith("broken_rw.py:2: syntax error (invalid syntax); fix the file.")

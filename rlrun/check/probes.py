@@ -276,18 +276,44 @@ def no_full_logits(ctx) -> Row:
 
 def against_baseline(ctx) -> Row:
     """9. Loss and gradients equal the baseline's (every axis at its baseline option) within what the options'
-    exactness allows: fp tolerance for exact options, bf16's for an approximate precision."""
+    exactness allows: fp tolerance for exact options, bf16's for an approximate precision.
+
+    A real model's gradients pass through 30 layers and a 49k-way softmax, where summation order alone can move a
+    gradient by more than 1e-5 of its largest entry (SmolLM2, LoRA, chunked: 1.6e-5). So an exact option past the
+    tolerance is judged against the same step in float64: it passes if it is no further from that than the
+    baseline's own fp32 rounding is (times `ROUNDING_SLACK`), which a wrong normaliser or a lost term never is."""
     old = old_logprobs(ctx.baseline, ctx.micros, ctx.base_axes)
     want_loss, _, want = train_step(ctx.baseline, ctx.micros, ctx.base_axes, ctx.meter, old)
     got_loss, _, got = train_step(ctx.trainer, ctx.micros, ctx.axes, ctx.meter, old)
     if "objective" in ctx.exactness:
         return Row("vs baseline", "n/a: an option changes the objective", "-", None, "")
-    tol = BF16_TOL if "approximate" in ctx.exactness else FP_TOL
+    source = "every exact option: its equivalence tests, here on your configuration"
     d_loss = abs(got_loss - want_loss) / max(abs(want_loss), 1e-12)
     d_grad = grad_diff(got, want)
-    return Row("vs baseline", f"loss and gradients within {tol:.0e} ({', '.join(sorted(ctx.exactness))})",
-               f"loss {d_loss:.1e}, gradients {d_grad:.1e}", max(d_loss, d_grad) <= tol,
-               "every exact option: its equivalence tests, here on your configuration")
+    measured = f"loss {d_loss:.1e}, gradients {d_grad:.1e}"
+    if "approximate" in ctx.exactness:
+        return Row("vs baseline", f"loss and gradients within {BF16_TOL:.0e} ({', '.join(sorted(ctx.exactness))})",
+                   measured, max(d_loss, d_grad) <= BF16_TOL, source)
+    expects = f"loss and gradients within {FP_TOL:.0e}, else fp64 arbiter ({', '.join(sorted(ctx.exactness))})"
+    if max(d_loss, d_grad) <= FP_TOL:
+        return Row("vs baseline", expects, measured, True, source)
+    exact_loss, exact = float64_step(ctx, old)
+    base_err = max(abs(want_loss - exact_loss) / max(abs(exact_loss), 1e-12), grad_diff(want, exact))
+    opt_err = max(abs(got_loss - exact_loss) / max(abs(exact_loss), 1e-12), grad_diff(got, exact))
+    bound = max(FP_TOL, ROUNDING_SLACK * base_err)
+    return Row("vs baseline", expects, f"{measured}; vs fp64: option {opt_err:.1e}, baseline {base_err:.1e}",
+               opt_err <= bound, source)
+
+
+ROUNDING_SLACK = 4.0  # an exact option may round up to this many times worse than the baseline does in fp32
+
+
+def float64_step(ctx, old) -> tuple[float, dict]:
+    """The baseline's step on a float64 copy of its weights: the arithmetic both fp32 paths round."""
+    exact = copy_model(ctx.baseline).double()
+    loss, _, grads = train_step(exact, ctx.micros, ctx.base_axes, ctx.meter, [o.double() for o in old])
+    del exact
+    return loss, grads
 
 
 def copy_model(model):

@@ -90,8 +90,9 @@ def tiles(n: int, size: int):
 def fp32(weight: torch.Tensor) -> torch.Tensor:
     """The weight in fp32, once per head call: itself when it is fp32 (train.precision=bf16 on engine=single keeps
     fp32 master weights), else a [vocab, hidden] fp32 copy (bf16 weights: DeepSpeed's bf16 mode) that every tile
-    reuses, counted by the plan."""
-    return weight if weight.dtype == torch.float32 else weight.float()
+    reuses, counted by the plan. A float64 weight stays float64: `rlrun check`'s arbiter (check.probes.float64_step)
+    runs the dense head in float64."""
+    return weight if weight.dtype in (torch.float32, torch.float64) else weight.float()
 
 
 def no_autocast(t: torch.Tensor):
@@ -102,9 +103,9 @@ def no_autocast(t: torch.Tensor):
 def logits(h: torch.Tensor, weight32: torch.Tensor) -> torch.Tensor:
     """h @ W.T in fp32 from the fp32 weight: bf16 hidden states are cast up first (exact), so the logits are never
     rounded to bf16 on the way (Liger #1432: a bf16 matmul then an fp32 cast gave 4-23% gradient error). fp32
-    inputs: the plain fp32 matmul."""
+    inputs: the plain fp32 matmul; float64 (check's arbiter) stays float64."""
     with no_autocast(h):
-        return h.float() @ weight32.T
+        return (h if h.dtype == torch.float64 else h.float()) @ weight32.T
 
 
 def tile_logits(h: torch.Tensor, weight32: torch.Tensor, temperature: float, targets: torch.Tensor | None = None,
