@@ -305,3 +305,55 @@ def test_past_the_fp_tolerance_an_exact_option_is_judged_against_float64_and_a_r
     monkeypatch.setattr(probes, "train_step", off)
     row = rows_of("head=chunked", "batching=packed")["vs baseline"]
     assert row.ok is False and "vs fp64" in row.measured, row
+
+
+# -- issue #53: no crash, no false alarm ------------------------------------------------------------------------------
+
+def tiled_drops_its_partial_tile(monkeypatch):
+    """The tiles of a head cover only whole tiles: the last partial one's tokens are lost (their logprobs and
+    gradients never computed)."""
+    from rlrun.heads import chunked, common, tiled
+
+    whole = lambda n, size: [slice(i, i + size) for i in range(0, n - size + 1, size)] or [slice(0, 0)]  # noqa: E731
+    for module in (common, chunked, tiled):
+        if hasattr(module, "tiles"):
+            monkeypatch.setattr(module, "tiles", whole)
+
+
+@pytest.mark.slow  # a check (~10 s)
+def test_a_probe_that_raises_is_its_own_failed_row_not_a_traceback(monkeypatch):
+    """head.size=20 with the partial tile dropped raised an IndexError out of `rlrun check` (issue #53): now each
+    probe it breaks is a FAIL row carrying the exception, and the others still give their verdicts."""
+    tiled_drops_its_partial_tile(monkeypatch)
+    cfg = validate(make_cfg("experiment=smoke", "head=tiled", "head.size=20"))
+    with torch.random.fork_rng():
+        rows = check.run_probes(check.build(cfg))
+    got = {r.probe: r for r in rows}
+    assert set(got) == set(DPO_PROBES)
+    raised = [r for r in rows if r.measured.startswith("raised ")]
+    assert raised and all(r.ok is False for r in raised), [(r.probe, r.measured) for r in rows]
+    assert got["on-policy ratio"].ok is False and got["vs baseline"].ok is False
+
+
+def test_the_logits_detector_follows_the_head_weight_not_a_vocabulary_wide_shape():
+    """A [4, 56, 56] attention score of a pack as wide as the vocabulary (56) is no product of the lm head; logits
+    are, in any dtype the head casts the weight to."""
+    weight, hidden = torch.nn.Parameter(torch.randn(56, 32)), torch.randn(4, 56, 32, requires_grad=True)
+    with check.probes.HeadProducts(weight) as watch:
+        torch.bmm(torch.randn(4, 56, 32), torch.randn(4, 32, 56)).softmax(-1)  # attention: the vocabulary's width
+        assert watch.rows == 0
+        torch.nn.functional.linear(hidden[:, :3], weight).sum().backward()  # a tile of 4 x 3 tokens
+        assert watch.rows == 12
+        torch.nn.functional.linear(hidden.bfloat16(), weight.bfloat16())  # the full logits, through a cast
+        assert watch.rows == 4 * 56
+
+
+@pytest.mark.slow  # a DPO check of the varied-lengths task (~10 s)
+def test_a_pack_as_wide_as_the_vocabulary_is_no_false_alarm():
+    """issue #53: `loss=dpo head=chunked batching=shared_prompt train.precision=bf16 experiment=varied_lengths`
+    failed `no full logits` on a correct head: its [4, 56, 56] attention mask was counted as logits."""
+    cfg = validate(make_cfg("loss=dpo", "head=chunked", "batching=shared_prompt", "train.precision=bf16",
+                            "experiment=varied_lengths"))
+    got = {r.probe: r for r in check.rows_of(cfg)}
+    assert got["no full logits"].ok is True, got["no full logits"]
+    assert all(r.ok is not False for r in got.values()), {p: r.measured for p, r in got.items() if r.ok is False}

@@ -144,11 +144,20 @@ def plan_probe(ctx: Context) -> Row:
 
 
 def run_probes(ctx: Context) -> list[Row]:
-    rows = [probes.on_policy_ratio(ctx), *probes.generator_vs_trainer(ctx), probes.accumulation(ctx),
-            probes.ranks(ctx), probes.sequences_alone(ctx), probes.policy_copies(ctx), probes.no_full_logits(ctx),
-            plan_probe(ctx), probes.against_baseline(ctx)]
+    """Every probe, in the table's order; one that raises is that probe's FAIL row (probes.guarded)."""
+    rows: list[Row] = []
+    for probe, names in PROBES:
+        rows += probes.guarded(probe, ctx, names=names)
     return rows
 
+
+# (probe, the rows it returns): the names stand in a FAIL row when the probe raises
+PROBES = [(probes.on_policy_ratio, ("on-policy ratio",)),
+          (probes.generator_vs_trainer, ("generator = trainer", "sampler filter")),
+          (probes.accumulation, ("accumulation",)), (probes.ranks, ("ranks",)),
+          (probes.sequences_alone, ("sequence alone",)), (probes.policy_copies, ("policy copies",)),
+          (probes.no_full_logits, ("no full logits",)), (plan_probe, ("memory plan",)),
+          (probes.against_baseline, ("vs baseline",))]
 
 VERDICT = {True: "pass", False: "FAIL", None: "-"}
 
