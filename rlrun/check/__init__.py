@@ -24,7 +24,7 @@ from .. import axes, models, plan, policy, registry, render, tasks
 from ..axes import Axes
 from ..meters import MIB, Meter
 from ..recipes import grpo
-from . import probes
+from . import probes, steps
 from .probes import Row
 
 PROBE_ROWS = 16  # sequences of the probe rollout at most (whole groups): seconds on the embedded default
@@ -45,6 +45,7 @@ class Context:
     advantages: torch.Tensor
     meter: Meter
     exactness: set  # what the options that differ from the baseline's are
+    prompts: list  # the probe rollout's prompts (the generator process draws them again)
 
 
 def option_of(cfg, group: str) -> str:
@@ -108,7 +109,7 @@ def build(cfg) -> Context:
     changed = exactness_of(cfg)
     copies = {"trainer": trainer, "reference": reference.to(device), "generator": generator}
     return Context(cfg, trainer, baseline, copies, bound, base_axes, roll, micros, advantages,
-                   Meter(torch.device(device)), changed)
+                   Meter(torch.device(device)), changed, prompts)
 
 
 def exactness_of(cfg) -> set:
@@ -157,7 +158,8 @@ PROBES = [(probes.on_policy_ratio, ("on-policy ratio",)),
           (probes.accumulation, ("accumulation",)), (probes.ranks, ("ranks",)),
           (probes.sequences_alone, ("sequence alone",)), (probes.policy_copies, ("policy copies",)),
           (probes.no_full_logits, ("no full logits",)), (plan_probe, ("memory plan",)),
-          (probes.against_baseline, ("vs baseline",))]
+          (probes.against_baseline, ("vs baseline",)), (steps.master_weights, ("master weights",)),
+          (steps.logprob_schedule, ("logprob schedule",)), (steps.generator_process, ("generator process",))]
 
 VERDICT = {True: "pass", False: "FAIL", None: "-"}
 

@@ -18,7 +18,7 @@ import torch
 from .. import axes, models, plan, policy, precision, tasks
 from ..meters import Meter
 from ..recipes import dpo
-from . import probes
+from . import probes, steps
 from .probes import BF16_TOL, FP_TOL, RANKS_SOURCE, RATIO_TOL, Row, grad_diff, grads_of, guarded, logprob_tol
 
 PROBE_PAIRS = 8  # pairs of the probe batch at most: seconds on the embedded default
@@ -159,4 +159,9 @@ def rows(cfg, baseline_config, exactness: set) -> list[Row]:
             *guarded(no_full_logits, ctx, known, names=("no full logits",)),
             Row("memory plan", "n/a: DPO's plan is an upper bound (the longest pair), not measured here", "-", None,
                 "rlrun #38"),
-            *guarded(against_baseline, ctx, known, exactness, names=("vs baseline",))]
+            *guarded(against_baseline, ctx, known, exactness, names=("vs baseline",)),
+            *guarded(steps.master_step, ctx, ctx.trainer, lambda model: step(ctx, model, ctx.axes, ctx.cfg, known),
+                     names=("master weights",)),
+            Row("logprob schedule", "n/a: DPO has no old-policy pass (its reference logprobs: data of the pair)",
+                "-", None, steps.SCHEDULE_SOURCE),
+            Row("generator process", NOT_DRAWN, "-", None, steps.PROCESS_SOURCE)]
