@@ -29,8 +29,10 @@ def verdicts(*overrides) -> dict:
 
 @pytest.mark.slow  # builds the configuration and its baseline, draws a rollout (~10 s each)
 @pytest.mark.parametrize("overrides", [[], COMBINATION, ["head=chunked", "rollout.top_p=0.8", "batching=packed",
-                                                         "model.lora.enabled=true"]],
-                         ids=["default", "issue-combination", "top_p-lora-packed"])
+                                                         "model.lora.enabled=true"],
+                                       ["head=tiled", "rollout.top_k=5", "rollout.top_p=0.9",
+                                        "train.num_iterations=2"]],
+                         ids=["default", "issue-combination", "top_p-lora-packed", "top_k-tiled-two-passes"])
 def test_every_probe_passes_on_configurations_that_are_right(overrides):
     got = verdicts(*overrides)
     assert set(got) == ALL_PROBES
@@ -156,6 +158,7 @@ INJECTED = [(generator_off_by_a_step, ["rollout.pipeline=async"], "generator = t
             (normalised_twice, [], "accumulation"),
             (normalised_per_rank, ["loss.agg=seq_mean_token_mean"], "ranks"),
             (full_distribution, ["rollout.top_p=0.8", "logprob_policy=always"], "sampler filter"),
+            (full_distribution, ["rollout.top_k=5", "logprob_policy=always"], "sampler filter"),  # top_k too
             (generator_in_fp32, ["train.precision=bf16", "rollout.pipeline=async"], "policy copies"),
             (tiled_builds_the_logits, ["head=tiled"], "no full logits"),
             (bf16_without_master_weights, ["train.precision=bf16"], "master weights"),
@@ -164,7 +167,7 @@ INJECTED = [(generator_off_by_a_step, ["rollout.pipeline=async"], "generator = t
 
 
 @pytest.mark.slow  # a check per class (~10 s each)
-@pytest.mark.parametrize("inject,overrides,probe", INJECTED, ids=[p for _, _, p in INJECTED])
+@pytest.mark.parametrize("inject,overrides,probe", INJECTED, ids=[f"{p} ({' '.join(o)})" for _, o, p in INJECTED])
 def test_each_injected_failure_fails_its_probe(monkeypatch, inject, overrides, probe):
     inject(monkeypatch)
     got = verdicts(*overrides)

@@ -349,3 +349,10 @@ def test_plan_and_check_refuse_a_config_that_cannot_replay_its_record(tmp_path, 
                        timeout=300)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "cannot replay the record" in r.stderr and "rollout.temperature was 1.0 in the record, now 0.7" in r.stderr
+
+
+def test_a_record_from_before_rollout_top_k_was_drawn_with_it_off():
+    recorded = {"rollout.top_p": 1.0}
+    assert record.differences(recorded, {"rollout.top_p": 1.0, "rollout.top_k": 0}) == []
+    assert record.differences(recorded, {"rollout.top_p": 1.0, "rollout.top_k": 5}) == [
+        "rollout.top_k was 0 in the record, now 5"]

@@ -103,9 +103,9 @@ def build(cfg) -> Context:
     micros = grpo.split_rollout(roll, advantages, min(cfg.train.micro_batch, len(prompts)))
     size = plan.resolve_size(cfg, plan.shapes_of(trainer, plan.weight_dtype(cfg)), micros[0].targets.numel(),
                              torch.device(device).type)
-    bound = axes.resolve(cfg, head_size=size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                         device=device)
-    base_axes = axes.resolve(base_cfg, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, device=device)
+    r = cfg.rollout
+    bound = axes.resolve(cfg, head_size=size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, device=device)
+    base_axes = axes.resolve(base_cfg, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, device=device)
     changed = exactness_of(cfg)
     copies = {"trainer": trainer, "reference": reference.to(device), "generator": generator}
     return Context(cfg, trainer, baseline, copies, bound, base_axes, roll, micros, advantages,

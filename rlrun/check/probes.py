@@ -140,12 +140,12 @@ def generator_vs_trainer(ctx) -> list[Row]:
     gen = torch.cat([m.gen_logprobs[m.mask] for m in ctx.micros])
     diff = (gen - old).abs()
     weight = torch.exp(old - gen).mean().item()
-    top_p, tol = ctx.cfg.rollout.top_p, logprob_tol(ctx, GEN_TOL)
+    r, tol = ctx.cfg.rollout, logprob_tol(ctx, GEN_TOL)
     weight_tol = 5e-3 if tol > GEN_TOL else GEN_TOL  # a mean: bf16's noise averages out, a kept mass does not
     return [Row("generator = trainer", f"max |gen - old| <= {tol:.0e} at one weights version",
                 f"max {diff.max().item():.1e}, mean {diff.mean().item():.1e}", diff.max().item() <= tol,
                 "huggingface/trl#5312 (generator weights dropped: ratio mean 0.019)"),
-            Row("sampler filter", f"importance weight mean 1 +- {weight_tol:.0e} (top_p={top_p})",
+            Row("sampler filter", f"importance weight mean 1 +- {weight_tol:.0e} (top_p={r.top_p}, top_k={r.top_k})",
                 f"{weight:.6f}", abs(weight - 1) <= weight_tol,
                 "huggingface/trl#6789 (top_p=0.8: every weight scaled by the kept mass)")]
 

@@ -74,6 +74,11 @@ def sampled_top_p(cfg) -> float:
     return 1.0 if cfg.loss.name == "dpo" else cfg.rollout.top_p
 
 
+def sampled_top_k(cfg) -> int:
+    """The top-k of that distribution: GRPO's sampler's (rollout.top_k, 0: off); DPO's 0."""
+    return 0 if cfg.loss.name == "dpo" else cfg.rollout.top_k
+
+
 RECOMPUTED = "one layer recomputed in backward"
 # the train parts that are the saved-activation term (plan/train_activations_mib)
 MASK_COPIES = "attention mask as sdpa's additive copy"
@@ -109,7 +114,8 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
     parts.update(mask)
     head = terms.head_parts(registry.get("head", cfg.head.name), size, tokens, s, grad=True,
                             accumulate=forwards > 1,  # each forward's backward adds to the lm-head gradient
-                            entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)), top_p=sampled_top_p(cfg))
+                            entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)), top_p=sampled_top_p(cfg),
+                            top_k=sampled_top_k(cfg))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     parts.update(terms.objective_parts(cfg, cfg.train.batch_size // world * cfg.rollout.max_new_tokens, tokens))
     # the blocks the forward before the peak's left; a step of one forward reuses the last step's heap
@@ -193,7 +199,8 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         layer[f"{MASK_COPIES} (one layer's, no grad)"] = terms.mask_copy(mask_elements, kind)  # freed as it returns
         if adapters:  # LoRA on (the reference runs with them off, or is a copy without them)
             layer["LoRA: an adapter's output beside its layer's (no grad)"] = layer_tokens * lora_bytes(s, kind)
-        lm_head = terms.head_parts(head, size, tokens, s, grad=False, top_p=sampled_top_p(cfg))
+        lm_head = terms.head_parts(head, size, tokens, s, grad=False, top_p=sampled_top_p(cfg),
+                                   top_k=sampled_top_k(cfg))
         # Without grad a layer's working set is freed when it returns, before the head runs: on CUDA (allocated
         # bytes) the phase peaks at the larger of the two (their sum over-predicted tiled heads' pass 2x on an
         # H200, docs/gpu.md). CPU RSS keeps the freed layer's heap blocks (glibc): there both count (bench plan).

@@ -156,7 +156,7 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     a = axes.resolve(cfg)  # the options as objects; setup binds them to the engine and the plan
     # the trainer's logprobs are the sampler's distribution (temperature, top-p renormalised): ratios compare alike
     s = setup(cfg, tracker, load=load, grad_accum=grad_accum, resume=resume, temperature=cfg.rollout.temperature,
-              top_p=cfg.rollout.top_p, with_rollout=a.pipeline.generates_here,
+              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, with_rollout=a.pipeline.generates_here,
               with_reference=a.logprobs.builds_reference(cfg.loss.kl_coef))
     frame, engine, task = Frame(cfg, raw, tracker, s, curve="reward_mean"), s.engine, s.data
     prompts = tasks.prompt_stream(task.train, cfg.seed)  # the same stream on every rank; each takes its slice
@@ -224,7 +224,7 @@ def held_out(cfg, frame, s):
             return evaluate.evaluate(s.engine.model, s.tokenizer, rows, s.data.score,
                                      max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                      greedy=cfg.eval.greedy, samples=cfg.eval.samples, temperature=r.temperature,
-                                     top_p=r.top_p, seed=cfg.seed, show=cfg.log.samples,
+                                     top_p=r.top_p, top_k=r.top_k, seed=cfg.seed, show=cfg.log.samples,
                                      accuracy_reward=cfg.eval.accuracy_reward,
                                      accuracy_threshold=cfg.eval.accuracy_threshold)
 

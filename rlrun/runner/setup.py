@@ -59,12 +59,12 @@ def seed_everything(seed: int) -> None:
 
 def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: int, with_reference: bool,
           reference_path: str | None = None, with_rollout: bool = False, resume: dict | None = None,
-          temperature: float = 1.0, top_p: float = 1.0) -> Setup:
+          temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> Setup:
     """Seed; build the policy and tokenizer; `load` the recipe's data; warm-start the policy (when `warm_start`
     applies); build the reference and the trainer's copy (rlrun.policy: LoRA, activations, precision); hand both
     to the engine; plan the memory (resolving head.size=auto); load a checkpoint's engine state (`resume`); build
-    the rollout on those weights; bind the axes (`temperature`, `top_p`: the distribution of the run's logprobs,
-    GRPO's the sampler's)."""
+    the rollout on those weights; bind the axes (`temperature`, `top_p`, `top_k`: the distribution of the run's
+    logprobs, GRPO's the sampler's)."""
     seed_everything(cfg.seed)
     base, tokenizer = models.build(cfg.model, cfg.seed)
     data = load(tokenizer, models.context_size(base))
@@ -87,7 +87,7 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
     shapes = plan.shapes_of(trainer, plan.weight_dtype(cfg))  # before the engine partitions it (ZeRO-3)
     engine = registry.get("engine", cfg.engine.name).Engine(cfg, trainer, reference, grad_accum)
     head_size, memory = plan_memory(cfg, tracker, engine, tokenizer, shapes, data.plan_rows, warnings)
-    bound = axes.resolve(cfg, head_size=head_size, temperature=temperature, top_p=top_p,
+    bound = axes.resolve(cfg, head_size=head_size, temperature=temperature, top_p=top_p, top_k=top_k,
                          agree=batching.agree(engine), device=engine.device)
     device_notes(cfg, tracker, engine, bound)
     if resume is not None:
