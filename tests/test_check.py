@@ -228,7 +228,8 @@ def chunked_builds_the_logits(monkeypatch):
 
 DPO_INJECTED = [(dpo_normalised_per_micro_batch, [], "accumulation"),
                 (outside_bf16("reference"), ["train.precision=bf16"], "policy copies"),
-                (chunked_builds_the_logits, ["head=chunked"], "no full logits")]
+                (chunked_builds_the_logits, ["head=chunked"], "no full logits"),
+                (bf16_without_master_weights, ["train.precision=bf16"], "master weights")]
 
 
 @pytest.mark.parametrize("inject,overrides,probe", DPO_INJECTED, ids=[p for _, _, p in DPO_INJECTED])
