@@ -49,6 +49,8 @@ class Setup:
     rollout: Sampler | None  # the generator (GRPO, sync), built on the weights the run starts from
     grad_accum: int  # micro-batches per rank per optimizer step
     warnings: tuple[str, ...]  # about the data and settings (the run tag rlrun.warnings)
+    memory: Any = None  # the memory plan (plan.Plan; None where the run could not be planned)
+    head_size: int | None = None  # head.size resolved (auto: the plan's choice)
 
 
 def seed_everything(seed: int) -> None:
@@ -99,7 +101,8 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
                                                                       engine.device)
     skip = () if cfg.offload.enabled else OFFLOAD_PHASES  # not logged: charts of phases that never ran mislead
     return Setup(tokenizer=tokenizer, engine=engine, meter=Meter(engine.device, skip=skip), axes=bound,
-                 data=data.value, rollout=rollout, grad_accum=grad_accum, warnings=tuple(warnings))
+                 data=data.value, rollout=rollout, grad_accum=grad_accum, warnings=tuple(warnings), memory=memory,
+                 head_size=head_size)
 
 
 def device_notes(cfg, tracker, engine, bound: axes.Axes) -> None:

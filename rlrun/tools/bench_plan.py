@@ -104,7 +104,10 @@ def child(point: dict, steps: int, out_path: str) -> None:
             values = [m.value for m in history(name)]
             return statistics.median(values) if values else None
 
-        result = {p: (median(plan_growth_key(p)), median(growth_key(p))) for p in PHASES}
+        # train.skip_zero_advantage: the plan of the rows each step computed (the step-0 plan counts every row)
+        planned = {p: median(f"plan/{p}_trained_growth_mib") for p in PHASES}
+        result = {p: (planned[p] if planned[p] is not None else median(plan_growth_key(p)), median(growth_key(p)))
+                  for p in PHASES}
     torch.save({p: v for p, v in result.items() if None not in v}, out_path)
 
 
