@@ -262,6 +262,9 @@ def test_a_run_logs_its_plan_and_the_tile_it_chose(tmp_path):
         assert history(client, r.info.run_id, f"plan/{phase}_growth_mib")[0] > 0
         assert history(client, r.info.run_id, f"mem/{phase}_growth_mib")
     assert "plan.txt" in {a.path for a in client.list_artifacts(r.info.run_id)}
+    # train.skip_zero_advantage (on, no KL term): each step's plan of the rows it trained, at most the step-0 plan
+    trained = history(client, r.info.run_id, "plan/train_trained_growth_mib")
+    assert len(trained) == 2 and max(trained) <= history(client, r.info.run_id, "plan/train_growth_mib")[0]
 
 
 @pytest.mark.slow  # four short runs (vocabularies of 16k-65k; the held-out 6 x 256 shape), each in its own process
