@@ -337,3 +337,19 @@ def test_rounds_of_different_prompt_lengths_concat_to_one_rollout():
         assert out.response_mask[b].tolist() == r.response_mask[i].tolist() + pad
         assert out.input_ids[b, out.prompt_len:][:n].tolist() == r.input_ids[i, r.prompt_len:][:n].tolist()
         assert torch.equal(out.gen_logprobs[b, :n], r.gen_logprobs[i, :n])
+
+
+@pytest.mark.slow  # a 4-step run (~15 s)
+def test_dynamic_sampling_runs_on_prompts_of_different_lengths(tmp_path):
+    """issue #53: experiment=varied_lengths train.dynamic_sampling=true crashed at step 3, when a rollout joined
+    groups of rounds whose longest prompts differ (the default task's equal-length prompts hid it): sums of 2 to 12
+    operands here, as varied_lengths has (its worked answers are not the test reward's integers)."""
+    from conftest import make_cfg, new_store
+    from helpers import history, runs
+
+    from rlrun.cli import run
+
+    new_store(tmp_path)
+    run(make_cfg(*HALF, "task.max_terms=12", "train.steps=4", "train.dynamic_sampling=true", tmp_path=tmp_path))
+    client, (r,) = runs(tmp_path / "mlflow.db")
+    assert history(client, r.info.run_id, "dynamic_sampling/sequences") == [8.0] * 4
