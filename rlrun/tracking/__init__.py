@@ -42,6 +42,7 @@ from .store import (
     open_client,
     output_dir,
     store_lock,
+    unusable,
 )
 from .tags import (
     EXPERIMENT_KIND,
@@ -61,7 +62,7 @@ __all__ = ["EXPERIMENT_KIND", "MLflow", "Null", "SWEEP_KEYS_ENV", "SYSTEM_PREFIX
            "UI_PORT", "absolute_uri", "check_uri", "checkpoint_dir_of", "connect", "describe_run", "experiment_id",
            "flatten", "git_commit", "headline", "is_run_id", "job_overrides", "log_figures", "log_metrics",
            "log_params", "mark", "mark_experiment_kind", "metric_key", "open_client", "output_dir", "record_failure",
-           "short_name", "standard_tags", "start", "store_lock", "ui"]
+           "short_name", "standard_tags", "start", "store_lock", "ui", "unusable"]
 
 
 def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | None = None,
