@@ -109,3 +109,42 @@ def test_a_locked_store_says_so_and_never_advises_moving_it_aside(tmp_path):
     finally:
         holder.close()
     assert "is locked by another process" in str(e.value) and "do not move it aside" in str(e.value), str(e.value)
+
+
+# -- ${oc.env:...} values stay out of what a run logs ------------------------------------------------------------------
+def started(monkeypatch, *overrides, run_name="r"):
+    """What tracking.start hands the tracker for a config composed with `overrides`: (config, run name)."""
+    from conftest import make_cfg
+
+    from rlrun import registry
+
+    seen = {}
+    monkeypatch.setattr(registry, "get", lambda group, name: lambda cfg, config, name_, *a: seen.update(
+        config=config, name=name_))
+    cfg = make_cfg("experiment=smoke", "tracking=mlflow", *overrides)
+    tracking.start(cfg.tracking, cfg, run_name=run_name)
+    return seen["config"], seen["name"]
+
+
+def test_a_secret_read_from_the_environment_stays_out_of_the_run_name_params_and_config(monkeypatch):
+    """`run_name=${oc.env:SECRET_TOKEN}` copied the token into the run name, every param and the config artifact
+    (a tracking server may be shared)."""
+    monkeypatch.setenv("SECRET_TOKEN", "tok-0123456789abcdef")
+    monkeypatch.setenv("SHORT", "7")
+    config, name = started(monkeypatch, "run_name=${oc.env:SECRET_TOKEN}", "+extra.url=https://x/${oc.env:SECRET_TOKEN}",
+                           "+extra.copied=${run_name}", "+extra.short=${oc.env:SHORT}", "seed=7",
+                           run_name="tok-0123456789abcdef")
+    flat = tracking.flatten(config)
+    assert "tok-0123456789abcdef" not in str(config) and "tok-0123456789abcdef" not in name
+    assert name == "${oc.env:SECRET_TOKEN}" and flat["run_name"] == "${oc.env:SECRET_TOKEN}"
+    assert flat["extra.url"] == "https://x/${oc.env:SECRET_TOKEN}"
+    assert flat["extra.copied"] == "${oc.env:SECRET_TOKEN}"  # reached through another interpolation
+    assert flat["extra.short"] == "${oc.env:SHORT}" and flat["seed"] == "7"  # a short value: only where it is read
+    assert flat["tracking.parent_run_id"] == "None"  # rlrun's own variable is resolved as before
+
+
+def test_log_env_logs_the_values_when_asked(monkeypatch):
+    monkeypatch.setenv("SECRET_TOKEN", "tok-0123456789abcdef")
+    config, name = started(monkeypatch, "run_name=${oc.env:SECRET_TOKEN}", "tracking.log_env=true",
+                           run_name="tok-0123456789abcdef")
+    assert config["run_name"] == name == "tok-0123456789abcdef"

@@ -266,6 +266,7 @@ class MLflowTracking:
     experiment: Annotated[str, Check(lambda v: v != "", "a non-empty experiment name")]
     parent_run_id: str | None  # set by the sweep callback through RLRUN_PARENT_RUN_ID
     ui_port: PosInt = 5000  # the printed `mlflow ui --port` command's and its links' (absent in older runs' configs)
+    log_env: bool = False  # log values read with ${oc.env:...} (else their ${oc.env:NAME}; absent in older configs)
 
 
 @dataclass
