@@ -3,6 +3,7 @@ FINISHED, FAILED or KILLED (never RUNNING)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -36,7 +37,9 @@ def run(cfg, raw, run_name: str | None, train, on_start=None) -> dict:
         try:
             return _tracked(cfg, raw, run_name, train, state, main_rank, on_start)
         except FloatingPointError as e:  # frame.NonFiniteLossError (the run is marked FAILED already)
-            raise DivergedError(faults.diverged(cfg, e)) from None
+            diverged = DivergedError(faults.diverged(cfg, e))
+            diverged.rlrun_run_id = getattr(e, "rlrun_run_id", None)  # type: ignore[attr-defined]
+            raise diverged from None
 
 
 def check_rollouts(cfg) -> None:
@@ -66,6 +69,8 @@ def _tracked(cfg, raw, run_name, train, state, main_rank, on_start=None) -> dict
         raise
     except BaseException as e:
         end(tracker, "FAILED", f"{type(e).__name__}: {e}")
+        with contextlib.suppress(AttributeError):  # a sweep job records a run for a failure only where none exists
+            e.rlrun_run_id = tracker.run_id  # type: ignore[attr-defined]
         raise
     finally:
         shutdown = getattr(registry.get("engine", cfg.engine.name), "shutdown", None)
