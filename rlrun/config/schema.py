@@ -39,6 +39,13 @@ Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_me
 ClipLow = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1) (the ratio's lower bound 1 - clip_low must stay "
                                                       "above 0, or it never acts)")]
 MAX_ROUNDS = 64  # dynamic sampling's rounds per rollout at most: each is a whole rollout's generation
+# sequences in one rollout or optimizer step at most: a rollout is generated, scored and held in memory at once, so
+# 10**9 only ran out of memory minutes later, silently; 65,536 is 16x the largest published GRPO rollouts (4,096)
+MAX_SEQUENCES = 65536
+Sequences = Annotated[int, Check(lambda v: 1 <= v <= MAX_SEQUENCES, f"a positive integer, at most {MAX_SEQUENCES} "
+                                 "(sequences at once: a rollout is held in memory whole; more steps train on more "
+                                 "data)")]
+MAX_SEED = 2**32 - 1  # numpy's seeds are 32-bit: a larger one was a traceback at setup
 
 
 @dataclass
@@ -278,10 +285,10 @@ class NoTracking:
 @dataclass
 class TrainConfig:
     steps: PosInt
-    rollout_batch: PosInt
-    group_size: PosInt
-    batch_size: PosInt
-    micro_batch: PosInt
+    rollout_batch: Sequences
+    group_size: Sequences
+    batch_size: Sequences
+    micro_batch: Sequences
     num_iterations: PosInt
     scale_advantages: bool
     skip_zero_advantage: bool  # rows of advantage 0 leave the train pass where exact (recipes/skipping.py)
@@ -361,7 +368,7 @@ class ReportConfig:
 
 @dataclass
 class RunConfig:
-    seed: NonNegInt  # numpy refuses negative seeds
+    seed: Annotated[int, Check(lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}] (numpy's seeds are 32-bit)")]
     run_name: str | None
     progress: bool
     resume: bool | PathStr
