@@ -72,7 +72,7 @@ def always_fails(completion, answer):
     raise ValueError("this reward always fails")
 
 
-@pytest.mark.slow  # two jobs that fail at their first step or before it (~15 s)
+@pytest.mark.slow  # two jobs that fail at their first step or before it (~25 s)
 def test_a_paired_sweep_whose_recording_job_fails_counts_and_records_every_job(tmp_path):
     """The recording job fails, so the replaying job has no record: it was refused before its MLflow run existed,
     and the sweep said "1 of 1 sweep jobs failed" for 2 jobs."""

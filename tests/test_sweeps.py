@@ -132,7 +132,7 @@ def test_failed_jobs_are_marked_and_the_sweep_goes_on_then_exits_nonzero(tmp_pat
     assert (tmp_path / "sweep" / "figures" / "curves.png").exists()  # figures of the jobs that finished
 
 
-@pytest.mark.slow  # two 4-step smoke jobs, one stopped at step 1 (~30 s)
+@pytest.mark.slow  # two 4-step smoke jobs, one stopped at step 1 (~35 s)
 def test_a_diverged_job_fails_the_sweep_and_is_named_not_ranked(tmp_path):
     """`train.lr=1e-3,1e8` under bf16: the 1e8 job's weights turn NaN while its loss stays finite. It ended FINISHED,
     the sweep exited 0 and its verdict ranked the NaN job first without a word."""
@@ -142,16 +142,15 @@ def test_a_diverged_job_fails_the_sweep_and_is_named_not_ranked(tmp_path):
     assert "1 of 2 sweep jobs failed" in r.stderr and "training diverged" in r.stderr, r.stderr[-3000:]
     client, all_runs = runs(tmp_path / "mlflow.db")
     parent = next(x for x in all_runs if x.data.tags.get("rlrun.kind") == "sweep")
-    by_lr = {c.data.params["train.lr"]: c for c in all_runs if c is not parent}
-    assert by_lr["1e8"].info.status == "FAILED" and by_lr["0.001"].info.status == "FINISHED", by_lr.keys()
+    by_lr = {float(c.data.params["train.lr"]): c for c in all_runs if c is not parent}
+    assert by_lr[1e8].info.status == "FAILED" and by_lr[1e-3].info.status == "FINISHED", by_lr.keys()
     assert parent.info.status == "FAILED"
     answer = client.get_run(parent.info.run_id).data.tags["mlflow.note.content"]
     assert "Left out, not finished:" in answer and "(FAILED: DivergedError: training diverged" in answer, answer
-    assert by_lr["1e8"].data.tags["mlflow.runName"] in answer.split("Left out, not finished:")[1]
+    assert by_lr[1e8].data.tags["mlflow.runName"] in answer.split("Left out, not finished:")[1]
 
 
-@pytest.mark.slow  # `rlrun -m` refused once its jobs are composed (a few seconds each)
-@pytest.mark.parametrize("store", ["fifo", "dangling link"])
+@pytest.mark.parametrize("store", ["fifo", "dangling link"])  # `rlrun -m` refused once its jobs are composed (~1 s)
 def test_a_sweep_whose_store_cannot_be_used_stops_before_any_job(tmp_path, store):
     """Every job failed on the store and the command exited 0 (Hydra only warns about a callback's error)."""
     if store == "fifo":
@@ -161,7 +160,7 @@ def test_a_sweep_whose_store_cannot_be_used_stops_before_any_job(tmp_path, store
     r = sweep(tmp_path, "-m", "experiment=smoke", "seed=0,1", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
     assert r.returncode == 2, r.stderr[-3000:]
     assert r.stderr.count("rlrun: error: tracking.uri=") == 1 and "(no job was run)" in r.stderr, r.stderr[-3000:]
-    assert "job" not in r.stdout.lower() or "Launching" not in r.stdout  # no job launched
+    assert "Launching" not in r.stdout + r.stderr  # Hydra's "Launching 2 jobs locally": no job was launched
     assert not (tmp_path / "gone").exists()
 
 

@@ -34,12 +34,7 @@ def run(cfg, raw, run_name: str | None, train, on_start=None) -> dict:
     # one run per checkpoint folder, one export per export folder, from here to the end of the run
     with folders.own_checkpoints(cfg.checkpoint.dir if main_rank else None, resuming=bool(cfg.resume)), \
             exportdir.own_export(exporting):
-        try:
-            return _tracked(cfg, raw, run_name, train, state, main_rank, on_start)
-        except FloatingPointError as e:  # frame.NonFiniteLossError (the run is marked FAILED already)
-            diverged = DivergedError(faults.diverged(cfg, e))
-            diverged.rlrun_run_id = getattr(e, "rlrun_run_id", None)  # type: ignore[attr-defined]
-            raise diverged from None
+        return _tracked(cfg, raw, run_name, train, state, main_rank, on_start)
 
 
 def check_rollouts(cfg) -> None:
@@ -63,7 +58,10 @@ def _tracked(cfg, raw, run_name, train, state, main_rank, on_start=None) -> dict
                                      previous_spill=state and state.get("spill"))
             if on_start is not None:
                 on_start(tracker)
-        summary = train(cfg, raw, tracker, state)
+        try:
+            summary = train(cfg, raw, tracker, state)
+        except FloatingPointError as e:  # frame.NonFiniteLossError: the run's error tag says what the console says
+            raise DivergedError(faults.diverged(cfg, e)) from None
     except KeyboardInterrupt:
         end(tracker, "KILLED", "interrupted (KeyboardInterrupt)")
         raise
