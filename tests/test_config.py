@@ -467,6 +467,10 @@ def test_issue_18_values_are_refused_naming_the_key(override):
     ("train.group_size=100000", "train.group_size=100000 must be a positive integer, at most 65536"),
     ("seed=4294967296", "seed=4294967296 must be in [0, 4294967295] (numpy's seeds are 32-bit)"),
     ("seed=4294967295", None), ("train.rollout_batch=65536 train.batch_size=65536", None),
+    # MLflow's columns: a longer name failed at run creation on PostgreSQL, after the model was built
+    (f"tracking=mlflow tracking.experiment={'e' * 257}", "must be a non-empty experiment name of at most 256"),
+    (f"run_name={'r' * 251}", "must be at most 250 characters (MLflow's limit)"),
+    (f"tracking=mlflow tracking.experiment={'e' * 256} run_name={'r' * 250}", None),
 ])
 def test_value_rules(overrides, needle):
     cfg = composed(*overrides.split())

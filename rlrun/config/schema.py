@@ -270,7 +270,10 @@ class MLflowTracking:
     name: Literal["mlflow"]
     uri: Annotated[str, Check(lambda v: v != "", "a non-empty URI")] = field(metadata=needs(
         "URI (sqlite:///mlflow.db or http(s)://HOST:PORT), or use tracking=none"))
-    experiment: Annotated[str, Check(lambda v: v != "", "a non-empty experiment name")]
+    # MLflow's database columns: experiment names of 256 characters, run names of 250 (PostgreSQL and MySQL refuse a
+    # longer one when the run is created, after the model is built; sqlite does not check)
+    experiment: Annotated[str, Check(lambda v: 0 < len(v) <= 256, "a non-empty experiment name of at most 256 "
+                                     "characters (MLflow's limit)")]
     parent_run_id: str | None  # set by the sweep callback through RLRUN_PARENT_RUN_ID
     ui_port: PosInt = 5000  # the printed `mlflow ui --port` command's and its links' (absent in older runs' configs)
     log_env: bool = False  # log values read with ${oc.env:...} (else their ${oc.env:NAME}; absent in older configs)
@@ -369,7 +372,7 @@ class ReportConfig:
 @dataclass
 class RunConfig:
     seed: Annotated[int, Check(lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}] (numpy's seeds are 32-bit)")]
-    run_name: str | None
+    run_name: Annotated[str, Check(lambda v: len(v) <= 250, "at most 250 characters (MLflow's limit)")] | None
     progress: bool
     resume: bool | PathStr
     checkpoint: CheckpointConfig
