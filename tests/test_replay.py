@@ -169,6 +169,15 @@ def test_a_replay_after_the_weights_at_model_path_changed_is_refused_naming_thei
     assert len(said) == 2 and said[1].startswith("train.steps=1 needs 1 rollouts")  # nothing else differs
 
 
+def test_a_record_folder_that_is_a_link_to_nothing_is_refused_before_the_run(tmp_path):
+    """It passed the check and the recorder's makedirs failed on it once the run had started."""
+    (tmp_path / "rec").symlink_to(tmp_path / "gone")
+    cfg = validate(make_cfg(*BASE, f"rollout.record={tmp_path}/rec"))
+    with pytest.raises(RecordError, match="is a symbolic link to nothing"):
+        record.check_folder(str(tmp_path / "rec"), cfg, resumed=False)
+    assert not (tmp_path / "gone").exists()
+
+
 def test_a_record_that_is_not_one_is_refused_naming_the_file(tmp_path):
     with pytest.raises(RecordError, match="is not a folder"):
         record.Record(str(tmp_path / "missing"))

@@ -272,6 +272,9 @@ def read_index(path: str) -> list[dict]:
 def check_folder(path: str, cfg, resumed: bool) -> list[dict]:
     """The entries a recording run continues from: none for a new or empty folder; a record's, when this run
     resumes the run that recorded it (same FIXED values). RecordError for any other folder."""
+    if os.path.islink(path) and not os.path.exists(path):  # the recorder's makedirs would fail mid-run on it
+        raise RecordError(f"rollout.record={path!r} is a symbolic link to nothing ({os.readlink(path)}); give a new "
+                          "folder, or make the folder it points to")
     if not os.path.exists(os.path.join(path, HEADER)):
         if os.path.isdir(path) and os.listdir(path):
             raise RecordError(f"rollout.record={path!r} is a folder with other files; choose an empty or new folder "
