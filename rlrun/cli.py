@@ -183,10 +183,15 @@ def sweep_job(cfg: DictConfig, run_name: str):
         raise
     except Exception as e:  # noqa: BLE001 - every failure of a job is reported by the sweep
         log.error("job %s failed: %s: %s", run_name, type(e).__name__, e)
-        if isinstance(e, (ConfigError, CheckError)) and cfg.tracking.name == "mlflow":
+        if cfg.tracking.name == "mlflow" and not getattr(e, "rlrun_run_id", None):
             from . import tracking
 
-            tracking.record_failure(cfg, run_name, e)  # refused before a run existed: still list it, named
+            # refused before its run existed (a config, a check, a replay's missing record): still list it, named,
+            # so the sweep counts it; a store that cannot take even that is the sweep's to report (it counts jobs)
+            try:
+                tracking.record_failure(cfg, run_name, e)
+            except Exception as again:  # noqa: BLE001
+                log.error("job %s: its failure could not be recorded either (%s)", run_name, type(again).__name__)
         return {"error": f"{type(e).__name__}: {e}"}
 
 

@@ -126,6 +126,20 @@ def export(model, tokenizer, folder: str, *, engine=None, lora: str = "merged") 
     return folder if rank == 0 else None
 
 
+def _same_modes(folder: str) -> None:
+    """Every file of the export gets the mode a new file gets here (0644 under the usual umask 022): safetensors
+    writes `model.safetensors` through a temporary file of mode 0600, which another user (a shared evaluation
+    job) could not read while the tokenizer and config beside it are readable. The folder is new and ours
+    (`<folder>.tmp`), so there is no link of anyone's in it; a link there anyway is left as it is."""
+    mask = os.umask(0o022)  # the only way to read the umask is to set it; put back at once
+    os.umask(mask)
+    for top, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(top, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
+
+
 def _write(lm, wrapped, state, tokenizer, folder: str, lora: str, base: tuple[torch.nn.Module, dict] | None) -> str:
     """Into a new `<folder>.tmp` (its manifest first, marked in progress; listing every file last), then renamed
     over `folder` (rlrun.exportdir.replace_export), holding the folder's export lock (a checkpoint's export: the
@@ -140,6 +154,7 @@ def _write(lm, wrapped, state, tokenizer, folder: str, lora: str, base: tuple[to
             _save(lm, wrapped, state, tokenizer, tmp, lora)
             if base is not None:
                 _with_base(*base, tokenizer, tmp, folder)
+            _same_modes(tmp)
             exportdir.mark(tmp, complete=True)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)

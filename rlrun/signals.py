@@ -1,4 +1,6 @@
-"""Ctrl-C, SIGTERM and SIGHUP (a closed terminal or ssh session, handled like SIGTERM), in one place. Three
+"""Ctrl-C, SIGTERM and SIGHUP (a closed terminal or ssh session, handled like SIGTERM), in one place; SIGUSR2
+(SLURM's `--signal=USR2@60` warning before pre-emption) and SIGXCPU (a soft CPU-time limit, `ulimit -t`) too: by
+default each kills the process at once, which would leave the run RUNNING, so they are handled like SIGTERM. Three
 regimes, each a function here:
 
 - `interrupt_on_signals()` from process start: a signal raises KeyboardInterrupt, so whatever runs (config, model
@@ -9,7 +11,8 @@ regimes, each a function here:
   scheduler's SIGTERM-then-SIGKILL finds the run already ended KILLED with its earlier checkpoints;
 - `held()` while a run's final status is written: the signal waits until the block is done, then takes effect.
 
-`received()` is the last signal seen, so the exit status can name it (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP);
+`received()` is the last signal seen, so the exit status can name it (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP, 140
+SIGUSR2, 152 SIGXCPU: 128 + the signal's number, as a shell reports a process the signal killed);
 `stop_asked()` is when a deferred stop was asked for, so code that waits on something it cannot interrupt (a
 reward in its worker process) can give up after a grace period instead of holding the run past a scheduler's
 SIGKILL.
@@ -28,7 +31,9 @@ import time
 from typing import Any
 
 log = logging.getLogger("rlrun")
-SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+# the signals that stop a run; the last two would otherwise kill it at once and leave it RUNNING
+SIGNALS = (signal.SIGINT, signal.SIGTERM) + tuple(getattr(signal, name) for name in ("SIGHUP", "SIGUSR2", "SIGXCPU")
+                                                  if hasattr(signal, name))
 GRACE_S = 10.0  # checkpoint.stop_grace_s's default: after a signal, how long the step in flight may still take
 _state: dict[str, Any] = {"received": None, "stop_at": None, "grace_s": GRACE_S}  # signal, monotonic time, seconds
 
@@ -44,17 +49,18 @@ def stop_asked() -> float | None:
 
 
 def received() -> int | None:
-    """The last SIGINT/SIGTERM/SIGHUP this process received through rlrun's handlers (None: none)."""
+    """The last of SIGNALS this process received through rlrun's handlers (None: none)."""
     return _state["received"]
 
 
 def exit_code() -> int:
-    """The shell's exit status for the signal that stopped the run: 130 for Ctrl-C, 143 SIGTERM, 129 SIGHUP."""
+    """The shell's exit status for the signal that stopped the run: 130 for Ctrl-C, 143 SIGTERM, 129 SIGHUP, 140
+    SIGUSR2, 152 SIGXCPU."""
     return 128 + (_state["received"] or signal.SIGINT)
 
 
 def install(handler) -> dict:
-    """Set `handler` for SIGINT, SIGTERM and SIGHUP; returns {signal: the handler it replaced} (for `restore`).
+    """Set `handler` for each of SIGNALS; returns {signal: the handler it replaced} (for `restore`).
     Outside the main thread signals are handled there, and nothing is installed."""
     previous = {}
     for sig in SIGNALS:
@@ -71,7 +77,7 @@ def restore(previous: dict) -> None:
 
 
 def interrupt_on_signals() -> dict:
-    """SIGTERM and SIGHUP, like Ctrl-C, raise KeyboardInterrupt. Returns the replaced handlers."""
+    """Each of SIGNALS, like Ctrl-C, raises KeyboardInterrupt. Returns the replaced handlers."""
 
     def handler(signum, frame):
         _state["received"] = signum
@@ -82,8 +88,8 @@ def interrupt_on_signals() -> dict:
 
 @contextlib.contextmanager
 def deferred():
-    """Ctrl-C / SIGTERM / SIGHUP finish the current step instead of killing it mid-way; `flag["stop"]` says one
-    arrived. A second signal, or the grace period running out (SIGALRM), raises KeyboardInterrupt at once."""
+    """Each of SIGNALS finishes the current step instead of killing it mid-way; `flag["stop"]` says one arrived.
+    A second signal, or the grace period running out (SIGALRM), raises KeyboardInterrupt at once."""
     flag = {"stop": False}
 
     def handler(signum, frame):
@@ -119,7 +125,7 @@ def deferred():
 
 @contextlib.contextmanager
 def held():
-    """Ctrl-C / SIGTERM / SIGHUP wait until the block is done (marking a run's final status), then take effect."""
+    """Each of SIGNALS waits until the block is done (marking a run's final status), then take effect."""
     waiting = []
     previous = install(lambda signum, frame: waiting.append(signum))
     try:

@@ -85,6 +85,28 @@ def refuse_links(folder, job_name: str, key: str) -> None:
             sys.exit(2)
 
 
+def refuse_outside(config) -> None:
+    """Exit 2 with one line when Hydra would write outside the run's output folder: `hydra.output_subdir` (its
+    config.yaml, hydra.yaml, overrides.yaml) absolute or climbing out with `..` (it replaced a user's config.yaml,
+    or overrides.yaml in the parent folder), or `hydra.job.name` (the job's log, `<name>.log`) holding a path.
+    Like every other folder option, each stays inside the run folder; `hydra.output_subdir=null` writes none."""
+    problems = []
+    subdir = OmegaConf.select(config, "hydra.output_subdir", default=None)
+    if subdir is not None:
+        norm = os.path.normpath(str(subdir))
+        if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
+            problems.append(f"hydra.output_subdir={subdir} is outside the run's output folder; give a folder "
+                            "inside it (the default: .hydra), or null to write none")
+    name = str(OmegaConf.select(config, "hydra.job.name", default="") or "")
+    if name and (os.sep in name or "/" in name or name in (".", "..")):
+        problems.append(f"hydra.job.name={name} holds a path: the job's log, <name>.log, would be written outside "
+                        "the run's output folder; give a plain name")
+    for problem in problems:
+        print(f"rlrun: error: {problem}", file=sys.stderr)
+    if problems:
+        sys.exit(2)
+
+
 class SweepCallback(Callback):
     def __init__(self):
         self.client = None
@@ -96,12 +118,18 @@ class SweepCallback(Callback):
         self.times: list[float] = []  # each ended job's seconds
         self.job_start = 0.0
         self.group: str | None = None  # the tag its parent and jobs share (tracking/ui.py)
+        # (job, error) of each job that failed in this process (the basic launcher's): counted even where the store
+        # holds no run for it, so the exit status and the count never depend on the store
+        self.job_errors: list[tuple[str, str]] = []
+        self.jobs_ended = 0  # the jobs that ended in this process, failed or not
 
     def on_run_start(self, config, config_name=None, **kwargs):
+        refuse_outside(config)
         refuse_unwritable(config.hydra.run.dir, "hydra.run.dir")
         refuse_links(config.hydra.run.dir, config.hydra.job.name, "hydra.run.dir")
 
     def on_multirun_start(self, config, config_name=None, **kwargs):
+        refuse_outside(config)
         refuse_unwritable(config.hydra.sweep.dir, "hydra.sweep.dir")
         expand_repeats(config)
         refuse_invalid_jobs(config, config_name)
@@ -110,7 +138,11 @@ class SweepCallback(Callback):
                 self.total = len(jobs(config))
         if config.tracking.name != "mlflow":
             return
-        self.client, exp_id = tracking.connect(config.tracking.uri, config.tracking.experiment)
+        try:  # Hydra only warns about a callback's exception: a store that cannot be used would fail every job
+            self.client, exp_id = tracking.connect(config.tracking.uri, config.tracking.experiment)
+        except tracking.TrackingError as e:
+            print(f"rlrun: error: {e} (no job was run)", file=sys.stderr)
+            sys.exit(2)
         tracking.mark_experiment_kind(self.client, exp_id)
         hidden = set(OmegaConf.select(config, "hydra.job.config.override_dirname.exclude_keys") or [])
         hidden |= {"tracking.uri", "tracking.experiment"}  # where it is logged, not what it runs
@@ -129,12 +161,16 @@ class SweepCallback(Callback):
             pairing = (f", paired: the first job records the rollouts it trains on to {record_dir} and the others "
                        "replay them")
         self.group = f"{run_name} ({time.strftime('%Y-%m-%d %H:%M')})"
-        run = self.client.create_run(exp_id, run_name=run_name,
-                                     tags={"rlrun.kind": "sweep", "rlrun.sweep": name, **tracking.standard_tags(),
-                                           ui.GROUP_TAG: self.group,
-                                           **paired_tags,
-                                           "mlflow.note.content": f"Sweep `{name}`: {count(config)}{pairing} "
-                                           "(the comparison appears here when the sweep ends)."})
+        try:  # a store that opens but takes no write (locked by another process): said now, not by every job
+            run = self.client.create_run(exp_id, run_name=run_name,
+                                         tags={"rlrun.kind": "sweep", "rlrun.sweep": name, **tracking.standard_tags(),
+                                               ui.GROUP_TAG: self.group,
+                                               **paired_tags,
+                                               "mlflow.note.content": f"Sweep `{name}`: {count(config)}{pairing} "
+                                               "(the comparison appears here when the sweep ends)."})
+        except Exception as e:  # noqa: BLE001 - any failure here means the store cannot take the sweep's runs
+            print(f"rlrun: error: {tracking.unusable(config.tracking.uri, e)} (no job was run)", file=sys.stderr)
+            sys.exit(2)
         self.parent_id = run.info.run_id
         self.figures_dir = os.path.join(str(config.hydra.sweep.dir), "figures")
         self.baseline = OmegaConf.select(config, "report.baseline", default=None)
@@ -157,7 +193,14 @@ class SweepCallback(Callback):
 
     def on_job_end(self, config, job_return, **kwargs):
         """One line per ended job with the time left, from the mean job so far (a sweep runs for minutes to hours
-        and a job's own output scrolls its start away)."""
+        and a job's own output scrolls its start away). A failed job is remembered (`job_errors`)."""
+        self.jobs_ended += 1
+        value = getattr(job_return, "_return_value", None)  # `return_value` re-raises a job's exception
+        if isinstance(value, dict) and "error" in value:  # cli.sweep_job's return for a failed job
+            self.job_errors.append((" ".join(job_return.overrides or []) or "job", str(value["error"])))
+        elif str(getattr(job_return, "status", "")) == "JobStatus.FAILED":
+            self.job_errors.append((" ".join(job_return.overrides or []) or "job",
+                                    f"{type(job_return._return_value).__name__}: {job_return._return_value}"))
         if self.total is None:
             return
         self.times.append(time.monotonic() - self.job_start)
@@ -192,10 +235,13 @@ class SweepCallback(Callback):
         if finished and self.figures_dir:
             print(f"rlrun: drawing the comparison of the {len(finished)} finished job(s): {self.figures_dir}",
                   file=sys.stderr)
-            self.draw(report, finished, self.figures_dir, self.baseline)
+            self.draw(report, finished, self.figures_dir, self.baseline,
+                  left_out=[r for r in runs if r.info.status != "FINISHED"])
 
     def on_multirun_end(self, config, **kwargs):
-        if self.parent_id is None:
+        if self.parent_id is None:  # tracking=none (or a sweep that never started): the jobs this process ran
+            if self.job_errors:
+                self.exit_failed(self.job_errors, max(self.total or 0, self.jobs_ended))
             return
         if self.parent_id in SUBMITTED:  # the jobs run on the cluster: the parent stays RUNNING until collected
             self.ended = True
@@ -212,8 +258,9 @@ class SweepCallback(Callback):
             finished = [r for r in runs if r.info.status == "FINISHED"]
             if finished:
                 baseline = OmegaConf.select(config, "report.baseline", default=None)
-                self.draw(report, finished, os.path.join(str(config.hydra.sweep.dir), "figures"), baseline)
-            status = "FAILED" if failed or not runs else "FINISHED"
+                self.draw(report, finished, os.path.join(str(config.hydra.sweep.dir), "figures"), baseline,
+                          left_out=failed)
+            status = "FAILED" if failed or not runs or self.job_errors else "FINISHED"
         except Exception as e:
             self.client.set_tag(self.parent_id, "error", f"{type(e).__name__}: {e}"[:5000])
             raise
@@ -223,23 +270,32 @@ class SweepCallback(Callback):
         view = ui.sweep_view(self.client, exp_id, self.parent_id, self.group) if self.group else None
         print(links(config.tracking.uri, exp_id, self.parent_id,
                     OmegaConf.select(config, "tracking.ui_port", default=tracking.UI_PORT), view=view), flush=True)
-        if not runs:  # a sweeper that chose no job (the basic one refuses that before it starts)
+        if not runs and not self.job_errors:  # a sweeper that chose no job (the basic one refuses that before)
             print("rlrun: error: the sweep ran no job; the parent run is marked FAILED", file=sys.stderr)
             sys.exit(1)
-        if failed:
-            lines = [f"  - {r.data.tags.get('mlflow.runName')}: {r.info.status} "
-                     f"({r.data.tags.get('error', '')})" for r in failed]
-            print(f"rlrun: {len(failed)} of {len(runs)} sweep jobs failed:\n" + "\n".join(lines), file=sys.stderr)
-            sys.exit(1)
+        listed = [(r.data.tags.get("mlflow.runName") or "job", f"{r.info.status} ({r.data.tags.get('error', '')})")
+                  for r in failed]
+        if len(self.job_errors) > len(listed):  # jobs whose failure the store holds no run for (it refused them)
+            listed = self.job_errors
+        if listed:
+            self.exit_failed(listed, max(len(runs), self.total or 0, self.jobs_ended, len(listed)))
 
-    def draw(self, report, runs, out, baseline=None):
+    @staticmethod
+    def exit_failed(failed: list[tuple[str, str]], total: int) -> None:
+        """Exit 1 naming each failed job: a sweep with a failed job never exits 0."""
+        lines = [f"  - {name}: {error}" for name, error in failed]
+        print(f"rlrun: {len(failed)} of {total} sweep jobs failed:\n" + "\n".join(lines), file=sys.stderr)
+        sys.exit(1)
+
+    def draw(self, report, runs, out, baseline=None, left_out=()):
         """The sweep's figures on the parent, its comparison table, and its equivalence check: equivalence/*
-        metrics and equivalence.txt, or (no baseline among the jobs) a warning and the tag rlrun.equivalence."""
+        metrics and equivalence.txt, or (no baseline among the jobs) a warning and the tag rlrun.equivalence.
+        `left_out`: the jobs that did not finish (diverged, failed, killed), named in the answer, never ranked."""
         figs, (rows, problems) = report.figures(self.client, runs, runs[0].data.tags.get("rlrun.device", "cpu"),
                                                 baseline)
         report.write(figs, (rows, problems), out)
         tracking.log_figures(self.client, self.parent_id, figs)
-        self.describe(report, runs, baseline)
+        self.describe(report, runs, baseline, left_out)
         if rows or problems:
             self.client.log_artifact(self.parent_id, os.path.join(out, "equivalence.txt"))
         if rows:
@@ -253,7 +309,7 @@ class SweepCallback(Callback):
                             f"{len(rows)} run(s) compared with their baseline" if rows else "nothing to compare")
         log.info("figures: %s", out)
 
-    def describe(self, report, runs, baseline=None):
+    def describe(self, report, runs, baseline=None, left_out=()):
         """The comparison as the parent's description (tools/note.py) and as the table `comparison.json`; the
         children renamed to the overrides that tell them apart (already so where the sweep's jobs were known)."""
         names = report.labels(runs)
@@ -278,6 +334,8 @@ class SweepCallback(Callback):
         found = noise_floor.rows(names, data, params)  # a paired sweep: the options against the exact floor
         if found and found[1]:  # in the answer's line: MLflow folds the description after a few lines
             answer = (f"{answer[0]} {noise_floor.brief(found)}", answer[1])
+        if left_out:  # a diverged or failed job is not ranked, and the answer says which were left out
+            answer = (f"{answer[0]} {left_out_text(left_out)}", answer[1])
         # one line per option: its first repeat's table row under the option's name (the cost pools the repeats)
         firsts = {verdict.option_of(r["run"]): {**r, "run": verdict.option_of(r["run"])} for r in reversed(rows)}
         repeats = max(v.get("repeats", 1) for v in answer[1].values())
@@ -304,6 +362,13 @@ class SweepCallback(Callback):
             text = text[len(old) + 3 :]
         self.client.set_tag(run.info.run_id, ui.VERDICT_TAG, brief)
         self.client.set_tag(run.info.run_id, "mlflow.note.content", f"{brief}.\n\n{text}" if text else f"{brief}.")
+
+
+def left_out_text(runs) -> str:
+    """The jobs the comparison leaves out, each with its status and the start of its error."""
+    named = [f"{r.data.tags.get('mlflow.runName') or r.info.run_id} ({r.info.status}"
+             + (f": {r.data.tags['error'][:120]}" if r.data.tags.get("error") else "") + ")" for r in runs]
+    return f"Left out, not finished: {'; '.join(named)}."
 
 
 def links(uri: str, exp_id: str, run_id: str, port: int = tracking.UI_PORT, view: str | None = None) -> str:

@@ -460,6 +460,17 @@ def test_issue_18_values_are_refused_naming_the_key(override):
     ("progress=1", "progress=1 must be true or false"), ("checkpoint.keep=0", "checkpoint.keep=0 must be a positive"),
     ("loss=dpo loss.label_smoothing=0.5", "loss.label_smoothing=0.5 must be in [0, 0.5)"),
     ("loss.tis.enabled=true loss.tis.cap=0", "loss.tis.cap=0.0 must be > 0 when loss.tis.enabled=true"),
+    # absurd sizes: 10**9 sequences was accepted and ran out of memory minutes later, silently; a seed past numpy's
+    # 32 bits was a ValueError traceback at setup
+    ("train.rollout_batch=1000000000 train.batch_size=1000000000",
+     "train.rollout_batch=1000000000 must be a positive integer, at most 65536"),
+    ("train.group_size=100000", "train.group_size=100000 must be a positive integer, at most 65536"),
+    ("seed=4294967296", "seed=4294967296 must be in [0, 4294967295] (numpy's seeds are 32-bit)"),
+    ("seed=4294967295", None), ("train.rollout_batch=65536 train.batch_size=65536", None),
+    # MLflow's columns: a longer name failed at run creation on PostgreSQL, after the model was built
+    (f"tracking=mlflow tracking.experiment={'e' * 257}", "must be a non-empty experiment name of at most 256"),
+    (f"run_name={'r' * 251}", "must be at most 250 characters (MLflow's limit)"),
+    (f"tracking=mlflow tracking.experiment={'e' * 256} run_name={'r' * 250}", None),
 ])
 def test_value_rules(overrides, needle):
     cfg = composed(*overrides.split())
@@ -475,7 +486,8 @@ def test_a_rule_whose_key_is_bad_is_skipped(cfg_factory):
     e = refused(cfg_factory("train.micro_batch=x"))
     assert e.problems == ["train.micro_batch='x' must be an integer."]
     e = refused(cfg_factory("train.group_size=0"))  # fails its bound: no division by zero, one message
-    assert e.problems == ["train.group_size=0 must be a positive integer."]
+    assert e.problems == ["train.group_size=0 must be a positive integer, at most 65536 (sequences at once: a "
+                          "rollout is held in memory whole; more steps train on more data)."]
 
 
 def test_several_kinds_of_problem_in_one_error(cfg_factory):

@@ -106,6 +106,9 @@ def test_attributes_set_on_a_logging_object_are_refused():
     ("hydra.sweeper._target_=hydra._internal.core_plugins.basic_sweeper.os.system", "os.system"),
     ("+hydra.job.env_set.LD_PRELOAD=/tmp/evil.so", "LD_PRELOAD"),
     ("+hydra.job.env_set.PYTHONSTARTUP=/tmp/evil.py", "PYTHONSTARTUP"),
+    # a warnings filter's category is imported (`ignore::evil.Boom` imports the module evil)
+    ("+hydra.job.env_set.PYTHONWARNINGS=ignore::evil.Boom", "PYTHONWARNINGS"),
+    ("+hydra.job.env_set.PYTHONBREAKPOINT=evil.hook", "PYTHONBREAKPOINT"),
 ])
 def test_a_plugin_or_environment_that_runs_code_is_refused(override, named):
     [found] = targets.problems(composed(ROOT / "conf", "config", override))

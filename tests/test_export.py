@@ -61,6 +61,22 @@ def test_export_reloads_with_plain_transformers(tmp_path, tie):
     assert len(loaded_tok) == len(tok)
 
 
+def test_every_exported_file_has_the_same_mode(tmp_path):
+    """safetensors wrote model.safetensors 0600 while config.json and the tokenizer beside it were 0644: another
+    user who can read the export could read everything but the weights."""
+    mask = os.umask(0o022)
+    try:
+        folder = export.export(*tiny(), str(tmp_path / "policy"))
+    finally:
+        os.umask(mask)
+    modes = {}
+    for top, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(top, name)
+            modes[os.path.relpath(path, folder)] = oct(os.stat(path).st_mode & 0o777)
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes
+
+
 def test_exported_model_generates_and_loads_through_rlrun(tmp_path):
     model, tok = tiny()
     folder = export.export(model, tok, str(tmp_path / "policy"))

@@ -4,6 +4,7 @@ exit 2 for a user's cause (1 for a fault outside the config): a generator stoppe
 
 import contextlib
 import glob
+import math
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import psutil
 import pytest
 import torch
 from conftest import make_cfg
-from helpers import runs
+from helpers import history, runs, tiny_model
 
 from rlrun import models, pipeline
 from rlrun.config import ConfigError, validate
@@ -214,6 +215,52 @@ def test_a_non_finite_loss_under_bf16_is_one_message_exit_2_and_failed(tmp_path)
     assert "Traceback" not in text
     _, [r] = runs(tmp_path / "mlflow.db")
     assert r.info.status == "FAILED"
+
+
+@pytest.mark.slow  # a 20-step smoke run that stops at step 1: ~15 s
+def test_a_run_whose_weights_break_while_the_loss_stays_finite_is_diverged_not_finished(tmp_path):
+    """bf16 with train.lr=1e8: the loss stays finite while the gradient overflows and the weights turn NaN; then
+    every completion gets the same reward, train.skip_zero_advantage (on) drops every row and the loss is 0. The
+    run ended FINISHED with every exported weight NaN; now it stops where the gradient norm breaks."""
+    p = rlrun(tmp_path, "train.precision=bf16", "train.lr=1e8", "train.steps=20", f"export.dir={tmp_path}/model")
+    p.wait(timeout=300)
+    text = (tmp_path / "console.txt").read_text()
+    assert p.returncode == 2, text[-2000:]
+    assert "rlrun: error: training diverged: the gradient norm is nan at step 1" in text, text[-2000:]
+    assert "train.precision=fp32" in text and "Traceback" not in text
+    client, [r] = runs(tmp_path / "mlflow.db")
+    assert r.info.status == "FAILED"
+    norms = history(client, r.info.run_id, "grad_norm")
+    assert len(norms) == 2 and math.isnan(norms[-1])  # logged as it was, not as 0
+    assert not (tmp_path / "model").exists()  # nothing exported
+
+
+def test_a_broken_weight_is_named():
+    """The weights check itself: a NaN or inf anywhere in a parameter names it; finite weights pass."""
+    from rlrun.runner.frame import broken_weight
+
+    model, _ = tiny_model()
+    assert broken_weight(model) is None
+    name, p = list(model.named_parameters())[3]
+    with torch.no_grad():
+        p.view(-1)[5] = float("inf")
+    assert broken_weight(model) == name
+
+
+def test_a_policy_whose_forward_is_not_finite_is_not_exported():
+    """Finite weights whose forward overflows (bf16 weights of 1e8): the final check stops the run before the
+    export, as diverged."""
+    from rlrun.runner.frame import Frame, NonFiniteLossError
+
+    model, _ = tiny_model()
+    frame = Frame.__new__(Frame)  # only what check_forward reads
+    frame.engine = SimpleNamespace(model=model, device=torch.device("cpu"))
+    frame.check_forward()  # a healthy model passes
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1e10)  # finite, but the forward overflows into NaN
+    with pytest.raises(NonFiniteLossError, match="the policy's forward gives NaN or inf at the end of training"):
+        frame.check_forward()
 
 
 class Payload:

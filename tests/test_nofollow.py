@@ -102,6 +102,29 @@ def test_a_warm_start_cache_entry_at_a_link_is_a_warning_and_its_target_untouche
     assert "could not write the warm-start cache entry" in caplog.text and "symbolic link" in caplog.text
 
 
+@pytest.mark.parametrize("override, says", [  # the entry point, refused once Hydra composed its config (<1 s)
+    ("hydra.output_subdir={user}", "hydra.output_subdir={user} is outside the run's output folder"),
+    ("hydra.output_subdir=..", "hydra.output_subdir=.. is outside the run's output folder"),
+    ("hydra.job.name=../../escaped", "hydra.job.name=../../escaped holds a path"),
+], ids=["a folder of yours", "the parent", "a job name with a path"])
+@pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
+def test_hydra_writes_nothing_outside_the_run_folder(tmp_path, override, says, multirun):
+    """hydra.output_subdir=<a folder of yours> replaced your config.yaml, `..` the parent's overrides.yaml, and a
+    job name with a path wrote the job's log outside the run folder: refused, exit 2, nothing written."""
+    from test_cli import rlrun
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "config.yaml").write_text("# yours\n")
+    run_dir = tmp_path / "a" / "b" / "run"
+    r, _ = rlrun(tmp_path, *(["-m", f"hydra.sweep.dir={run_dir}"] if multirun else [f"hydra.run.dir={run_dir}"]),
+                 "experiment=smoke", "tracking=none", override.format(user=user))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"rlrun: error: {says.format(user=user)}" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (user / "config.yaml").read_text() == "# yours\n" and os.listdir(user) == ["config.yaml"]
+    assert sorted(os.listdir(tmp_path)) == ["user"]  # no run folder, no escaped log, nothing in the parents
+
+
 @pytest.mark.slow  # the entry point in a subprocess
 @pytest.mark.parametrize("name", [".hydra/config.yaml", "cli.log"])  # cli: the job name of `rlrun`
 def test_a_link_in_an_existing_run_folder_is_refused_before_hydra_writes_through_it(tmp_path, victim, name):

@@ -68,6 +68,23 @@ def test_a_paired_sweep_records_once_and_every_job_trains_on_those_rollouts(tmp_
     assert (tmp_path / "sweep" / "figures" / "paired.png").exists()
 
 
+def always_fails(completion, answer):
+    raise ValueError("this reward always fails")
+
+
+@pytest.mark.slow  # two jobs that fail at their first step or before it (~25 s)
+def test_a_paired_sweep_whose_recording_job_fails_counts_and_records_every_job(tmp_path):
+    """The recording job fails, so the replaying job has no record: it was refused before its MLflow run existed,
+    and the sweep said "1 of 1 sweep jobs failed" for 2 jobs."""
+    r = sweep(tmp_path, "head=dense,tiled", "task.reward=test_paired_sweep:always_fails")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "2 of 2 sweep jobs failed" in r.stderr, r.stderr[-3000:]
+    _, all_runs = runs(tmp_path / "mlflow.db")
+    children = [x for x in all_runs if x.data.tags.get("rlrun.kind") != "sweep"]
+    assert sorted(x.info.status for x in children) == ["FAILED", "FAILED"]
+    assert any(x.data.tags.get("error", "").startswith("TaskError") for x in children)
+
+
 @pytest.mark.slow  # composes every job of the sweep in a new process (~5 s)
 def test_a_sweep_whose_jobs_cannot_share_one_record_is_refused_before_any_runs(tmp_path):
     r = sweep(tmp_path, "head=dense,tiled", "rollout.temperature=1.0,0.7")

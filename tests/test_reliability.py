@@ -287,6 +287,46 @@ def test_sighup_is_handled_like_sigterm():
         signals.restore(previous)
 
 
+@pytest.mark.parametrize("name", ["SIGUSR2", "SIGXCPU"])
+def test_sigusr2_and_sigxcpu_are_handled_like_sigterm(name):
+    """SLURM's `--signal=USR2@60` pre-emption warning and a soft CPU-time limit: by default each kills the process
+    at once (the run left RUNNING); handled, each stops the run like SIGTERM, exit 128 + its number."""
+    sig = getattr(signal, name)
+    previous = signals.interrupt_on_signals()
+    try:
+        # checked before the signal is sent: unhandled, it would kill the test process itself
+        assert signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        with pytest.raises(KeyboardInterrupt, match=name):
+            os.kill(os.getpid(), sig)
+            time.sleep(1)
+        assert signals.received() == sig and signals.exit_code() == 128 + sig
+    finally:
+        signals.restore(previous)
+
+
+@pytest.mark.slow  # a smoke run stopped after 2 steps: ~15 s each
+@pytest.mark.parametrize("name", ["SIGUSR2", "SIGXCPU"])
+def test_sigusr2_and_sigxcpu_end_the_run_killed_with_its_checkpoint(tmp_path, name):
+    sig = getattr(signal, name)
+    (tmp_path / "hook.py").write_text(HOOK)
+    p = subprocess.Popen([sys.executable, str(tmp_path / "hook.py"), "experiment=smoke", "train.steps=200",
+                          "progress=false", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+                          f"checkpoint.dir={tmp_path}/ckpt"], cwd=tmp_path, env={**ENV, "HOOK_AT": "none",
+                          "HOOK_MARKER": ""}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: loss_steps(tmp_path / "mlflow.db") >= 2, p)
+        p.send_signal(sig)
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + sig, p.stderr.read()[-2000:]
+    _, found = runs(tmp_path / "mlflow.db")
+    assert [r.info.status for r in found] == ["KILLED"]
+    state, _ = checkpoint.load_latest(str(tmp_path / "ckpt"))
+    assert state["step"] == loss_steps(tmp_path / "mlflow.db")
+
+
 def test_signals_held_delays_a_signal_until_the_block_is_done():
     previous = signals.interrupt_on_signals()
     try:

@@ -7,6 +7,7 @@ import hashlib
 import json
 
 import pytest
+import torch
 from conftest import make_cfg, new_store
 from helpers import runs
 
@@ -113,7 +114,7 @@ def test_training_side_variants_replayed_agree_with_the_record_over_every_step(r
 def test_what_the_record_fixes_is_refused_by_key_and_a_short_record_by_its_length(tmp_path):
     (tmp_path / "rec").mkdir()
     cfg = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={tmp_path}/rec"))
-    (tmp_path / "rec" / record.HEADER).write_text(json.dumps({"format": 1, "fixed": record.fixed(cfg)}))
+    (tmp_path / "rec" / record.HEADER).write_text(json.dumps({"format": record.FORMAT, "fixed": record.fixed(cfg)}))
     with pytest.raises(RecordError, match="train.steps=4 needs 2 rollouts and the record holds 0"):
         replay.check(cfg)
     other = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={tmp_path}/rec", "rollout.temperature=0.7",
@@ -125,6 +126,58 @@ def test_what_the_record_fixes_is_refused_by_key_and_a_short_record_by_its_lengt
     assert "rollout.temperature was 1.0 in the record, now 0.7" in str(e.value)  # head, loss: the training side
 
 
+def header_of(folder, cfg) -> None:
+    """A record at `folder` whose header fixes what `cfg` draws its rollouts with (no rollouts)."""
+    folder.mkdir(exist_ok=True)
+    (folder / record.HEADER).write_text(json.dumps({"format": record.FORMAT, "fixed": record.fixed(cfg)}))
+
+
+def problems_of(cfg) -> list[str]:
+    with pytest.raises(RecordError) as e:
+        replay.check(cfg)
+    return [line.strip("- ") for line in str(e.value).splitlines()[1:]]
+
+
+def test_a_replay_with_another_warm_start_is_refused_naming_it(tmp_path):
+    """A record drawn without a warm start, replayed with warm_start.enabled=true: the trainer's weights were not
+    the sampler's (token probability ratios of 454-750) and the run finished without a word."""
+    overrides = [*BASE, "train.steps=1", "rollout=replay", f"rollout.path={tmp_path}/rec"]
+    header_of(tmp_path / "rec", validate(make_cfg(*overrides, "warm_start.enabled=false")))
+    said = problems_of(validate(make_cfg(*overrides, "warm_start.enabled=true")))
+    assert said[0] == "warm_start.applies was False in the record, now True", said
+    said = problems_of(validate(make_cfg(*overrides, "warm_start.enabled=false", "warm_start.steps=7")))
+    assert [p.split()[0] for p in said] == ["train.steps=1"], said  # not applied: its settings change nothing
+
+
+def test_a_replay_after_the_weights_at_model_path_changed_is_refused_naming_their_digest(tmp_path):
+    """The same model.path, other weights (a mismatch of 66,695 at step 0, finished rc 0 without a word)."""
+    from helpers import tiny_model
+
+    model, tok = tiny_model()
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    overrides = [*BASE, "train.steps=1", "model=hf", f"model.path={tmp_path}/model", "rollout=replay",
+                 f"rollout.path={tmp_path}/rec"]
+    cfg = validate(make_cfg(*overrides))
+    header_of(tmp_path / "rec", cfg)
+    assert record.fixed(cfg)["model"]["weights_sha256"]  # a folder's weights are digested
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    model.save_pretrained(tmp_path / "model")  # the same path, new weights
+    said = problems_of(cfg)
+    assert said[0].startswith("model.weights_sha256 was '"), said
+    assert len(said) == 2 and said[1].startswith("train.steps=1 needs 1 rollouts")  # nothing else differs
+
+
+def test_a_record_folder_that_is_a_link_to_nothing_is_refused_before_the_run(tmp_path):
+    """It passed the check and the recorder's makedirs failed on it once the run had started."""
+    (tmp_path / "rec").symlink_to(tmp_path / "gone")
+    cfg = validate(make_cfg(*BASE, f"rollout.record={tmp_path}/rec"))
+    with pytest.raises(RecordError, match="is a symbolic link to nothing"):
+        record.check_folder(str(tmp_path / "rec"), cfg, resumed=False)
+    assert not (tmp_path / "gone").exists()
+
+
 def test_a_record_that_is_not_one_is_refused_naming_the_file(tmp_path):
     with pytest.raises(RecordError, match="is not a folder"):
         record.Record(str(tmp_path / "missing"))
@@ -134,7 +187,7 @@ def test_a_record_that_is_not_one_is_refused_naming_the_file(tmp_path):
     (tmp_path / "r" / record.HEADER).write_text(json.dumps({"format": 99, "fixed": {}}))
     with pytest.raises(RecordError, match="record format 99"):
         record.Record(str(tmp_path / "r"))
-    (tmp_path / "r" / record.HEADER).write_text(json.dumps({"format": 1, "fixed": {}}))
+    (tmp_path / "r" / record.HEADER).write_text(json.dumps({"format": record.FORMAT, "fixed": {}}))
     (tmp_path / "r" / record.INDEX).write_text('{"n": 0, "file": "a", "sha256": "x", "step": 0, "version": 0}\n{"n": 1')
     with pytest.raises(RecordError, match="line 2 is not the record of rollout 1"):
         record.Record(str(tmp_path / "r"))
@@ -291,10 +344,10 @@ def test_a_rollout_file_of_another_layout_is_refused_naming_it(tmp_path):
 
     data = save({k: torch.zeros(1, 2) for k in record.TENSORS})  # no `rlrun` metadata: not this format's rollout
     (tmp_path / "rollout_000000.safetensors").write_bytes(data)
-    (tmp_path / record.HEADER).write_text(json.dumps({"format": 1, "fixed": {}}))
+    (tmp_path / record.HEADER).write_text(json.dumps({"format": record.FORMAT, "fixed": {}}))
     (tmp_path / record.INDEX).write_text(json.dumps({"n": 0, "file": "rollout_000000.safetensors", "sha256":
                                                      hashlib.sha256(data).hexdigest(), "step": 0, "version": 0}) + "\n")
-    with pytest.raises(RecordError, match="rollout_000000.safetensors is not a rollout of record format 1"):
+    with pytest.raises(RecordError, match="rollout_000000.safetensors is not a rollout of record format 2"):
         record.Record(str(tmp_path)).read(0, "cpu")
 
 
@@ -325,7 +378,7 @@ def test_a_record_fixes_only_what_rollouts_depend_on(tmp_path):
     cfg = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={tmp_path}/rec"))
     old = record.fixed(cfg)
     old["task"]["reward_timeout_s"] = cfg.task.reward_timeout_s  # as records of earlier versions hold it
-    (tmp_path / "rec" / record.HEADER).write_text(json.dumps({"format": 1, "fixed": old}))
+    (tmp_path / "rec" / record.HEADER).write_text(json.dumps({"format": record.FORMAT, "fixed": old}))
     longer = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={tmp_path}/rec",
                                f"task.reward_timeout_s={cfg.task.reward_timeout_s * 2}"))
     with pytest.raises(RecordError) as e:
@@ -343,7 +396,7 @@ def test_plan_and_check_refuse_a_config_that_cannot_replay_its_record(tmp_path, 
 
     (tmp_path / "rec").mkdir()
     cfg = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={tmp_path}/rec"))
-    (tmp_path / "rec" / record.HEADER).write_text(json.dumps({"format": 1, "fixed": record.fixed(cfg)}))
+    (tmp_path / "rec" / record.HEADER).write_text(json.dumps({"format": record.FORMAT, "fixed": record.fixed(cfg)}))
     r = subprocess.run([sys.executable, "-m", "rlrun", verb, *BASE, "rollout=replay", f"rollout.path={tmp_path}/rec",
                         "rollout.temperature=0.7", "tracking=none"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=300)

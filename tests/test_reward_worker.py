@@ -42,6 +42,10 @@ def huge(completion, answer):
     return 1.7e308
 
 
+def huge_int(completion, answer):
+    return 10**400  # float() of it raises OverflowError
+
+
 def appends(completion, answer, tags):
     tags.append("seen")
     return float(len(tags))
@@ -137,6 +141,15 @@ def test_a_total_that_overflows_names_the_reward_and_the_row(isolated):
         score_isolated(task) if isolated else task.score(["7"] * 4, ROWS)
     assert str(e.value).startswith(f"reward 'huge' (test_reward_worker:huge) {WHERE} returned 1.7e+308 with weight "
                                    "10.0: the weighted total is inf"), str(e.value)
+
+
+@pytest.mark.parametrize("isolated", [False, True], ids=["in-process", "worker"])
+def test_an_int_too_large_for_a_float_names_the_reward_and_the_row(isolated):
+    """Was an OverflowError that ended the reward worker: blamed on SIGKILL or the OOM killer."""
+    with pytest.raises(tasks.TaskError) as e:
+        score_isolated(task_of("huge_int")) if isolated else task_of("huge_int").score(["7"] * 4, ROWS)
+    assert str(e.value).startswith(f"reward 'huge_int' (test_reward_worker:huge_int) {WHERE} returned an int of "
+                                   "1329 bits, too large for a float"), str(e.value)
 
 
 @pytest.mark.parametrize("isolated", [False, True], ids=["in-process", "worker"])

@@ -132,6 +132,81 @@ def test_failed_jobs_are_marked_and_the_sweep_goes_on_then_exits_nonzero(tmp_pat
     assert (tmp_path / "sweep" / "figures" / "curves.png").exists()  # figures of the jobs that finished
 
 
+@pytest.mark.slow  # two 4-step smoke jobs, one stopped at step 1 (~35 s)
+def test_a_diverged_job_fails_the_sweep_and_is_named_not_ranked(tmp_path):
+    """`train.lr=1e-3,1e8` under bf16: the 1e8 job's weights turn NaN while its loss stays finite. It ended FINISHED,
+    the sweep exited 0 and its verdict ranked the NaN job first without a word."""
+    r = sweep(tmp_path, "-m", "experiment=smoke", "train.precision=bf16", "train.lr=1e-3,1e8", "train.steps=4",
+              "report.check_jobs=false", "export.enabled=false")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "1 of 2 sweep jobs failed" in r.stderr and "training diverged" in r.stderr, r.stderr[-3000:]
+    client, all_runs = runs(tmp_path / "mlflow.db")
+    parent = next(x for x in all_runs if x.data.tags.get("rlrun.kind") == "sweep")
+    by_lr = {float(c.data.params["train.lr"]): c for c in all_runs if c is not parent}
+    assert by_lr[1e8].info.status == "FAILED" and by_lr[1e-3].info.status == "FINISHED", by_lr.keys()
+    assert parent.info.status == "FAILED"
+    answer = client.get_run(parent.info.run_id).data.tags["mlflow.note.content"]
+    assert "Left out, not finished:" in answer and "(FAILED: DivergedError: training diverged" in answer, answer
+    assert by_lr[1e8].data.tags["mlflow.runName"] in answer.split("Left out, not finished:")[1]
+
+
+@pytest.mark.parametrize("store", ["fifo", "dangling link"])  # `rlrun -m` refused once its jobs are composed (~1 s)
+def test_a_sweep_whose_store_cannot_be_used_stops_before_any_job(tmp_path, store):
+    """Every job failed on the store and the command exited 0 (Hydra only warns about a callback's error)."""
+    if store == "fifo":
+        os.mkfifo(tmp_path / "mlflow.db")
+    else:
+        os.symlink(tmp_path / "gone" / "mlflow.db", tmp_path / "mlflow.db")
+    r = sweep(tmp_path, "-m", "experiment=smoke", "seed=0,1", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.count("rlrun: error: tracking.uri=") == 1 and "(no job was run)" in r.stderr, r.stderr[-3000:]
+    assert "Launching" not in r.stdout + r.stderr  # Hydra's "Launching 2 jobs locally": no job was launched
+    assert not (tmp_path / "gone").exists()
+
+
+def test_a_sweep_that_cannot_create_its_parent_run_exits_2_naming_the_store(tmp_path, capsys, monkeypatch):
+    """A store that opens but takes no write (locked by another process, a read-only mount): said once, exit 2."""
+    from omegaconf import OmegaConf
+
+    from rlrun import sweep as sweep_module
+
+    class Refusing:
+        def create_run(self, *args, **kwargs):
+            raise RuntimeError("(sqlite3.OperationalError) attempt to write a readonly database")
+
+    monkeypatch.setattr(sweep_module.tracking, "connect", lambda uri, exp: (Refusing(), "1"))
+    monkeypatch.setattr(sweep_module.tracking, "mark_experiment_kind", lambda client, exp: None)
+    monkeypatch.setattr(sweep_module, "refuse_invalid_jobs", lambda config, name: None)
+    monkeypatch.setattr(sweep_module, "swept_keys", lambda config: [])
+    monkeypatch.setattr(sweep_module, "count", lambda config: "2 jobs")
+    config = OmegaConf.create({
+        "hydra": {"sweep": {"dir": str(tmp_path / "sweep")}, "launcher": {"_target_": "x"}, "overrides": {"task": []},
+                  "sweeper": {}},
+        "tracking": {"name": "mlflow", "uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "rlrun"},
+        "report": {"replay": False}})
+    with pytest.raises(SystemExit) as e:
+        sweep_module.SweepCallback().on_multirun_start(config)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot be written" in err and "read-only" in err and "(no job was run)" in err, err
+
+
+def test_a_sweep_counts_a_failed_job_the_store_holds_no_run_for(capsys):
+    """tracking=none, or a job refused before its run existed: the jobs' own returns are counted, never 0."""
+    from types import SimpleNamespace
+
+    from rlrun.sweep import SweepCallback
+
+    cb = SweepCallback()
+    for i, error in enumerate([None, "RecordError: no record"]):
+        cb.on_job_end(None, SimpleNamespace(_return_value={"error": error} if error else {"reward": 1.0},
+                                            overrides=[f"head=h{i}"], status="JobStatus.COMPLETED"))
+    with pytest.raises(SystemExit) as e:
+        cb.on_multirun_end(None)
+    assert e.value.code == 1
+    assert "1 of 2 sweep jobs failed:\n  - head=h1: RecordError: no record" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_sweep_with_an_invalid_job_is_refused_before_any_job_runs(tmp_path):
     r = sweep(tmp_path, "-m", "experiment=smoke", "logprob_policy=always,skip", "loss=dapo,cispo",

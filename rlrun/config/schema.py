@@ -39,6 +39,13 @@ Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_me
 ClipLow = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1) (the ratio's lower bound 1 - clip_low must stay "
                                                       "above 0, or it never acts)")]
 MAX_ROUNDS = 64  # dynamic sampling's rounds per rollout at most: each is a whole rollout's generation
+# sequences in one rollout or optimizer step at most: a rollout is generated, scored and held in memory at once, so
+# 10**9 only ran out of memory minutes later, silently; 65,536 is 16x the largest published GRPO rollouts (4,096)
+MAX_SEQUENCES = 65536
+Sequences = Annotated[int, Check(lambda v: 1 <= v <= MAX_SEQUENCES, f"a positive integer, at most {MAX_SEQUENCES} "
+                                 "(sequences at once: a rollout is held in memory whole; more steps train on more "
+                                 "data)")]
+MAX_SEED = 2**32 - 1  # numpy's seeds are 32-bit: a larger one was a traceback at setup
 
 
 @dataclass
@@ -263,9 +270,13 @@ class MLflowTracking:
     name: Literal["mlflow"]
     uri: Annotated[str, Check(lambda v: v != "", "a non-empty URI")] = field(metadata=needs(
         "URI (sqlite:///mlflow.db or http(s)://HOST:PORT), or use tracking=none"))
-    experiment: Annotated[str, Check(lambda v: v != "", "a non-empty experiment name")]
+    # MLflow's database columns: experiment names of 256 characters, run names of 250 (PostgreSQL and MySQL refuse a
+    # longer one when the run is created, after the model is built; sqlite does not check)
+    experiment: Annotated[str, Check(lambda v: 0 < len(v) <= 256, "a non-empty experiment name of at most 256 "
+                                     "characters (MLflow's limit)")]
     parent_run_id: str | None  # set by the sweep callback through RLRUN_PARENT_RUN_ID
     ui_port: PosInt = 5000  # the printed `mlflow ui --port` command's and its links' (absent in older runs' configs)
+    log_env: bool = False  # log values read with ${oc.env:...} (else their ${oc.env:NAME}; absent in older configs)
 
 
 @dataclass
@@ -277,10 +288,10 @@ class NoTracking:
 @dataclass
 class TrainConfig:
     steps: PosInt
-    rollout_batch: PosInt
-    group_size: PosInt
-    batch_size: PosInt
-    micro_batch: PosInt
+    rollout_batch: Sequences
+    group_size: Sequences
+    batch_size: Sequences
+    micro_batch: Sequences
     num_iterations: PosInt
     scale_advantages: bool
     skip_zero_advantage: bool  # rows of advantage 0 leave the train pass where exact (recipes/skipping.py)
@@ -360,8 +371,8 @@ class ReportConfig:
 
 @dataclass
 class RunConfig:
-    seed: NonNegInt  # numpy refuses negative seeds
-    run_name: str | None
+    seed: Annotated[int, Check(lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}] (numpy's seeds are 32-bit)")]
+    run_name: Annotated[str, Check(lambda v: len(v) <= 250, "at most 250 characters (MLflow's limit)")] | None
     progress: bool
     resume: bool | PathStr
     checkpoint: CheckpointConfig

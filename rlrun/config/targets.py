@@ -38,9 +38,10 @@ ALLOWED = {"formatters": {"colorlog.ColoredFormatter"}}  # hydra_colorlog's form
 # would be appended to (or, mode w, truncate) a file of yours
 OUTPUT = re.compile(r"\$\{hydra[.:]runtime\.output_dir\}/(?:[\w.-]|\$\{hydra[.:]job\.(?:name|num|id)\})+")
 EXT = ("ext://sys.stdout", "ext://sys.stderr")
-# environment variables that make a later process (the reward worker, the generator) load code of their own
+# environment variables that make a later process (the reward worker, the generator) load code of their own;
+# PYTHONWARNINGS imports the module of a filter's category (`ignore::evil.Warning`), PYTHONBREAKPOINT the hook it names
 CODE_ENV = re.compile(r"LD_\w+|DYLD_\w+|BASH_ENV|ENV|"
-                      r"PYTHON(?:PATH|STARTUP|HOME|USERBASE|INSPECT|EXECUTABLE|PLATLIBDIR)")
+                      r"PYTHON(?:PATH|STARTUP|HOME|USERBASE|INSPECT|EXECUTABLE|PLATLIBDIR|WARNINGS|BREAKPOINT)")
 FIX = "remove it from the config or sweep file"
 
 

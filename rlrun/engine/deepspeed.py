@@ -154,6 +154,7 @@ class Engine:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.main = self.rank == 0
         local = int(os.environ.get("LOCAL_RANK", "0"))
+        self.grad_norm_known = True  # until DeepSpeed reports none (step)
         self.device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -194,6 +195,7 @@ class Engine:
     def step(self) -> float:
         """The optimizer already stepped inside the last `backward` (the accumulation boundary): report its norm."""
         norm = self.ds.get_global_grad_norm()
+        self.grad_norm_known = norm is not None  # NaN for "not reported" is not a diverged run (runner.Frame.log)
         return float(norm) if norm is not None else float("nan")
 
     def lr(self) -> float:

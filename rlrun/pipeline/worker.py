@@ -26,7 +26,7 @@ import traceback
 
 import torch
 
-from .. import procs
+from .. import procs, signals
 from ..config import ConfigError
 from ..errors import CheckpointError, ExportError, LinkError, ModelError, RolloutError, TaskError
 
@@ -62,7 +62,7 @@ def main(cfg, state, slots, inbox, outbox, threads: int, device: str, version: i
          beat=None) -> None:
     os.setpgid(0, 0)  # a process group of its own: the trainer ends it and all it started together (procs.py)
     procs.die_with_parent(parent)  # the trainer killed (kill -9): this process kills its group
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the trainer decides when this process ends (close())
+    for sig in signals.SIGNALS:  # the trainer decides when this process ends (close())
         signal.signal(sig, signal.SIG_IGN)
     if beat is not None:  # a sign of life, even while a rollout is generated; none while the process is stopped
         threading.Thread(target=_heartbeat, args=(beat,), name="rlrun-heartbeat", daemon=True).start()

@@ -4,11 +4,11 @@ A record lets training-side variants (head, batching, activations, offload, logp
 batch) train on the very same rollouts: their curves then differ by their own arithmetic only, never by a sampled
 token that rounding flipped, and generation is paid once (docs/replay.md).
 
-The format (FORMAT 1), one folder:
+The format (FORMAT 2), one folder:
 
-- `record.json`: {"format": 1, "fixed": {key: value}} - what the rollouts depend on (FIXED: the sampler's settings,
-  the group and rollout sizes, dynamic sampling, the seed, the task and the model), checked against a replaying
-  run's config;
+- `record.json`: {"format": 2, "fixed": {key: value}} - what the rollouts depend on (FIXED: the sampler's settings,
+  the group and rollout sizes, dynamic sampling, the seed, the task, the model with a digest of its weight files,
+  and the warm start, which changes the weights that drew them), checked against a replaying run's config;
 - `rollout_NNNNNN.safetensors`, one per rollout in the order the run trained on them: the tensors of TENSORS (the
   left-padded prompt + response ids, masks, the sampler's logprobs of the sampled tokens, which rows ended with EOS)
   and, as the safetensors metadata key `rlrun`, one JSON object: `prompt_len`, the task rows, the completions, each
@@ -39,17 +39,22 @@ from ..errors import RecordError
 from ..folders import sha256
 from ..nofollow import appending, write_replacing
 
-FORMAT = 1
+# 2: the warm start and the model's weight files are fixed too (a format 1 record fixes neither: a replay of it with
+# warm_start.enabled=true, or after the weights at model.path changed, trained off-policy without a word)
+FORMAT = 2
 HEADER, INDEX = "record.json", "rollouts.jsonl"
 TENSORS = ("input_ids", "attention_mask", "response_mask", "gen_logprobs", "finished")
 # What a record's rollouts depend on: a replaying run must have the same (the training side is free).
 FIXED = ("rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_new_tokens", "train.group_size",
-         "train.rollout_batch", "train.dynamic_sampling", "seed", "task", "model")
+         "train.rollout_batch", "train.dynamic_sampling", "seed", "task", "model", "warm_start")
 # keys inside a FIXED node that no rollout depends on: how long a reward call may take (a record holds the rewards
 # it got), and DPO's pair columns. Left out of a record and of the comparison (a record made before says them)
 UNFIXED = ("task.reward_timeout_s", "task.chosen_key", "task.rejected_key")
 # FIXED keys added since records were first made, as a record without them was drawn: rollout.top_k off
 RECORDED_BEFORE = {"rollout.top_k": 0}
+# the files of a model folder that hold its weights (transformers' names), digested into the record (weights_digest)
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+_digests: dict[tuple, str] = {}  # (path, size, mtime) -> sha256: a paired sweep asks once per job, the files once
 
 
 def fixed(cfg) -> dict:
@@ -69,10 +74,52 @@ def fixed(cfg) -> dict:
             value = OmegaConf.to_container(node, resolve=True)
         if key == "model":
             value = {k: v for k, v in value.items() if k != "lora"}
+            value["weights_sha256"] = weights_digest(node)
+        if key == "warm_start":
+            value = warm_start(cfg)
         if isinstance(value, dict):
             value = {k: v for k, v in value.items() if f"{key}.{k}" not in UNFIXED}
         out[key] = json.loads(json.dumps(value, default=str))
     return out
+
+
+def warm_start(cfg) -> dict:
+    """What the warm start does to the weights the rollouts were drawn with: whether it runs (`auto` resolved) and,
+    when it does, what it computes (warmstart.options: not `cache`, which changes where it is kept, not the result)."""
+    from .. import warmstart  # torch: called after validation only
+
+    if not warmstart.applies(cfg):
+        return {"applies": False}
+    node = cfg.warm_start
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):  # a typed config
+        node = dataclasses.asdict(node)
+    return {"applies": True, **warmstart.options(node)}
+
+
+def weights_digest(model_cfg) -> str | None:
+    """The sha256 over the weight files of `model.path` (a folder: its WEIGHT_FILES by name and content; a file: a
+    GGUF), so that a record refuses a replay after the weights at the same path changed; None for a model without
+    local files (model=tiny, built in code; a hub id, which is not downloaded to check a config)."""
+    path = getattr(model_cfg, "path", None)
+    if not path:
+        return None
+    path = os.path.expanduser(str(path))
+    if os.path.isfile(path):
+        files = [path]
+    elif os.path.isdir(path):
+        gguf = getattr(model_cfg, "gguf_file", None)
+        names = sorted(n for n in os.listdir(path) if n.endswith(WEIGHT_FILES))
+        files = [os.path.join(path, n) for n in names] + ([os.path.join(path, gguf)] if gguf else [])
+    else:
+        return None
+    h = hashlib.sha256()
+    for file in files:
+        st = os.stat(file)
+        key = (os.path.realpath(file), st.st_size, st.st_mtime_ns)
+        if key not in _digests:
+            _digests[key] = sha256(file)
+        h.update(f"{os.path.basename(file)}\0{_digests[key]}\n".encode())
+    return h.hexdigest()
 
 
 def _flat(value, prefix: str = ""):
@@ -107,7 +154,8 @@ class Record:
                               "a rollout record, or a damaged one. Record one with rollout.record=DIR.") from None
         if self.header.get("format") != FORMAT:
             raise RecordError(f"rollout.path={path!r}: record format {self.header.get('format')!r}, this rlrun "
-                              f"reads format {FORMAT}")
+                              f"reads format {FORMAT} (format 1 fixes neither the warm start nor the model's "
+                              "weights, so a replay could not be checked against them): record it again")
         self.entries = read_index(path)
 
     @property
@@ -231,6 +279,9 @@ def read_index(path: str) -> list[dict]:
 def check_folder(path: str, cfg, resumed: bool) -> list[dict]:
     """The entries a recording run continues from: none for a new or empty folder; a record's, when this run
     resumes the run that recorded it (same FIXED values). RecordError for any other folder."""
+    if os.path.islink(path) and not os.path.exists(path):  # the recorder's makedirs would fail mid-run on it
+        raise RecordError(f"rollout.record={path!r} is a symbolic link to nothing ({os.readlink(path)}); give a new "
+                          "folder, or make the folder it points to")
     if not os.path.exists(os.path.join(path, HEADER)):
         if os.path.isdir(path) and os.listdir(path):
             raise RecordError(f"rollout.record={path!r} is a folder with other files; choose an empty or new folder "

@@ -10,6 +10,7 @@ engine's state (loaded by `setup`) and the RNGs.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import uuid
@@ -38,6 +39,24 @@ class NonFiniteLossError(FloatingPointError):
 def check_finite(loss: torch.Tensor, step: int, fix: str) -> None:
     if not torch.isfinite(loss):
         raise NonFiniteLossError(f"loss is {loss.item()} at step {step}; {fix}")
+
+
+DIVERGED_FIX = "lower train.lr or train.grad_clip, or check the reward function."
+
+
+def broken_weight(model) -> str | None:
+    """The name of the first parameter of `model` holding a NaN or inf (this rank's share under ZeRO-3), or None.
+
+    A loss can stay finite while the weights break: a bf16 backward that overflows gives an inf gradient, clipping
+    turns it into NaN, and once the weights are NaN every completion gets the same reward, so
+    train.skip_zero_advantage drops every row and the loss is exactly 0 from then on. One sum per parameter (no
+    tensor the size of a parameter is made); a NaN or inf anywhere makes its sum non-finite."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            t = getattr(p, "ds_tensor", p)  # ZeRO-3 keeps this rank's partition there; p itself is empty
+            if t.numel() and not torch.isfinite(t.detach().sum(dtype=torch.float32)):
+                return name
+    return None
 
 
 def rng_state() -> dict:
@@ -90,6 +109,7 @@ class Frame:
         # who owns the checkpoints this run writes: rotation removes only the owner's (kept across resumes: restore)
         self.owner = self.engine.gather(uuid.uuid4().hex)[0]  # rank 0's, on every rank
         self.grad_watch: dict = {}  # consecutive dead-gradient steps (watch_gradients)
+        self.broken: str | None = None  # a weight that is no longer finite, on any rank (reduce)
         self.warnings: list[str] = list(s.warnings)  # about the data and settings, all in the run tag rlrun.warnings
         if self.warnings:
             tracker.tags({"rlrun.warnings": "\n".join(self.warnings)})
@@ -131,7 +151,9 @@ class Frame:
                 self.evaluate(total, evaluate)
 
     def finish(self) -> dict[str, float]:
-        """After the last step: export the policy, print the last samples; the run's summary numbers."""
+        """After the last step: check the policy's forward, export it, print the last samples; the run's summary
+        numbers."""
+        self.check_forward()
         self.export()
         if self.last_samples and self.engine.main:
             log.info("last samples:\n%s", format_rows(self.last_samples))
@@ -196,10 +218,17 @@ class Frame:
             self.tracker.tags({"rlrun.warnings": "\n".join(self.warnings)})
 
     def reduce(self, part: dict) -> list[dict]:
-        """This rank's small per-step numbers -> every rank's (sums, counts, min/max and per-sequence values only)."""
-        return self.engine.gather({**part, "meter": self.meter.metrics()})
+        """This rank's small per-step numbers -> every rank's (sums, counts, min/max and per-sequence values only).
+        Called after the optimizer step: each rank's broken weight, if any, travels with them, so every rank
+        stops on the same step (`log`)."""
+        by_rank = self.engine.gather({**part, "meter": self.meter.metrics(),
+                                      "broken_weight": broken_weight(self.engine.model)})
+        self.broken = next((p["broken_weight"] for p in by_rank if p["broken_weight"]), None)
+        return by_rank
 
     def log(self, step: int, m: dict[str, float], **postfix) -> None:
+        """Log the step's metrics (the gradient norm as it was, NaN included), then stop the run as diverged when
+        the gradient norm or a weight is not finite: a run never ends FINISHED with a broken model."""
         text = watch_gradients(self.grad_watch, m["grad_norm"], m.get("equal_reward_groups_frac") == 1.0)
         if text:  # training that died quietly: say so once, in the console and on the run
             log.warning(text)
@@ -208,3 +237,30 @@ class Frame:
         self.tracker.log(step, m)
         if self.bar is not None:  # within `steps`
             self.bar.set_postfix(**postfix)
+        known = getattr(self.engine, "grad_norm_known", True)  # DeepSpeed may not report one (engine.deepspeed)
+        if known and not math.isfinite(m["grad_norm"]):
+            raise NonFiniteLossError(f"the gradient norm is {m['grad_norm']} at step {step} (the loss was "
+                                     f"{m['loss']:.4g}); {DIVERGED_FIX}")
+        if self.broken:
+            raise NonFiniteLossError(f"the weights are no longer finite after step {step} ({self.broken} holds NaN "
+                                     f"or inf; the loss was {m['loss']:.4g}); {DIVERGED_FIX}")
+
+    def check_forward(self) -> None:
+        """Before the export: the policy's forward on a few tokens is finite. Weights can stay finite while the
+        forward is not (bf16 weights of 1e8 overflow it): its completions all get the same reward, the skipped
+        rows leave the loss 0, and without this the run would end FINISHED with a model that outputs NaN. Every
+        rank runs it (a ZeRO-3 forward is collective)."""
+        from .. import models
+
+        lm = models.unwrap(self.engine.model)
+        backbone, weight = models.split(self.engine.model)
+        vocab = int(getattr(lm.config, "vocab_size", 2))
+        ids = torch.arange(min(8, vocab), device=self.engine.device).unsqueeze(0)
+        with torch.no_grad():
+            hidden = models.hidden_states(backbone, ids, torch.ones_like(ids))
+            finite = bool(torch.isfinite(hidden).all())
+            if finite and weight.numel():  # the logits too, where this rank holds the whole head (not ZeRO-3)
+                finite = bool(torch.isfinite(hidden.float() @ weight.float().T).all())
+        if not finite:
+            raise NonFiniteLossError("the policy's forward gives NaN or inf at the end of training (its weights "
+                                     f"are finite, but too large for its precision); {DIVERGED_FIX}")

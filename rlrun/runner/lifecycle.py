@@ -3,6 +3,7 @@ FINISHED, FAILED or KILLED (never RUNNING)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -33,10 +34,7 @@ def run(cfg, raw, run_name: str | None, train, on_start=None) -> dict:
     # one run per checkpoint folder, one export per export folder, from here to the end of the run
     with folders.own_checkpoints(cfg.checkpoint.dir if main_rank else None, resuming=bool(cfg.resume)), \
             exportdir.own_export(exporting):
-        try:
-            return _tracked(cfg, raw, run_name, train, state, main_rank, on_start)
-        except FloatingPointError as e:  # frame.NonFiniteLossError (the run is marked FAILED already)
-            raise DivergedError(faults.diverged(cfg, e)) from None
+        return _tracked(cfg, raw, run_name, train, state, main_rank, on_start)
 
 
 def fits_record(cfg) -> None:
@@ -66,12 +64,17 @@ def _tracked(cfg, raw, run_name, train, state, main_rank, on_start=None) -> dict
                                      previous_spill=state and state.get("spill"))
             if on_start is not None:
                 on_start(tracker)
-        summary = train(cfg, raw, tracker, state)
+        try:
+            summary = train(cfg, raw, tracker, state)
+        except FloatingPointError as e:  # frame.NonFiniteLossError: the run's error tag says what the console says
+            raise DivergedError(faults.diverged(cfg, e)) from None
     except KeyboardInterrupt:
         end(tracker, "KILLED", "interrupted (KeyboardInterrupt)")
         raise
     except BaseException as e:
         end(tracker, "FAILED", f"{type(e).__name__}: {e}")
+        with contextlib.suppress(AttributeError):  # a sweep job records a run for a failure only where none exists
+            e.rlrun_run_id = tracker.run_id  # type: ignore[attr-defined]
         raise
     finally:
         shutdown = getattr(registry.get("engine", cfg.engine.name), "shutdown", None)

@@ -242,7 +242,12 @@ def _number(r: Reward, value, i: int, n: int, completion: str, row: dict) -> flo
     if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
         value = value.item()  # numpy scalars, numpy.bool_ included
     if isinstance(value, numbers.Real):
-        out = float(value)
+        try:
+            out = float(value)
+        except OverflowError:  # an int past float's range (10**400): said here, not a crash of the reward worker
+            what = f"an int of {value.bit_length()} bits" if isinstance(value, int) else f"a {type(value).__name__}"
+            raise TaskError(f"{_context(r, i, n, completion, row)} returned {what}, "
+                            "too large for a float (at most about 1.8e308); a reward must be finite.") from None
         if math.isfinite(out):
             return out
         raise TaskError(f"{_context(r, i, n, completion, row)} returned {value!r}; a reward must be finite.")

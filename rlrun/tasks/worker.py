@@ -41,7 +41,7 @@ import tempfile
 import time
 import weakref
 
-from .. import procs
+from .. import procs, signals
 from .base import TaskError, short
 
 log = logging.getLogger("rlrun")
@@ -171,7 +171,6 @@ class RewardWorker:
         TaskError when that call outlasts `bound` (default: the reward timeout) or ends the worker;
         KeyboardInterrupt when a held-back signal has waited GRACE_S for it. A call's time counts from when this
         loop first saw its key."""
-        from .. import signals
 
         bound = self.timeout_s if bound is None else bound
         key, since = None, 0.0
@@ -290,7 +289,7 @@ def _serve(requests, fd: int, progress, rewards: list, home: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the trainer's to handle; it stops this process itself
+    for sig in signals.SIGNALS:  # the trainer's to handle; it stops this process itself
         signal.signal(sig, signal.SIG_IGN)
     req_fd, res_fd, progress_fd, parent = (int(a) for a in argv[:4])
     procs.die_with_parent(parent)  # the trainer killed: this process kills its group

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from .. import registry
 from ..errors import TrackingError
-from . import ui
+from . import secrets, ui
 from .mlflow import MLflow
 from .store import (
     SYSTEM_PREFIXES,
@@ -42,6 +42,7 @@ from .store import (
     open_client,
     output_dir,
     store_lock,
+    unusable,
 )
 from .tags import (
     EXPERIMENT_KIND,
@@ -61,7 +62,7 @@ __all__ = ["EXPERIMENT_KIND", "MLflow", "Null", "SWEEP_KEYS_ENV", "SYSTEM_PREFIX
            "UI_PORT", "absolute_uri", "check_uri", "checkpoint_dir_of", "connect", "describe_run", "experiment_id",
            "flatten", "git_commit", "headline", "is_run_id", "job_overrides", "log_figures", "log_metrics",
            "log_params", "mark", "mark_experiment_kind", "metric_key", "open_client", "output_dir", "record_failure",
-           "short_name", "standard_tags", "start", "store_lock", "ui"]
+           "short_name", "standard_tags", "start", "store_lock", "ui", "unusable"]
 
 
 def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | None = None,
@@ -69,12 +70,15 @@ def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | Non
     """The tracker of `tracking=cfg.name` (the registry's entry); `config_obj` is the resolved config (logged as
     params). `previous_spill`: the spill file of the process that wrote the checkpoint a run resumes from."""
     factory = registry.get("tracking", cfg.name)
-    return factory(cfg, OmegaConf.to_container(config_obj, resolve=True), run_name, resume_run_id, previous_spill)
+    config, found = secrets.loggable(config_obj, bool(getattr(cfg, "log_env", False)))  # ${oc.env:...} hidden
+    return factory(cfg, config, run_name and secrets.text(run_name, found), resume_run_id, previous_spill)
 
 
 def record_failure(config_obj, run_name: str, error: Exception) -> None:
     """A FAILED run for a job that was refused before training, so a sweep lists every job."""
-    config = cast("dict[str, Any]", OmegaConf.to_container(config_obj, resolve=True))  # a run config: a mapping
-    tracker = MLflow(config_obj.tracking, config, run_name)
+    config, found = secrets.loggable(config_obj, bool(OmegaConf.select(config_obj, "tracking.log_env",
+                                                                      default=False)))
+    config = cast("dict[str, Any]", config)  # a run config: a mapping
+    tracker = MLflow(config_obj.tracking, config, secrets.text(run_name, found))
     tracker.tags({"error": f"{type(error).__name__}: {error}"})
     tracker.finish("FAILED")

@@ -45,6 +45,31 @@ def check_uri(uri: str, key: str = "tracking.uri", off: str = "tracking=none") -
             raise TrackingError(f"{key}={uri!r}: cannot create folder {folder!r} ({e.strerror}).") from e
         if not os.access(folder, os.W_OK):
             raise TrackingError(f"{key}={uri!r}: folder {folder!r} is not writable; choose another path.")
+        problem = store_file_problem(os.path.abspath(path)) if path and path != ":memory:" else None
+        if problem:
+            raise TrackingError(f"{key}={uri!r}: {problem}; point {key} at a database file, or {off}.")
+
+
+def store_file_problem(path: str) -> str | None:
+    """What makes `path` no place for a sqlite store, seen before MLflow opens it (MLflow would create the database
+    through a link to nothing, and retries a FIFO or a /proc file for minutes before any message); None if fine."""
+    import stat
+
+    if os.path.islink(path) and not os.path.exists(path):
+        return (f"{path} is a symbolic link to nothing ({os.readlink(path)}); MLflow would create the database "
+                "where it points")
+    real = os.path.realpath(path)
+    if real.startswith(("/proc/", "/sys/")):  # the kernel's files: sqlite's locking and writes fail slowly there
+        return f"{path} is under /{real.split('/')[1]}, the kernel's files, not a file system for data"
+    if not os.path.exists(path):
+        return None  # a new store: MLflow creates it
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        return f"{path} is {kind}, not a database file"
+    if not os.access(path, os.R_OK | os.W_OK):
+        return f"{path} cannot be read and written by this user, or is on a read-only mount"
+    return None
 
 
 def open_client(uri: str):
@@ -116,14 +141,28 @@ def connect(uri: str, experiment: str):
         client = open_client(uri)  # a sqlite store is opened (and created or migrated) here
         return client, experiment_id(client, experiment)
     except Exception as e:  # noqa: BLE001 - any failure here means the store is unusable
-        why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        if urlparse(uri).scheme == "sqlite":
-            path = os.path.abspath(uri[len("sqlite:///"):])
-            raise TrackingError(f"tracking.uri={uri!r}: {path} cannot be used as an MLflow store ({why}). If it is "
-                                "not an MLflow database or is damaged, move it aside (a new one is created), point "
-                                "tracking.uri at another file, or run with tracking=none.") from e
-        raise TrackingError(f"tracking.uri={uri!r} cannot be reached or used ({why}). Start the server, fix the "
-                            "URI, or run with tracking=none.") from e
+        raise TrackingError(unusable(uri, e)) from e
+
+
+def unusable(uri: str, e: Exception) -> str:
+    """Why the store at `uri` cannot be used, and the fix: a locked database is another process's (wait, or use
+    another file), a read-only one needs a writable place; neither is a damaged file to move aside."""
+    why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    if urlparse(uri).scheme != "sqlite":
+        return (f"tracking.uri={uri!r} cannot be reached or used ({why}). Start the server, fix the URI, or run "
+                "with tracking=none.")
+    path = os.path.abspath(uri[len("sqlite:///"):])
+    text = str(e).lower()
+    if "database is locked" in text:
+        return (f"tracking.uri={uri!r}: {path} is locked by another process writing to it ({why}); wait until it "
+                "ends, point tracking.uri at another file, or run with tracking=none. The database is not damaged: "
+                "do not move it aside.")
+    if "readonly" in text or "read-only" in text:
+        return (f"tracking.uri={uri!r}: {path} cannot be written ({why}): a read-only file or mount. Point "
+                "tracking.uri at a writable file, or run with tracking=none.")
+    return (f"tracking.uri={uri!r}: {path} cannot be used as an MLflow store ({why}). If it is not an MLflow "
+            "database or is damaged, move it aside (a new one is created), point tracking.uri at another file, or "
+            "run with tracking=none.")
 
 
 def log_params(client, run_id: str, params: dict) -> None:
