@@ -114,7 +114,7 @@ def test_training_side_variants_replayed_agree_with_the_record_over_every_step(r
 def test_what_the_record_fixes_is_refused_by_key_and_a_short_record_by_its_length(tmp_path):
     (tmp_path / "rec").mkdir()
     cfg = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={tmp_path}/rec"))
-    (tmp_path / "rec" / record.HEADER).write_text(json.dumps({"format": 1, "fixed": record.fixed(cfg)}))
+    (tmp_path / "rec" / record.HEADER).write_text(json.dumps({"format": record.FORMAT, "fixed": record.fixed(cfg)}))
     with pytest.raises(RecordError, match="train.steps=4 needs 2 rollouts and the record holds 0"):
         replay.check(cfg)
     other = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={tmp_path}/rec", "rollout.temperature=0.7",
@@ -169,19 +169,6 @@ def test_a_replay_after_the_weights_at_model_path_changed_is_refused_naming_thei
     assert len(said) == 2 and said[1].startswith("train.steps=1 needs 1 rollouts")  # nothing else differs
 
 
-def test_a_record_made_before_the_warm_start_and_weights_were_fixed_is_refused_naming_them(tmp_path):
-    """Such a record cannot say what it was drawn with: replayed, it could train off-policy without a word."""
-    overrides = [*BASE, "train.steps=1", "rollout=replay", f"rollout.path={tmp_path}/rec"]
-    cfg = validate(make_cfg(*overrides))
-    header_of(tmp_path / "rec", cfg)
-    older = json.loads((tmp_path / "rec" / record.HEADER).read_text())
-    del older["fixed"]["warm_start"], older["fixed"]["model"]["weights_sha256"]  # what a record of before held
-    (tmp_path / "rec" / record.HEADER).write_text(json.dumps(older))
-    said = problems_of(cfg)  # model=tiny has no weight files (its digest is None either way): only the warm start
-    assert said[0] == ("warm_start.applies is not in the record (made before rlrun fixed it), now False: record it "
-                       "again"), said
-
-
 def test_a_record_folder_that_is_a_link_to_nothing_is_refused_before_the_run(tmp_path):
     """It passed the check and the recorder's makedirs failed on it once the run had started."""
     (tmp_path / "rec").symlink_to(tmp_path / "gone")
@@ -200,7 +187,7 @@ def test_a_record_that_is_not_one_is_refused_naming_the_file(tmp_path):
     (tmp_path / "r" / record.HEADER).write_text(json.dumps({"format": 99, "fixed": {}}))
     with pytest.raises(RecordError, match="record format 99"):
         record.Record(str(tmp_path / "r"))
-    (tmp_path / "r" / record.HEADER).write_text(json.dumps({"format": 1, "fixed": {}}))
+    (tmp_path / "r" / record.HEADER).write_text(json.dumps({"format": record.FORMAT, "fixed": {}}))
     (tmp_path / "r" / record.INDEX).write_text('{"n": 0, "file": "a", "sha256": "x", "step": 0, "version": 0}\n{"n": 1')
     with pytest.raises(RecordError, match="line 2 is not the record of rollout 1"):
         record.Record(str(tmp_path / "r"))
@@ -357,10 +344,10 @@ def test_a_rollout_file_of_another_layout_is_refused_naming_it(tmp_path):
 
     data = save({k: torch.zeros(1, 2) for k in record.TENSORS})  # no `rlrun` metadata: not this format's rollout
     (tmp_path / "rollout_000000.safetensors").write_bytes(data)
-    (tmp_path / record.HEADER).write_text(json.dumps({"format": 1, "fixed": {}}))
+    (tmp_path / record.HEADER).write_text(json.dumps({"format": record.FORMAT, "fixed": {}}))
     (tmp_path / record.INDEX).write_text(json.dumps({"n": 0, "file": "rollout_000000.safetensors", "sha256":
                                                      hashlib.sha256(data).hexdigest(), "step": 0, "version": 0}) + "\n")
-    with pytest.raises(RecordError, match="rollout_000000.safetensors is not a rollout of record format 1"):
+    with pytest.raises(RecordError, match="rollout_000000.safetensors is not a rollout of record format 2"):
         record.Record(str(tmp_path)).read(0, "cpu")
 
 

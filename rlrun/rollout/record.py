@@ -4,9 +4,9 @@ A record lets training-side variants (head, batching, activations, offload, logp
 batch) train on the very same rollouts: their curves then differ by their own arithmetic only, never by a sampled
 token that rounding flipped, and generation is paid once (docs/replay.md).
 
-The format (FORMAT 1), one folder:
+The format (FORMAT 2), one folder:
 
-- `record.json`: {"format": 1, "fixed": {key: value}} - what the rollouts depend on (FIXED: the sampler's settings,
+- `record.json`: {"format": 2, "fixed": {key: value}} - what the rollouts depend on (FIXED: the sampler's settings,
   the group and rollout sizes, dynamic sampling, the seed, the task, the model with a digest of its weight files,
   and the warm start, which changes the weights that drew them), checked against a replaying run's config;
 - `rollout_NNNNNN.safetensors`, one per rollout in the order the run trained on them: the tensors of TENSORS (the
@@ -39,15 +39,14 @@ from ..errors import RecordError
 from ..folders import sha256
 from ..nofollow import appending, write_replacing
 
-FORMAT = 1
+# 2: the warm start and the model's weight files are fixed too (a format 1 record fixes neither: a replay of it with
+# warm_start.enabled=true, or after the weights at model.path changed, trained off-policy without a word)
+FORMAT = 2
 HEADER, INDEX = "record.json", "rollouts.jsonl"
 TENSORS = ("input_ids", "attention_mask", "response_mask", "gen_logprobs", "finished")
 # What a record's rollouts depend on: a replaying run must have the same (the training side is free).
 FIXED = ("rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "train.group_size",
          "train.rollout_batch", "train.dynamic_sampling", "seed", "task", "model", "warm_start")
-# FIXED values that records made before them do not hold, and that cannot be assumed: a replay of such a record with
-# warm_start.enabled=true, or after the weights at model.path changed, trained off-policy without a word
-MUST_HOLD = ("warm_start.applies", "model.weights_sha256")
 # the files of a model folder that hold its weights (transformers' names), digested into the record (weights_digest)
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 _digests: dict[tuple, str] = {}  # (path, size, mtime) -> sha256: a paired sweep asks once per job, the files once
@@ -127,9 +126,7 @@ def _flat(value, prefix: str = ""):
 def differences(recorded: dict, now: dict) -> list[str]:
     """`key was X in the record, now Y` for each FIXED value (flattened) that differs."""
     a, b = dict(_flat(recorded)), dict(_flat(now))
-    unknown = [k for k in MUST_HOLD if k not in a and k in b]  # a record made before rlrun fixed it
-    return [f"{k} is not in the record (made before rlrun fixed it), now {b.get(k)!r}: record it again" if k in unknown
-            else f"{k} was {a.get(k)!r} in the record, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
+    return [f"{k} was {a.get(k)!r} in the record, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k)]
 
 
@@ -150,7 +147,8 @@ class Record:
                               "a rollout record, or a damaged one. Record one with rollout.record=DIR.") from None
         if self.header.get("format") != FORMAT:
             raise RecordError(f"rollout.path={path!r}: record format {self.header.get('format')!r}, this rlrun "
-                              f"reads format {FORMAT}")
+                              f"reads format {FORMAT} (format 1 fixes neither the warm start nor the model's "
+                              "weights, so a replay could not be checked against them): record it again")
         self.entries = read_index(path)
 
     @property
