@@ -53,15 +53,15 @@ class Axes:
 
 
 def resolve(cfg, *, head_size: int | None = None, temperature: float = 1.0, top_p: float = 1.0, agree=None,
-            device: torch.device | str = "cpu") -> Axes:
+            device: torch.device | str = "cpu", top_k: int = 0) -> Axes:
     """The axis objects of a validated run config. `head_size`: the tile size (head.size=auto resolved by the
     plan; default cfg.head.size); `temperature`, `top_p`: the distribution of the run's logprobs (GRPO: the
-    sampler's, rollout.temperature and rollout.top_p; DPO: 1, 1); `agree`:
+    sampler's, rollout.temperature, rollout.top_p and rollout.top_k; DPO: 1, 1, 0); `agree`:
     n -> the largest n over ranks (batching.agree(engine); None on one process); `device`: the run's."""
     size = head_size if head_size is not None else (cfg.head.size if cfg.head.size != "auto" else None)
     grpo = cfg.loss.name != "dpo"
     return Axes(
-        head=heads.Bound(registry.get("head", cfg.head.name), size, temperature, top_p),
+        head=heads.Bound(registry.get("head", cfg.head.name), size, temperature, top_p, top_k),
         logprobs=registry.get("logprob_policy", cfg.logprob_policy.name)(cfg.logprob_policy),
         offload=registry.get("offload", cfg.offload.name)(cfg.offload),
         layout=registry.get("batching", cfg.batching.name)(cfg.batching, agree),
@@ -80,13 +80,13 @@ def source_of(cfg):
 
 def of(head="dense", size=16, temperature=1.0, batching="padded", max_tokens=64, activations="keep", every=1,
        loss=None, max_new_tokens=12, policy="always", offload="off", precision="fp32", pipeline="sync",
-       agree=None, top_p=1.0, skip_zero_advantage=False) -> Axes:
+       agree=None, top_p=1.0, skip_zero_advantage=False, top_k=0) -> Axes:
     """The axes of a step run outside a run (benchmarks, tests), from option names and the few keys they read;
     `loss`: a loss config node for GRPO's objective (None: none)."""
     from types import SimpleNamespace as NS
 
     run = NS(engine=NS(name="single", dtype="auto"), train=NS(precision=precision))  # what precision.path reads
-    return Axes(head=heads.Bound(registry.get("head", head), size, temperature, top_p),
+    return Axes(head=heads.Bound(registry.get("head", head), size, temperature, top_p, top_k),
                 logprobs=registry.get("logprob_policy", policy)(None),
                 offload=registry.get("offload", offload)(NS(enabled=offload == "on")),
                 layout=registry.get("batching", batching)(NS(max_tokens=max_tokens), agree),

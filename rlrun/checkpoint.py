@@ -288,7 +288,12 @@ MAY_CHANGE = ("train.steps", "progress", "run_name", "resume", "rollout.worker_t
 MAY_CHANGE_PREFIXES = ("tracking.", "checkpoint.", "head.", "plan.", "eval.", "log.", "export.", "report.")
 
 
+# keys added since checkpoints were first written, as a checkpoint without them trained: rollout.top_k off
+SAVED_BEFORE = {"rollout.top_k": "0"}
+
+
 def changed_keys(saved: dict[str, str], now: dict[str, str]) -> list[str]:
+    saved = {**SAVED_BEFORE, **saved}
     keys = set(saved) | set(now)
     return sorted(k for k in keys if saved.get(k) != now.get(k)
                   and k not in MAY_CHANGE and not k.startswith(MAY_CHANGE_PREFIXES))

@@ -201,7 +201,9 @@ def plan_main(cfg: DictConfig):
     try:
         typed = validate(cfg)
         from . import plan
+        from .runner.lifecycle import fits_record
 
+        fits_record(typed)  # a replay's record checked as its run would check it (no plan of a run that is refused)
         text = plan.report(typed)
     except USER_ERRORS as e:
         print(f"rlrun plan: error: {e}", file=sys.stderr)
@@ -216,7 +218,9 @@ def check_main(cfg: DictConfig):
     try:
         typed = validate(cfg)
         from . import check
+        from .runner.lifecycle import fits_record
 
+        fits_record(typed)  # a replay's record checked as its run would check it
         text, ok = check.report(typed)
     except USER_ERRORS as e:
         print(f"rlrun check: error: {e}", file=sys.stderr)

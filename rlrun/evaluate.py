@@ -51,13 +51,13 @@ def sample_seed(seed: int, row: int, sample: int) -> int:
 
 @torch.no_grad()
 def complete(model, tokenizer, prompts: list[str], *, max_new_tokens: int, seeds: list[int] | None,
-             temperature: float = 1.0, top_p: float = 1.0):
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
     """(completions, response lengths) for one batch: greedy when `seeds` is None, else seeded sampling."""
     from .rollout import Rollout, hf
 
     device = next(model.parameters()).device
     if seeds is not None:
-        cfg = SimpleNamespace(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+        cfg = SimpleNamespace(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
         roll = hf.generate(model, tokenizer, prompts, cfg, device, seeds)
     else:
         ids, mask = hf.encode(tokenizer, prompts, device)
@@ -69,7 +69,8 @@ def complete(model, tokenizer, prompts: list[str], *, max_new_tokens: int, seeds
 
 def evaluate(model, tokenizer, rows: list[dict], score_fn, *, max_new_tokens: int, greedy: bool = True,
              samples: int = 1, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, batch_size: int = 256,
-             show: int = 4, accuracy_reward: str | None = None, accuracy_threshold: float = 1.0) -> Evaluation:
+             show: int = 4, accuracy_reward: str | None = None, accuracy_threshold: float = 1.0,
+             top_k: int = 0) -> Evaluation:
     """Evaluate `model` on `rows` ({"prompt", "answer", ...}); see the module docstring."""
     if not rows:
         raise ValueError("evaluate: no rows to evaluate on")
@@ -87,7 +88,7 @@ def evaluate(model, tokenizer, rows: list[dict], score_fn, *, max_new_tokens: in
             chunk = flat[b : b + batch_size]
             seeds = None if greedy else [sample_seed(seed, i, j) for i, j in chunk]
             c, n = complete(model, tokenizer, [rows[i]["prompt"] for i, _ in chunk], max_new_tokens=max_new_tokens,
-                            seeds=seeds, temperature=temperature, top_p=top_p)
+                            seeds=seeds, temperature=temperature, top_p=top_p, top_k=top_k)
             completions += c
             lengths += n
     finally:

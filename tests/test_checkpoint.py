@@ -246,3 +246,11 @@ def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(tmp_path):
     code, err = finished(p, 120)
     assert code == 130, err[-2000:]
     assert "Current thread" in err and 'File "' in err and "rlrun" in err, err[-2000:]
+
+
+def test_a_checkpoint_from_before_rollout_top_k_resumes_with_it_off():
+    """rollout.top_k was added after checkpoints were written: one without it trained with top_k off (0), so it
+    resumes with top_k=0 and is refused with another."""
+    saved = {"train.lr": "0.001"}
+    assert checkpoint.changed_keys(saved, {"train.lr": "0.001", "rollout.top_k": "0"}) == []
+    assert checkpoint.changed_keys(saved, {"train.lr": "0.001", "rollout.top_k": "5"}) == ["rollout.top_k"]

@@ -175,9 +175,9 @@ def test_an_unknown_option_is_rlruns_error_with_the_options(tmp_path, override, 
 
 
 @pytest.mark.parametrize("args, says", [
-    (["train.lrr=0.1"], "train.lrr: 'lrr' is not a key of train. Did you mean train.lr=0.1? Its keys: batch_size,"),
+    (["train.lrr=0.1"], "train.lrr: 'lrr' is not a key of train. Did you mean train.lr? Its keys: batch_size,"),
     (["trian.lr=0.1"], "trian.lr: 'trian' is not a key of the configuration. Did you mean train.lr=0.1?"),
-    (["model.lora.rnak=4"], "model.lora.rnak: 'rnak' is not a key of model.lora. Did you mean model.lora.rank=4?"),
+    (["model.lora.rnak=4"], "model.lora.rnak: 'rnak' is not a key of model.lora. Did you mean model.lora.rank?"),
     (["-cn", "heads_equivalnce"], "there is no config named 'heads_equivalnce'; did you mean heads_equivalence? "
                                   "`-cn NAME` runs one of: activations, batching, config,"),
     (["pipeline_run=async_k1"], "pipeline_run is a config group of the sweep pipeline (sweeps/pipeline_run/), not of "
@@ -202,3 +202,14 @@ def test_the_plus_form_a_typo_message_offers_runs():
     with initialize_config_dir(str(typos.CONF), version_base="1.3"):
         cfg = compose("config", ["+pipeline_run=async_k1", "hydra.searchpath=[file://" + str(typos.SWEEPS) + "]"])
     assert cfg.rollout.pipeline == "async" and cfg.rollout.max_staleness == 1
+
+
+def test_a_keys_typo_hint_never_offers_the_value_to_another_key():
+    """issue #53: `rollout.top_k=5` (before top_k existed) was answered "Did you mean rollout.top_p=5?", a value
+    that key refuses and a different sampler filter; the hint names the nearest key alone. A node's typo keeps the
+    value: it is for the key the user named."""
+    from rlrun.config import typos
+
+    hint = typos.unknown_key("rollout.top_a", "5")
+    assert "Did you mean rollout.top_" in hint and "=5" not in hint, hint
+    assert "Did you mean train.lr=0.1?" in typos.unknown_key("trian.lr", "0.1")

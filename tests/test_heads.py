@@ -27,11 +27,12 @@ def inputs(seed=0, masked_tile=False):
     return hidden, weight, targets, mask, adv, noise
 
 
-def run_head(name, hidden, weight, targets, mask, make_objective, temperature, size, top_p=1.0):
+def run_head(name, hidden, weight, targets, mask, make_objective, temperature, size, top_p=1.0, top_k=0):
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     head = registry.get("head", name)
-    loss, stats = head.loss(h, w, targets, mask, make_objective(), int(mask.sum()), temperature, size, top_p=top_p)
+    loss, stats = head.loss(h, w, targets, mask, make_objective(), int(mask.sum()), temperature, size, top_p=top_p,
+                            top_k=top_k)
     loss.backward()
     return loss.detach(), h.grad, w.grad, summarize(stats, mask)
 
@@ -323,37 +324,44 @@ def test_no_step_of_a_training_run_builds_full_logits(cfg_factory, loss):
     assert results["dense"] >= (16 if loss == "dapo" else 4) * size * vocab
 
 
-# -- rollout.top_p: the trainer's logprobs are the sampler's renormalised top-p distribution ----------------------
+# -- rollout.top_p, rollout.top_k: the trainer's logprobs are the sampler's filtered, renormalised distribution -----
 
-def test_the_heads_top_p_set_is_the_samplers():
-    """heads/common.top_p_drop keeps exactly the tokens rollout/hf.top_p_filter keeps (the sampler's set), plus the
-    target where the sampler's set would have dropped it."""
+FILTERS = [(0.1, 0), (0.5, 0), (0.8, 0), (0.95, 0), (1.0, 1), (1.0, 5), (0.8, 5), (0.5, 3)]  # (top_p, top_k)
+
+
+def test_the_heads_filtered_set_is_the_samplers():
+    """heads/common.top_p_drop keeps exactly the tokens rollout/hf.top_p_filter keeps (the sampler's set: top_k
+    first, then top_p of those renormalised), plus the target where the sampler's set would have dropped it."""
     from rlrun.heads.common import top_p_drop
     from rlrun.rollout.hf import top_p_filter
 
     g = torch.Generator().manual_seed(5)
     z = torch.randn(40, V, generator=g) * 3
-    for top_p in (0.1, 0.5, 0.8, 0.95):
-        sampler = torch.isinf(top_p_filter(z, top_p))
-        assert torch.equal(top_p_drop(z, None, top_p), sampler)
+    for top_p, top_k in FILTERS:
+        sampler = torch.isinf(top_p_filter(z, top_p, top_k))
+        assert torch.equal(top_p_drop(z, None, top_p, top_k), sampler)
+        if top_k:  # the k most likely, no more (top_p may keep fewer)
+            kept_per_row = (~sampler).sum(-1)
+            assert (kept_per_row <= top_k).all() and ((kept_per_row == top_k).all() or top_p < 1.0)
+            assert torch.equal(~sampler & (z >= z.topk(top_k, -1).values[:, -1:]), ~sampler)
         targets = torch.randint(0, V, (40,), generator=g)
-        kept = ~top_p_drop(z, targets, top_p)
+        kept = ~top_p_drop(z, targets, top_p, top_k)
         assert kept[torch.arange(40), targets].all()
         assert torch.equal(kept | ~sampler, kept) and int((kept & sampler).sum()) <= 40  # only targets added
 
 
-@pytest.mark.parametrize("top_p", [0.5, 0.8])
+@pytest.mark.parametrize("top_p,top_k", [(0.5, 0), (0.8, 0), (1.0, 5), (0.8, 5)])
 @pytest.mark.parametrize("size", [8, 5, 1000])
-def test_heads_at_top_p_match_dense_and_are_its_renormalised_distribution(top_p, size):
+def test_heads_at_top_p_match_dense_and_are_its_renormalised_distribution(top_p, top_k, size):
     hidden, weight, targets, mask, adv, noise = inputs(7, masked_tile=True)
     z = (hidden @ weight.T) / 0.9
     from rlrun.rollout.hf import top_p_filter
 
-    filtered = top_p_filter(z, top_p)
+    filtered = top_p_filter(z, top_p, top_k)
     filtered[torch.arange(N), targets] = z[torch.arange(N), targets]  # the drawn token is in the set
     expected = torch.log_softmax(filtered, -1)[torch.arange(N), targets]
     for name in HEADS:
-        got = registry.get("head", name).logprobs(hidden, weight, targets, 0.9, size, top_p=top_p)
+        got = registry.get("head", name).logprobs(hidden, weight, targets, 0.9, size, top_p=top_p, top_k=top_k)
         assert torch.allclose(got, expected, atol=1e-5), name
     with torch.no_grad():
         old = expected + noise(0.3)
@@ -361,11 +369,11 @@ def test_heads_at_top_p_match_dense_and_are_its_renormalised_distribution(top_p,
     def make_objective():
         return objective("dapo", adv, old, clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
 
-    dense = run_head("dense", hidden, weight, targets, mask, make_objective, 0.9, size, top_p)
+    dense = run_head("dense", hidden, weight, targets, mask, make_objective, 0.9, size, top_p, top_k)
     full = run_head("dense", hidden, weight, targets, mask, make_objective, 0.9, size)
     assert (dense[2] - full[2]).abs().max() > 1e-3 * full[2].abs().max()  # the filter changes the gradient
     for name in HEAD_ALTERNATIVES:
-        got = run_head(name, hidden, weight, targets, mask, make_objective, 0.9, size, top_p)
+        got = run_head(name, hidden, weight, targets, mask, make_objective, 0.9, size, top_p, top_k)
         assert_close(got[0], dense[0], f"{name} loss")
         assert_close(got[1], dense[1], f"{name} grad hidden")
         assert_close(got[2], dense[2], f"{name} grad weight")

@@ -107,7 +107,8 @@ def test_sweep_parent_description_holds_the_comparison_table(swept):
     assert note.startswith("**Cost of old\\_logprobs + ref\\_logprobs against ") and "Same result:" in note
     assert note.count("\n- **logprob\\_policy=") == 3 and "changed phases" in note
     for c in children:  # each job ran `rlrun check` first (report.check_jobs) and logged what it found
-        assert c.data.tags["rlrun.check"] == "9 of 9 probes pass"  # dense: "no full logits" does not apply
+        # dense: "no full logits" does not apply; sync, one pass a rollout: nor "generator process", "logprob schedule"
+        assert c.data.tags["rlrun.check"] == "10 of 10 probes pass"
         assert c.data.metrics["system/check/vs_baseline"] == 1.0 and "system/check/sequence_alone" in c.data.metrics
     for c in children:
         assert f"- **{c.data.tags['mlflow.runName'].replace('_', chr(92) + '_')}**: " in note

@@ -134,8 +134,8 @@ def test_packed_forwards_leave_cpu_heap_blocks_as_accumulating_micro_batches_do(
     _, one = planned(*shape, "batching=packed", "batching.max_tokens=100000")
     assert heap not in padded.phases["train"].parts  # one micro-batch, one forward a step
     assert heap not in one.phases["train"].parts  # the whole step in one pack
-    assert packed.layer_tokens == 1024 and 1024 % packed.seq_len  # max_tokens is not a whole number of rows
-    full = 1024 // packed.seq_len * packed.seq_len
+    full = 1024 // packed.seq_len * packed.seq_len  # max_tokens is not a whole number of rows: a pack's are
+    assert 1024 % packed.seq_len and packed.layer_tokens == full
     slack = plan.terms.heap_slack
     assert packed.phases["train"].parts[heap] == slack(packed.shapes, full, packed.shapes.layers, "fp32") > 0
     assert slack(packed.shapes, 1024, packed.shapes.layers, "fp32") == 0  # 1 MiB blocks: their own mappings
@@ -262,6 +262,9 @@ def test_a_run_logs_its_plan_and_the_tile_it_chose(tmp_path):
         assert history(client, r.info.run_id, f"plan/{phase}_growth_mib")[0] > 0
         assert history(client, r.info.run_id, f"mem/{phase}_growth_mib")
     assert "plan.txt" in {a.path for a in client.list_artifacts(r.info.run_id)}
+    # train.skip_zero_advantage (on, no KL term): each step's plan of the rows it trained, at most the step-0 plan
+    trained = history(client, r.info.run_id, "plan/train_trained_growth_mib")
+    assert len(trained) == 2 and max(trained) <= history(client, r.info.run_id, "plan/train_growth_mib")[0]
 
 
 @pytest.mark.slow  # four short runs (vocabularies of 16k-65k; the held-out 6 x 256 shape), each in its own process
@@ -580,3 +583,26 @@ def test_a_logprob_pass_peaks_at_the_larger_of_a_layer_and_the_head(overrides):
     assert phase.growth == pytest.approx(live.peak, rel=0.1), (live.peak, phase)  # the sum: +33% to +86%
     cpu = plan.predict(cfg, s, rows, seq_len, tokens, device_type="cpu").phases["old_logprobs"]
     assert not cpu.apart and cpu.growth == phase.growth + sum(phase.apart.values())  # RSS keeps the layer's blocks
+
+
+@pytest.mark.parametrize("batching", ["padded", "packed", "shared_prompt"])
+def test_rows_that_skipping_leaves_out_are_planned_as_the_rows_a_step_computes(batching):
+    """train.skip_zero_advantage: the train and old-policy passes compute only the rows of advantage != 0 (issue #53:
+    the plan counted every row, train +109% and old pass +53% over the measured with batching=packed). A plan for
+    k trained rows a micro-batch is the plan of micro-batches of k rows for those two passes; the reference pass
+    still computes every row; the step-0 plan (no trained_rows) is every row's."""
+    base = ["logprob_policy=always", "loss.kl_coef=0.01", "train.micro_batch=32", "train.batch_size=64",
+            "train.rollout_batch=64", "rollout.max_new_tokens=8", f"batching={batching}"]
+    cfg, every = planned(*base)
+    s, rows, seq_len, tokens = plan.inputs(cfg)
+    some = plan.predict(cfg, s, rows, seq_len, tokens, trained_rows=8)
+    for phase in ("train", "old_logprobs"):
+        want = plan.predict(cfg, s, 8, seq_len, tokens // rows * 8).phases[phase].growth
+        assert some.phases[phase].growth == want < every.phases[phase].growth, phase
+    assert some.phases["ref_logprobs"].growth == every.phases["ref_logprobs"].growth
+    assert plan.predict(cfg, s, rows, seq_len, tokens, trained_rows=rows).phases == every.phases
+    # a step's kept rows per micro-batch: padded plans the largest micro-batch, packing the step's rows laid out
+    again = plan.trained(cfg, every, [32, 0], None)
+    want_rows = 32 if batching == "padded" else 16
+    assert again.phases["train"].growth == plan.predict(cfg, s, rows, seq_len, tokens,
+                                                         trained_rows=want_rows).phases["train"].growth

@@ -369,3 +369,43 @@ def test_the_recorder_never_writes_through_a_link(tmp_path):
         rec.write(0, *record.parts_of(Drawn([{"prompt": "p"}], roll, [1.0], {"r": [1.0]}, torch.zeros(1))), version=0,
                   step=0)
     assert (tmp_path / "theirs.txt").read_text() == "not rlrun's"
+
+
+def test_a_record_fixes_only_what_rollouts_depend_on(tmp_path):
+    """issue #53: a replay refused a changed task.reward_timeout_s, which no rollout depends on (a record holds the
+    rewards it got); a record made before says it, and is still read."""
+    (tmp_path / "rec").mkdir()
+    cfg = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={tmp_path}/rec"))
+    old = record.fixed(cfg)
+    old["task"]["reward_timeout_s"] = cfg.task.reward_timeout_s  # as records of earlier versions hold it
+    (tmp_path / "rec" / record.HEADER).write_text(json.dumps({"format": record.FORMAT, "fixed": old}))
+    longer = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={tmp_path}/rec",
+                               f"task.reward_timeout_s={cfg.task.reward_timeout_s * 2}"))
+    with pytest.raises(RecordError) as e:
+        replay.check(longer)
+    assert [line.split()[1] for line in str(e.value).splitlines()[1:]] == ["train.steps=4"], str(e.value)
+
+
+@pytest.mark.slow  # two subprocesses (~5 s each)
+@pytest.mark.parametrize("verb", ["plan", "check"])
+def test_plan_and_check_refuse_a_config_that_cannot_replay_its_record(tmp_path, verb):
+    """issue #53: `rlrun plan` and `rlrun check` with rollout=replay skipped the record's compatibility check that
+    the run makes: both now refuse what the run refuses, with its message and exit 2."""
+    import subprocess
+    import sys
+
+    (tmp_path / "rec").mkdir()
+    cfg = validate(make_cfg(*BASE, "rollout=replay", f"rollout.path={tmp_path}/rec"))
+    (tmp_path / "rec" / record.HEADER).write_text(json.dumps({"format": record.FORMAT, "fixed": record.fixed(cfg)}))
+    r = subprocess.run([sys.executable, "-m", "rlrun", verb, *BASE, "rollout=replay", f"rollout.path={tmp_path}/rec",
+                        "rollout.temperature=0.7", "tracking=none"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "cannot replay the record" in r.stderr and "rollout.temperature was 1.0 in the record, now 0.7" in r.stderr
+
+
+def test_a_record_from_before_rollout_top_k_was_drawn_with_it_off():
+    recorded = {"rollout.top_p": 1.0}
+    assert record.differences(recorded, {"rollout.top_p": 1.0, "rollout.top_k": 0}) == []
+    assert record.differences(recorded, {"rollout.top_p": 1.0, "rollout.top_k": 5}) == [
+        "rollout.top_k was 0 in the record, now 5"]

@@ -315,3 +315,41 @@ def test_a_run_that_filters_every_completion_says_so_and_logs_the_share(tmp_path
     shares = history(client, r.info.run_id, "overlong/filtered_frac")
     assert shares == [1.0, 1.0, 1.0]  # one token: the answer's digit, never its EOS (seed 0)
     assert caplog.text.count("train.overlong=filter filtered every completion") == 1  # once, not every step
+
+
+def test_rounds_of_different_prompt_lengths_concat_to_one_rollout():
+    """Two rounds whose longest prompts differ (experiment=varied_lengths): the prompts are left-padded to the
+    longest, the response columns (response_mask, gen_logprobs) keep their width (issue #53: they were padded by
+    the prompt-length difference, and the rollout's columns no longer lined up)."""
+    short = generate(None, ["p1", "p2"], [3, 5])
+    long = generate(None, ["pxxxxx1", "pxxxxx2"], [6, 7])
+    parts = [sampling.Drawn([{"prompt": "p"}] * 2, r, [0.0, 1.0], {"r": [0.0, 1.0]}, torch.zeros(2))
+             for r in (short, long)]
+    out = sampling.concat(parts, 0).roll
+    width = max(short.response_mask.shape[1], long.response_mask.shape[1])
+    assert out.prompt_len == long.prompt_len
+    assert out.input_ids.shape[1] == out.prompt_len + width
+    assert out.response_mask.shape == out.gen_logprobs.shape == (4, width)
+    for b, r in enumerate([short, short, long, long]):
+        i = b % 2
+        n = int(r.response_mask[i].sum())
+        pad = [False] * (width - r.response_mask.shape[1])
+        assert out.response_mask[b].tolist() == r.response_mask[i].tolist() + pad
+        assert out.input_ids[b, out.prompt_len:][:n].tolist() == r.input_ids[i, r.prompt_len:][:n].tolist()
+        assert torch.equal(out.gen_logprobs[b, :n], r.gen_logprobs[i, :n])
+
+
+@pytest.mark.slow  # a 4-step run (~15 s)
+def test_dynamic_sampling_runs_on_prompts_of_different_lengths(tmp_path):
+    """issue #53: experiment=varied_lengths train.dynamic_sampling=true crashed at step 3, when a rollout joined
+    groups of rounds whose longest prompts differ (the default task's equal-length prompts hid it): sums of 2 to 12
+    operands here, as varied_lengths has (its worked answers are not the test reward's integers)."""
+    from conftest import make_cfg, new_store
+    from helpers import history, runs
+
+    from rlrun.cli import run
+
+    new_store(tmp_path)
+    run(make_cfg(*HALF, "task.max_terms=12", "train.steps=4", "train.dynamic_sampling=true", tmp_path=tmp_path))
+    client, (r,) = runs(tmp_path / "mlflow.db")
+    assert history(client, r.info.run_id, "dynamic_sampling/sequences") == [8.0] * 4

@@ -256,6 +256,7 @@ def fake_sweep(tmp, kinds=("dapo", "dpo", "cispo")):
             if loss == "dpo":
                 m.update({"rewards/accuracy": 0.5 + 0.1 * step, "rewards/margin": 0.2 * step})
             else:
+                m.update({"eval/rewards/correct/mean": 0.05 * step})  # a task's named reward, held out
                 m.update({"reward_mean": 0.1 * step, "throughput/gen_tokens_per_s": 300.0, "time/generate_s": 0.2,
                           "mem/generate_peak_mib": 400.0, "mem/generate_growth_mib": 5.0})
             tracking.log_metrics(client, rid, m, step)
@@ -274,6 +275,7 @@ def test_report_colours_legend_dpo_panels_and_dashes(tmp_path):
     fig = report.curves_figure(names, data)
     titles = [ax.get_title() for ax in fig.axes]
     assert any("accuracy (DPO)" in t for t in titles) and any("margin (DPO)" in t for t in titles)
+    assert "held-out reward 'correct' per step" in titles  # each named reward's held-out mean, found in the runs
     assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1  # one legend, figure-level
     assert [t.get_text() for t in fig.legends[0].get_texts()] == names  # the DPO run too
     legend_colour = {t.get_text(): h.get_color() for t, h in zip(fig.legends[0].get_texts(),

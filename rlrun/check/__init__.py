@@ -24,7 +24,7 @@ from .. import axes, models, plan, policy, registry, render, tasks
 from ..axes import Axes
 from ..meters import MIB, Meter
 from ..recipes import grpo
-from . import probes
+from . import probes, steps
 from .probes import Row
 
 PROBE_ROWS = 16  # sequences of the probe rollout at most (whole groups): seconds on the embedded default
@@ -45,6 +45,7 @@ class Context:
     advantages: torch.Tensor
     meter: Meter
     exactness: set  # what the options that differ from the baseline's are
+    prompts: list  # the probe rollout's prompts (the generator process draws them again)
 
 
 def option_of(cfg, group: str) -> str:
@@ -102,13 +103,13 @@ def build(cfg) -> Context:
     micros = grpo.split_rollout(roll, advantages, min(cfg.train.micro_batch, len(prompts)))
     size = plan.resolve_size(cfg, plan.shapes_of(trainer, plan.weight_dtype(cfg)), micros[0].targets.numel(),
                              torch.device(device).type)
-    bound = axes.resolve(cfg, head_size=size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                         device=device)
-    base_axes = axes.resolve(base_cfg, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, device=device)
+    r = cfg.rollout
+    bound = axes.resolve(cfg, head_size=size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, device=device)
+    base_axes = axes.resolve(base_cfg, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, device=device)
     changed = exactness_of(cfg)
     copies = {"trainer": trainer, "reference": reference.to(device), "generator": generator}
     return Context(cfg, trainer, baseline, copies, bound, base_axes, roll, micros, advantages,
-                   Meter(torch.device(device)), changed)
+                   Meter(torch.device(device)), changed, prompts)
 
 
 def exactness_of(cfg) -> set:
@@ -144,11 +145,21 @@ def plan_probe(ctx: Context) -> Row:
 
 
 def run_probes(ctx: Context) -> list[Row]:
-    rows = [probes.on_policy_ratio(ctx), *probes.generator_vs_trainer(ctx), probes.accumulation(ctx),
-            probes.ranks(ctx), probes.sequences_alone(ctx), probes.policy_copies(ctx), probes.no_full_logits(ctx),
-            plan_probe(ctx), probes.against_baseline(ctx)]
+    """Every probe, in the table's order; one that raises is that probe's FAIL row (probes.guarded)."""
+    rows: list[Row] = []
+    for probe, names in PROBES:
+        rows += probes.guarded(probe, ctx, names=names)
     return rows
 
+
+# (probe, the rows it returns): the names stand in a FAIL row when the probe raises
+PROBES = [(probes.on_policy_ratio, ("on-policy ratio",)),
+          (probes.generator_vs_trainer, ("generator = trainer", "sampler filter")),
+          (probes.accumulation, ("accumulation",)), (probes.ranks, ("ranks",)),
+          (probes.sequences_alone, ("sequence alone",)), (probes.policy_copies, ("policy copies",)),
+          (probes.no_full_logits, ("no full logits",)), (plan_probe, ("memory plan",)),
+          (probes.against_baseline, ("vs baseline",)), (steps.master_weights, ("master weights",)),
+          (steps.logprob_schedule, ("logprob schedule",)), (steps.generator_process, ("generator process",))]
 
 VERDICT = {True: "pass", False: "FAIL", None: "-"}
 

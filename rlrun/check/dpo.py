@@ -18,8 +18,8 @@ import torch
 from .. import axes, models, plan, policy, precision, tasks
 from ..meters import Meter
 from ..recipes import dpo
-from . import probes
-from .probes import BF16_TOL, FP_TOL, RANKS_SOURCE, RATIO_TOL, Row, grad_diff, grads_of, logprob_tol
+from . import probes, steps
+from .probes import BF16_TOL, FP_TOL, RANKS_SOURCE, RATIO_TOL, Row, grad_diff, grads_of, guarded, logprob_tol
 
 PROBE_PAIRS = 8  # pairs of the probe batch at most: seconds on the embedded default
 NOT_DRAWN = "n/a: DPO draws nothing (its pairs are data)"
@@ -116,12 +116,13 @@ def no_full_logits(ctx, known) -> Row:
     if not head.impl.TILED:
         return Row("no full logits", "n/a: this head builds the [tokens, vocab] logits by design", "-", None,
                    "NVIDIA-NeMo/RL#2871, THUDM/slime#2253")
-    vocab = models.split(ctx.trainer)[1].shape[0]
+    weight = models.split(ctx.trainer)[1]
+    vocab = weight.shape[0]
     batch = dpo.encode_pairs(ctx.tokenizer, ctx.pairs[: ctx.cfg.train.micro_batch], ctx.device)
     tokens = int(batch.targets.numel())
     size = min(head.size or tokens, max(16, tokens // 4))  # a tile smaller than a micro-batch's tokens
     ax = dataclasses.replace(ctx.axes, head=dataclasses.replace(head, size=size))
-    watch = probes.LargestVocabTensor(vocab)
+    watch = probes.HeadProducts(weight)
     with watch:
         logprobs(ctx, ctx.trainer, ctx.pairs, ax=ax)
         step(ctx, ctx.trainer, ax, ctx.cfg, known)
@@ -152,7 +153,15 @@ def rows(cfg, baseline_config, exactness: set) -> list[Row]:
         ("sampler filter", "huggingface/trl#6789 (top_p=0.8: every weight scaled by the kept mass)"))]
     ranks = Row("ranks", "n/a: not probed for DPO (its 2-rank gradients: tests/test_distributed.py)", "-", None,
                 RANKS_SOURCE)
-    return [*skipped, accumulation(ctx, known), ranks, pairs_alone(ctx), policy_copies(ctx), no_full_logits(ctx, known),
+    return [*skipped, *guarded(accumulation, ctx, known, names=("accumulation",)), ranks,
+            *guarded(pairs_alone, ctx, names=("sequence alone",)),
+            *guarded(policy_copies, ctx, names=("policy copies",)),
+            *guarded(no_full_logits, ctx, known, names=("no full logits",)),
             Row("memory plan", "n/a: DPO's plan is an upper bound (the longest pair), not measured here", "-", None,
                 "rlrun #38"),
-            against_baseline(ctx, known, exactness)]
+            *guarded(against_baseline, ctx, known, exactness, names=("vs baseline",)),
+            *guarded(steps.master_step, ctx, ctx.trainer, lambda model: step(ctx, model, ctx.axes, ctx.cfg, known),
+                     names=("master weights",)),
+            Row("logprob schedule", "n/a: DPO has no old-policy pass (its reference logprobs: data of the pair)",
+                "-", None, steps.SCHEDULE_SOURCE),
+            Row("generator process", NOT_DRAWN, "-", None, steps.PROCESS_SOURCE)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,18 @@ class Row:
     # a failure stops a sweep's job before it trains: what it trains would be wrong. The memory plan's forecast is
     # not (a miss is reported and logged; the job trains)
     blocks: bool = True
+
+
+def guarded(probe, *args, names: tuple[str, ...], source: str = "") -> list[Row]:
+    """`probe(*args)`'s rows; where it raises, one FAIL row per probe it stands for, with the exception's message:
+    a head or layout that crashes on the probe (a dropped partial tile's IndexError) is that probe's failure, shown
+    in the table with the others, never a traceback that hides which probe met it."""
+    try:
+        out = probe(*args)
+    except Exception as e:  # noqa: BLE001 - any exception of a probe is its verdict, reported in its row
+        message = " ".join(f"{type(e).__name__}: {e}".split())
+        return [Row(name, "runs to its verdict", f"raised {message[:160]}", False, source) for name in names]
+    return out if isinstance(out, list) else [out]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -127,12 +140,12 @@ def generator_vs_trainer(ctx) -> list[Row]:
     gen = torch.cat([m.gen_logprobs[m.mask] for m in ctx.micros])
     diff = (gen - old).abs()
     weight = torch.exp(old - gen).mean().item()
-    top_p, tol = ctx.cfg.rollout.top_p, logprob_tol(ctx, GEN_TOL)
+    r, tol = ctx.cfg.rollout, logprob_tol(ctx, GEN_TOL)
     weight_tol = 5e-3 if tol > GEN_TOL else GEN_TOL  # a mean: bf16's noise averages out, a kept mass does not
     return [Row("generator = trainer", f"max |gen - old| <= {tol:.0e} at one weights version",
                 f"max {diff.max().item():.1e}, mean {diff.mean().item():.1e}", diff.max().item() <= tol,
                 "huggingface/trl#5312 (generator weights dropped: ratio mean 0.019)"),
-            Row("sampler filter", f"importance weight mean 1 +- {weight_tol:.0e} (top_p={top_p})",
+            Row("sampler filter", f"importance weight mean 1 +- {weight_tol:.0e} (top_p={r.top_p}, top_k={r.top_k})",
                 f"{weight:.6f}", abs(weight - 1) <= weight_tol,
                 "huggingface/trl#6789 (top_p=0.8: every weight scaled by the kept mass)")]
 
@@ -206,19 +219,37 @@ def ranks(ctx) -> Row:
 
 def sequences_alone(ctx) -> Row:
     """5. Each sequence's logprobs in its padded batch or pack equal its logprobs computed alone (positions and
-    masks are the sequence's, whatever sits beside it)."""
-    batched = old_logprobs(ctx.trainer, ctx.micros, ctx.axes)
+    masks are the sequence's, whatever sits beside it). Past the fp32 tolerance (a 30-layer model rounds a batched
+    logprob 2e-5 off the same alone: SmolLM2, one thread), the same comparison in float64 decides: rounding vanishes
+    there (< `F64_ALONE_TOL`), a shifted position or a leaking mask does not."""
+    worst = alone_gap(ctx, ctx.trainer)
+    tol = logprob_tol(ctx, RATIO_TOL)
+    source = "unslothai/unsloth-zoo#840 (left padding shifted RoPE positions)"
+    if worst <= tol or ctx.axes.precision.exactness == "approximate":
+        return Row("sequence alone", f"max |in batch - alone| <= {tol:.0e}", f"max {worst:.1e}", worst <= tol, source)
+    exact = copy_model(ctx.trainer).double()
+    worst64 = alone_gap(ctx, exact)
+    del exact
+    return Row("sequence alone", f"max |in batch - alone| <= {tol:.0e}, else <= {F64_ALONE_TOL:.0e} in float64",
+               f"max {worst:.1e}; float64 {worst64:.1e}", worst64 <= F64_ALONE_TOL, source)
+
+
+F64_ALONE_TOL = 1e-9  # float64 rounds ~1e-16 a step: a 30-layer model stays far below this; any real difference
+# (a position, a mask) is of the order of the logprobs themselves
+
+
+def alone_gap(ctx, model) -> float:
+    """The largest |logprob in its batch or pack - the same logprob computed alone| over the probe's responses."""
+    batched = old_logprobs(model, ctx.micros, ctx.axes)
     flat, worst = torch.cat(batched), 0.0
     width = ctx.roll.response_mask.shape[1]
     for b in range(ctx.roll.input_ids.shape[0]):
         one = grpo.split_rollout(alone(ctx.roll, b), ctx.advantages[b : b + 1], 1)
         with torch.no_grad():
-            single = ctx.base_axes.layout.logprobs(ctx.trainer, one, ctx.axes.head)[0]
+            single = ctx.base_axes.layout.logprobs(model, one, ctx.axes.head)[0]
         valid = ctx.roll.response_mask[b]
         worst = max(worst, (flat[b * width : (b + 1) * width][valid] - single[valid]).abs().max().item())
-    tol = logprob_tol(ctx, RATIO_TOL)
-    return Row("sequence alone", f"max |in batch - alone| <= {tol:.0e}", f"max {worst:.1e}",
-               worst <= tol, "unslothai/unsloth-zoo#840 (left padding shifted RoPE positions)")
+    return worst
 
 
 def policy_copies(ctx) -> Row:
@@ -236,20 +267,35 @@ def policy_copies(ctx) -> Row:
                "rlrun #36 (bf16 with async generated in fp32: a second policy builder)")
 
 
-class LargestVocabTensor(TorchDispatchMode):
-    """The most rows of any newly made tensor whose last dim is the vocabulary (a logits-like tensor)."""
+MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
+           torch.ops.aten.matmul, torch.ops.aten.linear, torch.ops.aten.einsum}
 
-    def __init__(self, vocab: int):
+
+class HeadProducts(TorchDispatchMode):
+    """The most rows of any logits the lm head computes: a matmul output with the head weight (itself, a view, a
+    cast or a copy of it) as an operand and the vocabulary as a dim. Followed from the weight, not guessed from a
+    shape: a [4, 56, 56] attention mask or score of a pack as wide as a tiny vocabulary is no product of the
+    weight (issue #53: counting every tensor with a vocabulary-wide last dim failed a correct DPO check)."""
+
+    def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.vocab, self.rows = vocab, 0
+        self.shape, self.vocab, self.rows = tuple(weight.shape), weight.shape[0], 0
+        # the live tensors holding the weight's values; weak, so that a freed copy's address, reused by another
+        # tensor, is not taken for the weight's
+        self.held: weakref.WeakSet = weakref.WeakSet([weight])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
+        held = {t.untyped_storage().data_ptr() for t in self.held}
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if not any(a.untyped_storage().data_ptr() in held for a in inputs):
+            return out
         for t in torch.utils._pytree.tree_leaves(out):
-            if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab
-                    and t.untyped_storage().data_ptr() not in inputs):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if tuple(t.shape) in (self.shape, self.shape[::-1]):  # a copy, cast or transpose: still the weight
+                self.held.add(t)
+            elif func.overloadpacket in MATMULS and self.vocab in t.shape:
                 self.rows = max(self.rows, t.numel() // self.vocab)
         return out
 
@@ -260,12 +306,13 @@ def no_full_logits(ctx) -> Row:
     if not head.impl.TILED:
         return Row("no full logits", "n/a: this head builds the [tokens, vocab] logits by design", "-", None,
                    "NVIDIA-NeMo/RL#2871, THUDM/slime#2253")
-    vocab = models.split(ctx.trainer)[1].shape[0]
+    weight = models.split(ctx.trainer)[1]
+    vocab = weight.shape[0]
     tokens = min(m.targets.numel() for m in ctx.micros)
     # a tile smaller than the probe's micro-batch, so that a [tokens, vocab] tensor would stand out
     size = min(head.size or tokens, max(16, tokens // 4))
     ax = dataclasses.replace(ctx.axes, head=dataclasses.replace(head, size=size))
-    watch = LargestVocabTensor(vocab)
+    watch = HeadProducts(weight)
     with watch:
         old = old_logprobs(ctx.trainer, ctx.micros, ax)
         train_step(ctx.trainer, ctx.micros, ax, ctx.meter, old)

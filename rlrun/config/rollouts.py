@@ -11,6 +11,8 @@ from .types import Check, Dtype, NonNegInt, PosInt, Positive
 Temperature = Annotated[float, Check(lambda v: v > 0, "> 0: the trainer's logprobs are taken at the sampling "
                                                         "temperature")]
 TopP = Annotated[float, Check(lambda v: 0 < v <= 1, "in (0, 1]")]
+# the k most likely tokens only (0: off), applied before top_p as transformers and vLLM apply them
+TopK = Annotated[int, Check(lambda v: v >= 0, "an integer >= 0 (0: off)")]
 
 
 Device = Annotated[str, Check(lambda v: re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None, "cpu, cuda or cuda:N")]
@@ -21,6 +23,7 @@ class HFRollout:
     name: Literal["hf"]
     temperature: Temperature
     top_p: TopP
+    top_k: TopK
     max_new_tokens: PosInt
     sync_weights: bool  # read by the GRPO recipe for every rollout; hf samples from the trainer's model itself
     pipeline: Literal["sync", "async"]  # async: rlrun/pipeline
@@ -36,6 +39,7 @@ class VLLMRollout:
     name: Literal["vllm"]
     temperature: Temperature
     top_p: TopP
+    top_k: TopK
     max_new_tokens: PosInt
     mode: Literal["inprocess", "process"]
     sync_weights: bool
@@ -62,5 +66,6 @@ class ReplayRollout:
     path: str  # the rollout.record folder of an earlier run
     temperature: Temperature
     top_p: TopP
+    top_k: TopK
     max_new_tokens: PosInt
     pipeline: Literal["sync"]  # read in step, nothing to overlap

@@ -63,7 +63,11 @@ def unknown_key(key: str, value: str) -> str:
             continue
         where = parent or "the configuration"
         near = difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)
-        hint = f" Did you mean {'.'.join([*parts[:i], near[0], *parts[i + 1:]])}={value}?" if near else ""
+        # a node's typo (trian.lr=0.1): the value is for the key the user named, under its right node; a key's own
+        # typo names the nearest key without the value, which may be another key's (rollout.top_a=5 is not top_p=5)
+        suggested = ".".join([*parts[:i], near[0], *parts[i + 1:]]) if near else ""
+        shown = f"{suggested}={value}" if near and i < len(parts) - 1 and value else suggested
+        hint = f" Did you mean {shown}?" if near else ""
         return f"{key}: {leaf!r} is not a key of {where}.{hint} Its keys: {', '.join(names)}."
     return f"{key} is not a key of the configuration."
 

@@ -29,6 +29,7 @@ class Bound:
     size: int | None
     temperature: float = 1.0
     top_p: float = 1.0  # < 1: logprobs of the sampler's renormalised top-p distribution (GRPO: rollout.top_p)
+    top_k: int = 0  # > 0: of its k most likely tokens, before top_p (GRPO: rollout.top_k)
 
     @property
     def name(self) -> str:
@@ -36,8 +37,8 @@ class Bound:
 
     def logprobs(self, hidden, weight, targets, with_entropy: bool = False):
         return self.impl.logprobs(hidden, weight, targets, self.temperature, self.size, with_entropy=with_entropy,
-                                  top_p=self.top_p)
+                                  top_p=self.top_p, top_k=self.top_k)
 
     def loss(self, hidden, weight, targets, mask, objective, num_tokens):
         return self.impl.loss(hidden, weight, targets, mask, objective, num_tokens, self.temperature, self.size,
-                              top_p=self.top_p)
+                              top_p=self.top_p, top_k=self.top_k)

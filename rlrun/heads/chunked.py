@@ -30,13 +30,15 @@ class ChunkedLogprobs(torch.autograd.Function):
     """(logprobs, entropies) with `with_entropy`, else (logprobs, an empty tensor)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, size, with_entropy=False, top_p=1.0):
+    def forward(ctx, hidden, weight, targets, temperature, size, with_entropy=False, top_p=1.0, top_k=0):
         ctx.save_for_backward(hidden, weight, targets)
-        ctx.temperature, ctx.size, ctx.top_p = temperature, size, top_p
+        ctx.temperature, ctx.size, ctx.top_p, ctx.top_k = temperature, size, top_p, top_k
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no entropy term to recompute
         if with_entropy:
-            return chunked_logprobs_nograd(hidden, weight, targets, temperature, size, with_entropy=True, top_p=top_p)
-        return chunked_logprobs_nograd(hidden, weight, targets, temperature, size, top_p=top_p), hidden.new_empty(0)
+            return chunked_logprobs_nograd(hidden, weight, targets, temperature, size, with_entropy=True, top_p=top_p,
+                                           top_k=top_k)
+        return (chunked_logprobs_nograd(hidden, weight, targets, temperature, size, top_p=top_p, top_k=top_k),
+                hidden.new_empty(0))
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):
@@ -51,13 +53,13 @@ class ChunkedLogprobs(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
             weight32 = fp32(weight)
             for sl in tiles(targets.shape[0], ctx.size):
-                z = tile_logits(hidden[sl], weight32, ctx.temperature, targets[sl], ctx.top_p)
+                z = tile_logits(hidden[sl], weight32, ctx.temperature, targets[sl], ctx.top_p, ctx.top_k)
                 _, sums = softmax_stats_(z, targets[sl])
                 g_ent, ent = (None, None) if grad_ent is None else (grad_ent[sl], entropy(z, sums))
                 dz = logit_grad_(z, sums, targets[sl], grad_lp[sl], ctx.temperature, g_ent, ent)
                 accumulate_grads(dz, hidden[sl], weight32, grad_h[sl] if need_h else None, grad_w)
                 del z, dz
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
 
 EXACTNESS = "fp_tolerance"  # dense's loss and gradients up to summation order (fp32: 1e-5)
 PHASES = ("old_logprobs", "ref_logprobs", "train")
@@ -66,34 +68,40 @@ SWEEPS_SEQUENCE_LEVEL = False  # its forward has every logprob before the loss
 
 
 def memory(size, tokens: int, vocab: int, *, grad: bool, trainable: bool, entropy_grad: bool = False,
-           top_p: float = 1.0) -> dict:
+           top_p: float = 1.0, top_k: int = 0) -> dict:
     """One chunk; the entropy's block buffer in its forward, unless the backward holds the [vocab, hidden] lm-head
     gradient instead (larger) when the lm head trains."""
-    return tile_memory("chunked", size, tokens, vocab, entropy_block=grad and not trainable, top_p=top_p)
+    return tile_memory("chunked", size, tokens, vocab, entropy_block=grad and not trainable, top_p=top_p,
+                       top_k=top_k)
 
 
 def freed_before_weight_grad(tokens: int, vocab: int) -> int:
     return 0
 
 
-def _logprobs(hidden, weight, targets, temperature: float, size: int, with_entropy: bool, top_p: float = 1.0):
+def _logprobs(hidden, weight, targets, temperature: float, size: int, with_entropy: bool, top_p: float = 1.0,
+              top_k: int = 0):
     """(logprobs, entropies or an empty tensor), through the autograd function when a gradient is wanted."""
     with gathered(weight):
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            return ChunkedLogprobs.apply(hidden, weight, targets, temperature, size, with_entropy, top_p)
+            return ChunkedLogprobs.apply(hidden, weight, targets, temperature, size, with_entropy, top_p, top_k)
         if with_entropy:
-            return chunked_logprobs_nograd(hidden, weight, targets, temperature, size, with_entropy=True, top_p=top_p)
-        return chunked_logprobs_nograd(hidden, weight, targets, temperature, size, top_p=top_p), hidden.new_empty(0)
+            return chunked_logprobs_nograd(hidden, weight, targets, temperature, size, with_entropy=True, top_p=top_p,
+                                           top_k=top_k)
+        return (chunked_logprobs_nograd(hidden, weight, targets, temperature, size, top_p=top_p, top_k=top_k),
+                hidden.new_empty(0))
 
 
-def logprobs(hidden, weight, targets, temperature: float, size: int, with_entropy: bool = False, top_p: float = 1.0):
+def logprobs(hidden, weight, targets, temperature: float, size: int, with_entropy: bool = False, top_p: float = 1.0,
+             top_k: int = 0):
     """Per-token logprobs; with `with_entropy`, (logprobs, entropies), the entropies without gradient."""
-    lp, ent = _logprobs(hidden, weight, targets, temperature, size, with_entropy, top_p)
+    lp, ent = _logprobs(hidden, weight, targets, temperature, size, with_entropy, top_p, top_k)
     return (lp, ent.detach()) if with_entropy else lp
 
 
-def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float, size: int, top_p: float = 1.0):
-    lp, ent = _logprobs(hidden, weight, targets, temperature, size, with_entropy=True, top_p=top_p)
+def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float, size: int, top_p: float = 1.0,
+         top_k: int = 0):
+    lp, ent = _logprobs(hidden, weight, targets, temperature, size, with_entropy=True, top_p=top_p, top_k=top_k)
     if not getattr(objective, "entropy_coef", 0.0):
         ent = ent.detach()  # a metric only: backward skips the entropy term
     fix_sequences(objective, lp)  # gspo: each sequence's ratio, from all its tokens

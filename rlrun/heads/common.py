@@ -109,14 +109,20 @@ def logits(h: torch.Tensor, weight32: torch.Tensor) -> torch.Tensor:
 
 
 def tile_logits(h: torch.Tensor, weight32: torch.Tensor, temperature: float, targets: torch.Tensor | None = None,
-                top_p: float = 1.0) -> torch.Tensor:
+                top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
     """[tile, vocab] fp32 logits divided by temperature (`weight32`: `fp32(weight)`; softmax math in fp32); with
     `top_p` < 1, MASKED outside each row's top-p set (`top_p_`), so that every softmax of the tile is the sampler's
     renormalised distribution."""
     z = logits(h, weight32)
     if temperature != 1.0:
         z.div_(temperature)
-    return top_p_(z, targets, top_p)
+    return top_p_(z, targets, top_p, top_k)
+
+
+def filters(top_p: float, top_k: int) -> bool:
+    """Whether the sampler filters its distribution (rollout.top_p < 1 or rollout.top_k > 0): the heads then
+    compute logprobs of the filtered, renormalised distribution, with one sort of ROWS rows at a time."""
+    return top_p < 1.0 or top_k > 0
 
 
 ROWS = 16  # rows per block of the entropy's temporaries (and of the top-p filter's sort)
@@ -125,34 +131,42 @@ FP32 = 4
 MASKED = -1e30
 
 
-def top_p_drop(z: torch.Tensor, targets: torch.Tensor | None, top_p: float) -> torch.Tensor:
+def top_p_drop(z: torch.Tensor, targets: torch.Tensor | None, top_p: float, top_k: int = 0) -> torch.Tensor:
     """[rows, vocab] True where a tempered logit of `z` lies outside its row's top-p set: the smallest run of the
     distribution, most likely first, whose mass reaches `top_p`, as the sampler filters (rollout/hf.top_p_filter,
     vLLM's processed logprobs; tests/test_heads.py checks they agree). The row's target stays in: the sampler drew
-    it, and a rounding difference at the set's edge must not make its logprob -inf here."""
+    it, and a rounding difference at the set's edge must not make its logprob -inf here. With `top_k` > 0 the
+    set is first cut to the k most likely tokens, and top-p taken of them renormalised (the sampler's order)."""
     ordered, order = z.sort(-1, descending=True)
-    probs = ordered.softmax(-1)
-    drop = torch.empty_like(order, dtype=torch.bool).scatter_(-1, order, probs.cumsum(-1) - probs >= top_p)
+    cut = torch.zeros_like(ordered, dtype=torch.bool)
+    if 0 < top_k < z.shape[-1]:
+        cut[:, top_k:] = True
+        ordered = ordered.masked_fill(cut, MASKED)
+    if top_p < 1.0:
+        probs = ordered.softmax(-1)
+        cut |= probs.cumsum(-1) - probs >= top_p
+    drop = torch.empty_like(order, dtype=torch.bool).scatter_(-1, order, cut)
     if targets is not None:
         drop.scatter_(-1, targets[:, None], False)
     return drop
 
 
-def top_p_(z: torch.Tensor, targets: torch.Tensor | None, top_p: float) -> torch.Tensor:
+def top_p_(z: torch.Tensor, targets: torch.Tensor | None, top_p: float, top_k: int = 0) -> torch.Tensor:
     """`z` (tempered logits) with MASKED outside each row's top-p set, in place, ROWS rows at a time (the sort's
     temporaries stay [ROWS, vocab]); unchanged at top_p=1. The heads' softmax, logprobs, entropy and gradients are
     then those of the renormalised distribution the sampler drew from: what the importance ratio compares."""
-    if top_p >= 1.0:
+    if not filters(top_p, top_k):
         return z
     with torch.no_grad():
         for r in range(0, z.shape[0], ROWS):
             block = z[r : r + ROWS]
-            block.masked_fill_(top_p_drop(block, None if targets is None else targets[r : r + ROWS], top_p), MASKED)
+            block.masked_fill_(top_p_drop(block, None if targets is None else targets[r : r + ROWS], top_p, top_k),
+                               MASKED)
     return z
 
 
 def tile_memory(name: str, size: int, tokens: int, vocab: int, entropy_block: bool,
-                top_p: float = 1.0) -> dict[str, int]:
+                top_p: float = 1.0, top_k: int = 0) -> dict[str, int]:
     """The working set of a head that holds one [tile, vocab] fp32 block at a time (tiled, chunked), plus the
     entropy's block buffer where the head fills it in the pass the plan counts, and top_p < 1's sort of ROWS rows
     (sorted logits and probabilities and their running sum, fp32; the order, int64; the mask, bool)."""
@@ -160,7 +174,7 @@ def tile_memory(name: str, size: int, tokens: int, vocab: int, entropy_block: bo
     parts = {f"one {name} tile ({min(size, tokens)} tokens x vocab {vocab}, fp32)": min(size, tokens) * row}
     if entropy_block:
         parts["entropy block buffer (16 rows x vocab, fp32)"] = min(ROWS, tokens) * row
-    if top_p < 1.0:
+    if filters(top_p, top_k):
         parts["top-p filter of 16 rows (sort, order, mass, mask)"] = min(ROWS, tokens) * vocab * (3 * FP32 + 8 + 1)
     return parts
 
@@ -229,7 +243,7 @@ def accumulate_grads(dz, h, weight32, grad_h_out, grad_w):
 
 
 def chunked_logprobs_nograd(hidden, weight, targets, temperature: float, size: int, with_entropy: bool = False,
-                            top_p: float = 1.0):
+                            top_p: float = 1.0, top_k: int = 0):
     """Per-token logprobs, tile by tile; with `with_entropy`, (logprobs, entropies); `top_p`: of the sampler's
     renormalised top-p distribution."""
     out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
@@ -237,7 +251,7 @@ def chunked_logprobs_nograd(hidden, weight, targets, temperature: float, size: i
     with torch.no_grad():
         weight32 = fp32(weight)
         for sl in tiles(targets.shape[0], size):
-            z = tile_logits(hidden[sl], weight32, temperature, targets[sl], top_p)
+            z = tile_logits(hidden[sl], weight32, temperature, targets[sl], top_p, top_k)
             if ent is not None:  # with_entropy
                 out[sl], _, ent[sl] = softmax_stats_(z, targets[sl], with_entropy=True)
             else:

@@ -3,7 +3,7 @@
 import torch
 
 from ..losses import masked_total
-from .common import FP32, MASKED, ROWS, fix_sequences, fp32, full_weight, logits, top_p_drop
+from .common import FP32, MASKED, ROWS, filters, fix_sequences, fp32, full_weight, logits, top_p_drop
 
 EXACTNESS = "baseline"  # the head every other must match (rlrun.axes.EXACTNESS)
 PHASES = ("old_logprobs", "ref_logprobs", "train")  # the passes that go through a head
@@ -12,14 +12,14 @@ SWEEPS_SEQUENCE_LEVEL = False  # a sequence-level loss costs it no extra pass (i
 
 
 def memory(size, tokens: int, vocab: int, *, grad: bool, trainable: bool, entropy_grad: bool = False,
-           top_p: float = 1.0) -> dict:
+           top_p: float = 1.0, top_k: int = 0) -> dict:
     """The [tokens, vocab] fp32 tensors the pass holds at its peak: logits and log-softmax (2), in backward their
     gradient too (3), and with an entropy gradient exp(logp) and its product (5); top_p < 1: the filtered copy of
     the logits and its [tokens, vocab] bool mask."""
     k = (3 + 2 * entropy_grad) if grad else 2
-    k += top_p < 1.0
+    k += filters(top_p, top_k)
     parts = {f"dense logits ({k} x {tokens} tokens x vocab {vocab}, fp32)": k * tokens * vocab * FP32}
-    if top_p < 1.0:
+    if filters(top_p, top_k):
         parts[f"top-p mask ({tokens} tokens x vocab, bool)"] = tokens * vocab
     return parts
 
@@ -29,13 +29,13 @@ def freed_before_weight_grad(tokens: int, vocab: int) -> int:
     return 2 * tokens * vocab * FP32
 
 
-def log_softmax(hidden, weight, temperature: float, targets=None, top_p: float = 1.0):
+def log_softmax(hidden, weight, temperature: float, targets=None, top_p: float = 1.0, top_k: int = 0):
     """fp32 logits (common.logits: never rounded to bf16) and their log-softmax; with `top_p` < 1 over each row's
     top-p set (common.top_p_drop), the distribution the sampler drew from."""
     z = logits(hidden, fp32(full_weight(weight))) / temperature
-    if top_p < 1.0:
+    if filters(top_p, top_k):
         with torch.no_grad():
-            drop = torch.cat([top_p_drop(z[r : r + ROWS], targets[r : r + ROWS], top_p)
+            drop = torch.cat([top_p_drop(z[r : r + ROWS], targets[r : r + ROWS], top_p, top_k)
                               for r in range(0, z.shape[0], ROWS)]) if z.shape[0] else z.bool()
         z = z.masked_fill(drop, MASKED)  # no gradient to a logit the sampler could not draw
     return torch.log_softmax(z, dim=-1)
@@ -58,16 +58,16 @@ def entropy(logp, grad: bool):
 
 
 def logprobs(hidden, weight, targets, temperature: float = 1.0, size: int | None = None, with_entropy: bool = False,
-             top_p: float = 1.0):
+             top_p: float = 1.0, top_k: int = 0):
     """Per-token logprobs; with `with_entropy`, (logprobs, entropies), the entropies without gradient."""
-    logp = log_softmax(hidden, weight, temperature, targets, top_p)
+    logp = log_softmax(hidden, weight, temperature, targets, top_p, top_k)
     lp = logp.gather(-1, targets[:, None]).squeeze(-1)
     return (lp, entropy(logp, grad=False)) if with_entropy else lp
 
 
 def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float = 1.0, size: int | None = None,
-         top_p: float = 1.0):
-    logp = log_softmax(hidden, weight, temperature, targets, top_p)
+         top_p: float = 1.0, top_k: int = 0):
+    logp = log_softmax(hidden, weight, temperature, targets, top_p, top_k)
     # through autograd only when the loss uses it (loss.entropy_coef): as a metric it adds nothing to backward
     ent = entropy(logp, grad=torch.is_grad_enabled() and bool(getattr(objective, "entropy_coef", 0.0)))
     lp = logp.gather(-1, targets[:, None]).squeeze(-1)

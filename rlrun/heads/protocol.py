@@ -12,17 +12,17 @@ class Head(Protocol):
     SWEEPS_SEQUENCE_LEVEL: bool  # a sequence-level loss (gspo) costs it a first no-grad sweep
 
     def logprobs(self, hidden, weight, targets, temperature: float, size: int | None, with_entropy: bool = False,
-                 top_p: float = 1.0):
-        """Per-token logprobs [N] of `targets` at `temperature` (and `top_p` < 1: of each row's top-p set,
-        renormalised, as the sampler drew: heads/common.top_p_drop); with_entropy: (logprobs, entropies), no
-        gradient through the entropies."""
+                 top_p: float = 1.0, top_k: int = 0):
+        """Per-token logprobs [N] of `targets` at `temperature` (and `top_p` < 1 or `top_k` > 0: of each row's
+        filtered set, renormalised, as the sampler drew: heads/common.top_p_drop); with_entropy: (logprobs,
+        entropies), no gradient through the entropies."""
 
     def loss(self, hidden, weight, targets, mask, objective, num_tokens, temperature: float, size: int | None,
-             top_p: float = 1.0):
+             top_p: float = 1.0, top_k: int = 0):
         """(loss, per-token stats): `objective` summed over the tokens of `mask`, divided by `num_tokens`."""
 
     def memory(self, size, tokens: int, vocab: int, *, grad: bool, trainable: bool, entropy_grad: bool = False,
-               top_p: float = 1.0) -> dict:
+               top_p: float = 1.0, top_k: int = 0) -> dict:
         """The memory term: {part: bytes} of what the head holds at its peak for `tokens` response tokens at
         `vocab` (a pass with a gradient or not; `trainable`: the lm head trains) (rlrun/plan/terms.head_parts)."""
 

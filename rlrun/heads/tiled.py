@@ -33,7 +33,8 @@ from .common import (
 
 class TiledLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, mask, num_tokens, objective, temperature, size, stats_out, top_p=1.0):
+    def forward(ctx, hidden, weight, targets, mask, num_tokens, objective, temperature, size, stats_out, top_p=1.0,
+                top_k=0):
         need_h, need_w = hidden.requires_grad, weight.requires_grad
         need_ent = bool(getattr(objective, "entropy_coef", 0.0))  # the loss uses the entropy: its gradient too
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -42,7 +43,7 @@ class TiledLoss(torch.autograd.Function):
         parts: dict[str, list] = {}
         weight32 = fp32(weight)
         for sl in tiles(targets.shape[0], size):
-            z = tile_logits(hidden[sl], weight32, temperature, targets[sl], top_p)
+            z = tile_logits(hidden[sl], weight32, temperature, targets[sl], top_p, top_k)
             lp, sums, ent = softmax_stats_(z, targets[sl], with_entropy=True)
             with torch.enable_grad():
                 leaf, ent_leaf = lp.detach().requires_grad_(True), ent.detach().requires_grad_(need_ent)
@@ -70,7 +71,7 @@ class TiledLoss(torch.autograd.Function):
             for g in (grad_h, grad_w):
                 if g is not None:
                     g.mul_(grad_out.to(g.dtype))
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
 EXACTNESS = "fp_tolerance"  # dense's loss and gradients up to summation order (fp32: 1e-5)
@@ -80,29 +81,32 @@ SWEEPS_SEQUENCE_LEVEL = True  # a sequence-level loss (gspo) adds a no-grad swee
 
 
 def memory(size, tokens: int, vocab: int, *, grad: bool, trainable: bool, entropy_grad: bool = False,
-           top_p: float = 1.0) -> dict:
+           top_p: float = 1.0, top_k: int = 0) -> dict:
     """One tile; in a pass with a gradient also the entropy's block buffer (filled while taking each tile's
     gradient)."""
-    return tile_memory("tiled", size, tokens, vocab, entropy_block=grad, top_p=top_p)
+    return tile_memory("tiled", size, tokens, vocab, entropy_block=grad, top_p=top_p, top_k=top_k)
 
 
 def freed_before_weight_grad(tokens: int, vocab: int) -> int:
     return 0
 
 
-def logprobs(hidden, weight, targets, temperature: float, size: int, with_entropy: bool = False, top_p: float = 1.0):
+def logprobs(hidden, weight, targets, temperature: float, size: int, with_entropy: bool = False, top_p: float = 1.0,
+             top_k: int = 0):
     # Logprob-only passes (old policy, reference) need no fused loss: the chunked function computes them tile by
     # tile too, so no path of a tiled run builds the full logits.
-    return _chunked_logprobs(hidden, weight, targets, temperature, size, with_entropy, top_p)
+    return _chunked_logprobs(hidden, weight, targets, temperature, size, with_entropy, top_p, top_k)
 
 
-def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float, size: int, top_p: float = 1.0):
+def loss(hidden, weight, targets, mask, objective, num_tokens, temperature: float, size: int, top_p: float = 1.0,
+         top_k: int = 0):
     stats: dict = {}
     with gathered(weight):  # backward needs no weight: every gradient is computed here, handed to ZeRO once
         if getattr(objective, "fix", None) is not None:
             # gspo: a token's gradient needs its sequence's ratio, a mean over tokens that may lie in later tiles;
             # a first no-grad sweep over the tiles gives every logprob (one more logits matmul per tile)
             fix_sequences(objective, chunked_logprobs_nograd(hidden.detach(), weight.detach(), targets, temperature,
-                                                             size, top_p=top_p))
-        total = TiledLoss.apply(hidden, weight, targets, mask, num_tokens, objective, temperature, size, stats, top_p)
+                                                             size, top_p=top_p, top_k=top_k))
+        total = TiledLoss.apply(hidden, weight, targets, mask, num_tokens, objective, temperature, size, stats, top_p,
+                                top_k)
     return total, stats

@@ -91,9 +91,11 @@ class Pipeline:
     rollout in order. Checkpointed (`state_dict`): the rollouts requested but not yet trained on, with their rows
     and versions, so a resumed run trains on exactly what the uninterrupted one would."""
 
-    def __init__(self, cfg, *, window: int, grad_accum: int, device: torch.device, build=worker.build):
+    def __init__(self, cfg, *, window: int, grad_accum: int, device: torch.device, build=None):
         self.cfg, self.window, self.grad_accum, self.device = cfg, window, grad_accum, device
-        self.build = build  # (cfg, state, device) -> (policy, tokenizer, rollout engine), run in the worker
+        # (cfg, state, device) -> (policy, tokenizer, rollout engine), run in the worker; looked up when the pipeline
+        # is made, not when this module was imported, so that a test's fault reaches the process a run starts
+        self.build = build or worker.build
         self.staleness = cfg.rollout.max_staleness
         self.submitted = 0  # rollouts requested so far: the next request's index
         self.taken = 0  # rollouts handed to the trainer so far

@@ -43,6 +43,8 @@ class Plan:
     device_type: str = "cpu"
     layer_tokens: int = 0  # positions per forward of the train pass
     kind: str = "fp32"  # the activations' dtype family (terms.activation_kind)
+    rows: int = 0  # rows per micro-batch (predict's `rows`: `trained` plans again from it)
+    step_tokens: int = 0  # response tokens per micro-batch before any layout (predict's `tokens`)
 
 
 def world_size(cfg) -> int:
@@ -72,6 +74,11 @@ def passes(cfg, world: int) -> tuple[bool, bool, bool]:
 def sampled_top_p(cfg) -> float:
     """The top-p of the distribution the heads compute logprobs of: GRPO's sampler's (rollout.top_p); DPO's 1."""
     return 1.0 if cfg.loss.name == "dpo" else cfg.rollout.top_p
+
+
+def sampled_top_k(cfg) -> int:
+    """The top-k of that distribution: GRPO's sampler's (rollout.top_k, 0: off); DPO's 0."""
+    return 0 if cfg.loss.name == "dpo" else cfg.rollout.top_k
 
 
 RECOMPUTED = "one layer recomputed in backward"
@@ -109,7 +116,8 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
     parts.update(mask)
     head = terms.head_parts(registry.get("head", cfg.head.name), size, tokens, s, grad=True,
                             accumulate=forwards > 1,  # each forward's backward adds to the lm-head gradient
-                            entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)), top_p=sampled_top_p(cfg))
+                            entropy_grad=bool(getattr(cfg.loss, "entropy_coef", 0.0)), top_p=sampled_top_p(cfg),
+                            top_k=sampled_top_k(cfg))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     parts.update(terms.objective_parts(cfg, cfg.train.batch_size // world * cfg.rollout.max_new_tokens, tokens))
     # the blocks the forward before the peak's left; a step of one forward reuses the last step's heap
@@ -158,42 +166,68 @@ def asynchronous(cfg, s, gen: Phase, device_type: str) -> tuple[Phase, dict[str,
     return source_of(cfg).memory(cfg, s, gen, device_type)
 
 
+@dataclass
+class Layout:
+    """What a pass over micro-batches of `rows` rows lays out in one forward: its positions (`layer_tokens`), its
+    attention mask's part and elements, the positions of the CPU heap term's forward, the forwards of a step, and
+    the heads' response tokens of one forward."""
+
+    layer_tokens: int
+    mask: dict[str, int]
+    mask_elements: int
+    heap_tokens: int
+    forwards: int
+    tokens: int
+
+
+def laid_out(cfg, rows: int, seq_len: int, tokens: int, accum: int) -> Layout:
+    """The Layout of a pass over micro-batches of `rows` rows of `seq_len` positions and `tokens` response tokens
+    (`accum` micro-batches a step): padded as they are, packed / shared_prompt in forwards of batching.max_tokens."""
+    layout = registry.get("batching", cfg.batching.name)(cfg.batching)
+    layer_tokens = rows * seq_len
+    # padded rows: [rows, 1, seq_len, seq_len] (prompts and answers padded)
+    out = Layout(layer_tokens, {}, layer_tokens * seq_len, layer_tokens, accum, tokens)
+    packed = layout.planned_forward(cfg, rows * accum, seq_len, tokens // rows)
+    if packed is None:
+        return out
+    step_tokens = tokens * accum
+    # a forward holds whole units (rows of `width`) up to max_tokens positions, whatever the rows: usually a little
+    # under max_tokens, so its [positions, hidden] tensors go to the heap where max_tokens' would just reach 1 MiB
+    layer_tokens, width, tokens = packed
+    return Layout(layer_tokens, {f"attention mask ({layer_tokens} positions in rows of {width}, bool)":
+                                 layer_tokens * width}, layer_tokens * width, layer_tokens, -(-step_tokens // tokens),
+                  tokens)
+
+
 def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, device_type: str = "cpu",
-            head_size: int | None = None, device_gib: float | None = None) -> Plan:
+            head_size: int | None = None, device_gib: float | None = None, trained_rows: int | None = None) -> Plan:
     """The plan of a validated config for a model of shapes `s`, `rows` sequences of `seq_len` positions and
     `tokens` response tokens per micro-batch, on one of `world` ranks. `head_size` overrides cfg.head.size
-    (needed when it is `auto`)."""
+    (needed when it is `auto`). `trained_rows`: the rows per micro-batch the train and old-policy passes compute
+    where train.skip_zero_advantage left rows of advantage 0 out (padded: the largest micro-batch's; packed and
+    shared_prompt, which lay out the step's kept rows anew: the step's kept rows over its micro-batches); None:
+    every row, the bound a run must fit (what `rlrun plan` shows: rewards decide how many are left out)."""
     b, head, path = s.param_bytes, registry.get("head", cfg.head.name), precision.path(cfg)
     size = head_size if head_size is not None else cfg.head.size
     kind = terms.activation_kind(b, path == "bf16-autocast")
-    layout = registry.get("batching", cfg.batching.name)(cfg.batching)
     needs_old, needs_ref, ref_copy = passes(cfg, world)
     weights, adam = terms.resident(cfg, s, world=world, device_type=device_type, ref_copy=ref_copy, path=path,
                                    device_gib=device_gib)
-    layer_tokens, mask, accum = rows * seq_len, {}, grad_accum(cfg, world)
-    mask_elements = layer_tokens * seq_len  # padded rows: [rows, 1, seq_len, seq_len] (prompts and answers padded)
-    # the CPU heap term's forward: its positions, and how many forwards (each with its backward) a step has
-    heap_tokens, forwards = layer_tokens, accum
-    packed = layout.planned_forward(cfg, rows * accum, seq_len, tokens // rows)
-    if packed is not None:  # a forward holds at most max_tokens positions, whatever the rows
-        step_tokens = tokens * accum
-        layer_tokens, width, tokens = packed
-        mask = {f"attention mask ({layer_tokens} positions in rows of {width}, bool)": layer_tokens * width}
-        mask_elements = layer_tokens * width
-        forwards = -(-step_tokens // tokens)
-        # whole units (rows of `width`) fill a forward to at most max_tokens, so a full one is usually a little
-        # under it: its [positions, hidden] tensors go to the heap where max_tokens' would just reach 1 MiB
-        heap_tokens = layer_tokens if layer_tokens < cfg.batching.max_tokens else layer_tokens // width * width
+    accum = grad_accum(cfg, world)
+    full = laid_out(cfg, rows, seq_len, tokens, accum)
+    kept = rows if trained_rows is None else max(1, min(trained_rows, rows))
+    trained = full if kept == rows else laid_out(cfg, kept, seq_len, tokens // rows * kept, accum)
 
-    def logprob_phase(policy: bool, weights: dict, adapters: bool) -> Phase:
-        held = {"final hidden states": 2 * layer_tokens * s.hidden * b, **mask}
+    def logprob_phase(policy: bool, weights: dict, adapters: bool, lay: Layout) -> Phase:
+        held = {"final hidden states": 2 * lay.layer_tokens * s.hidden * b, **lay.mask}
         if policy and kind == "autocast":  # the autocast cache keeps the casts of weights that require grad
             held["bf16 weight copies (autocast cache)"] = s.layer_matrices * 2
-        layer = {"one layer's activations (no grad)": layer_tokens * live_bytes(s, kind)}
-        layer[f"{MASK_COPIES} (one layer's, no grad)"] = terms.mask_copy(mask_elements, kind)  # freed as it returns
+        layer = {"one layer's activations (no grad)": lay.layer_tokens * live_bytes(s, kind)}
+        layer[f"{MASK_COPIES} (one layer's, no grad)"] = terms.mask_copy(lay.mask_elements, kind)  # freed as it returns
         if adapters:  # LoRA on (the reference runs with them off, or is a copy without them)
-            layer["LoRA: an adapter's output beside its layer's (no grad)"] = layer_tokens * lora_bytes(s, kind)
-        lm_head = terms.head_parts(head, size, tokens, s, grad=False, top_p=sampled_top_p(cfg))
+            layer["LoRA: an adapter's output beside its layer's (no grad)"] = lay.layer_tokens * lora_bytes(s, kind)
+        lm_head = terms.head_parts(head, size, lay.tokens, s, grad=False, top_p=sampled_top_p(cfg),
+                                   top_k=sampled_top_k(cfg))
         # Without grad a layer's working set is freed when it returns, before the head runs: on CUDA (allocated
         # bytes) the phase peaks at the larger of the two (their sum over-predicted tiled heads' pass 2x on an
         # H200, docs/gpu.md). CPU RSS keeps the freed layer's heap blocks (glibc): there both count (bench plan).
@@ -210,14 +244,27 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         gen = Phase(generate_parts(cfg, s, seq_len, world, weights), {**weights, **adam})
         phases["generate"], extra = asynchronous(cfg, s, gen, device_type)
         trainer = {**weights, **extra}
-    if needs_old:
-        phases["old_logprobs"] = logprob_phase(True, trainer, cfg.model.lora.enabled)
+    if needs_old:  # skipping: only the rows that will be trained (recipes/skipping.logprobs)
+        phases["old_logprobs"] = logprob_phase(True, trainer, cfg.model.lora.enabled, trained)
     if needs_ref:
-        phases["ref_logprobs"] = logprob_phase(not ref_copy, trainer, False)
-    train = train_parts(cfg, s, layer_tokens, tokens, size, world=world, device_type=device_type, kind=kind,
-                        mask=mask, mask_elements=mask_elements, heap_tokens=heap_tokens, forwards=forwards)
+        phases["ref_logprobs"] = logprob_phase(not ref_copy, trainer, False, full)
+    train = train_parts(cfg, s, trained.layer_tokens, trained.tokens, size, world=world, device_type=device_type,
+                        kind=kind, mask=trained.mask, mask_elements=trained.mask_elements,
+                        heap_tokens=trained.heap_tokens, forwards=trained.forwards)
     phases["train"] = Phase(train, {**trainer, **adam})
-    return Plan(phases, tokens, seq_len, size if head.TILED else None, s, world, device_type, layer_tokens, kind)
+    return Plan(phases, trained.tokens, seq_len, size if head.TILED else None, s, world, device_type,
+                trained.layer_tokens, kind, rows, tokens)
+
+
+def trained(cfg, plan: Plan, kept: list[int], head_size: int | None) -> Plan:
+    """`plan` again for a step whose micro-batches kept `kept` rows each (train.skip_zero_advantage): padded
+    computes each micro-batch with its kept rows (one, masked, where none), so its peak is the largest's; packed
+    and shared_prompt lay out the step's kept rows anew."""
+    layout = registry.get("batching", cfg.batching.name)(cfg.batching)
+    padded = layout.planned_forward(cfg, plan.rows, plan.seq_len, plan.step_tokens // plan.rows) is None
+    rows = max(max(kept), 1) if padded else max(1, -(-sum(kept) // len(kept)))
+    return predict(cfg, plan.shapes, plan.rows, plan.seq_len, plan.step_tokens, world=plan.world,
+                   device_type=plan.device_type, head_size=head_size, trained_rows=rows)
 
 
 TOLERANCE, FLOOR_MIB = 0.15, 32.0  # the plan's target: within 15% or 32 MiB of what is measured, the larger

@@ -92,13 +92,13 @@ def heap_slack(s, layer_tokens: int, layers: int, kind: str, recomputed: int = 0
 
 
 def head_parts(head, size: int | None, tokens: int, s, *, grad: bool, accumulate: bool = False,
-               entropy_grad: bool = False, top_p: float = 1.0) -> dict[str, int]:
+               entropy_grad: bool = False, top_p: float = 1.0, top_k: int = 0) -> dict[str, int]:
     """The lm head's working set for `tokens` response tokens: what `head` (a head module: its `memory` term)
     materialises and, with `grad`, the extra gradient buffers (the lm-head gradient itself is counted with the other
     gradients). Weights that are not fp32 (DeepSpeed's bf16 mode) are cast to fp32 once per call: the logits are
     never computed in bf16."""
     parts = head.memory(size, tokens, s.vocab, grad=grad, trainable=s.head_trainable, entropy_grad=entropy_grad,
-                        top_p=top_p)
+                        top_p=top_p, top_k=top_k)
     weight = s.vocab * s.hidden
     if s.param_bytes != FP32:
         parts["lm-head weight cast to fp32 (bf16 weights)"] = weight * FP32

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import axes, evaluate, logprobs, losses, models, ranks, tasks
+from .. import axes, evaluate, logprobs, losses, models, plan, ranks, tasks
 from .. import batching as packing
+from ..meters import MIB
 from ..rollout import record
 from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, setup
 from . import sampling, skipping, sources
@@ -156,7 +157,7 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     a = axes.resolve(cfg)  # the options as objects; setup binds them to the engine and the plan
     # the trainer's logprobs are the sampler's distribution (temperature, top-p renormalised): ratios compare alike
     s = setup(cfg, tracker, load=load, grad_accum=grad_accum, resume=resume, temperature=cfg.rollout.temperature,
-              top_p=cfg.rollout.top_p, with_rollout=a.pipeline.generates_here,
+              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, with_rollout=a.pipeline.generates_here,
               with_reference=a.logprobs.builds_reference(cfg.loss.kl_coef))
     frame, engine, task = Frame(cfg, raw, tracker, s, curve="reward_mean"), s.engine, s.data
     prompts = tasks.prompt_stream(task.train, cfg.seed)  # the same stream on every rank; each takes its slice
@@ -172,6 +173,7 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     if drawn is not None:
         stateful["sampling"] = drawn
     start = frame.restore(resume, stateful)
+    skips = bool(s.axes.objective is not None and s.axes.objective.skip_zero_advantage)  # rows of advantage 0 left out
 
     # the rewards run in a worker process: bounded, and unable to end or hold up the run (rlrun/tasks/worker.py)
     with tasks.isolated(task, cfg.task.reward_timeout_s, cfg.seed), \
@@ -185,16 +187,30 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
             # 2. Train: one optimizer step over grad_accum micro-batches, loss normalised by the step's token count.
             micros = buffer.take(grad_accum)
             got.ages = [step - mb.version for mb in micros]
+            kept = [int(skipping.trained_rows(mb).sum()) for mb in micros] if skips else None  # the rows trained
             loss_total, num_tokens, parts, layout = train_step(cfg, s, micros, step)
             grad_norm = engine.step()
 
             # 3. Metrics over all ranks. A metric that needs a skipped pass is absent, never a zero that looks real.
             m = step_metrics(frame, passes, got, loss_total, num_tokens, parts, grad_norm, layout, drawn)
+            m.update(trained_plan(cfg, s, kept))
             frame.log(step, m, reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
             if cfg.log.samples_every and step % cfg.log.samples_every == 0 and got.samples:
                 frame.samples(step, got.samples, "train")
         return frame.finish()
+
+
+def trained_plan(cfg, s, kept: list[int] | None) -> dict[str, float]:
+    """train.skip_zero_advantage: plan/<phase>_trained_growth_mib, the memory plan of the rows this step's train
+    pass computed (and, for the old-policy pass, the same rows: the rollout the step trains on). The plan at step 0
+    counts every row, the bound a run must fit; how many rows are left out is the rewards' to decide, so this is
+    what the planner's accuracy is measured against (python -m rlrun.bench plan)."""
+    if kept is None or s.memory is None:
+        return {}
+    again = plan.trained(cfg, s.memory, kept, s.head_size)
+    return {f"plan/{name}_trained_growth_mib": again.phases[name].growth / MIB for name in ("train", "old_logprobs")
+            if name in again.phases}
 
 
 def refill(cfg, s, source, buffer: RolloutBuffer, step: int) -> StepRollouts:
@@ -224,7 +240,7 @@ def held_out(cfg, frame, s):
             return evaluate.evaluate(s.engine.model, s.tokenizer, rows, s.data.score,
                                      max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                      greedy=cfg.eval.greedy, samples=cfg.eval.samples, temperature=r.temperature,
-                                     top_p=r.top_p, seed=cfg.seed, show=cfg.log.samples,
+                                     top_p=r.top_p, top_k=r.top_k, seed=cfg.seed, show=cfg.log.samples,
                                      accuracy_reward=cfg.eval.accuracy_reward,
                                      accuracy_threshold=cfg.eval.accuracy_threshold)
 

@@ -243,8 +243,11 @@ def concat(parts: list[Drawn], pad_id: int) -> Drawn:
         out = []
         for d in parts:
             x, n = getattr(d.roll, name), d.roll.prompt_len
-            prompt, response = (x[:, :n], x[:, n:]) if split else (x[:, :0], x)
             pad = torch.nn.functional.pad
+            if not split:  # response-only columns (response_mask, gen_logprobs): no prompt to pad
+                out.append(pad(x, (0, w - x.shape[1]), value=value))
+                continue
+            prompt, response = x[:, :n], x[:, n:]
             out.append(torch.cat([pad(prompt, (p - n, 0), value=value), pad(response, (0, w - response.shape[1]),
                                                                                value=value)], 1))
         return torch.cat(out)

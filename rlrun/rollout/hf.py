@@ -23,13 +23,19 @@ from .. import models
 from . import Rollout
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """-inf outside the smallest set of tokens whose probability reaches top_p (the top token always stays)."""
-    if top_p >= 1.0:
+def top_p_filter(logits: torch.Tensor, top_p: float, top_k: int = 0) -> torch.Tensor:
+    """-inf outside the `top_k` most likely tokens (0: all), then outside the smallest set of those whose
+    renormalised probability reaches top_p (the top token always stays): transformers' and vLLM's order."""
+    if top_p >= 1.0 and not 0 < top_k < logits.shape[-1]:
         return logits
     sorted_logits, order = logits.sort(-1, descending=True)
-    probs = sorted_logits.softmax(-1)
-    drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if 0 < top_k < logits.shape[-1]:
+        drop[..., top_k:] = True
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    if top_p < 1.0:
+        probs = sorted_logits.softmax(-1)
+        drop |= probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
     return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
@@ -39,9 +45,10 @@ AHEAD_FLOATS = 1 << 14  # uniform draws a row takes from its generator at once (
 class SeededSampler(LogitsProcessor):
     """Turns greedy decoding into per-sequence seeded sampling and records the sampled tokens' logprobs."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float, max_steps: int | None = None):
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, max_steps: int | None = None,
+                 top_k: int = 0):
         self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        self.temperature, self.top_p, self.max_steps = temperature, top_p, max_steps
+        self.temperature, self.top_p, self.top_k, self.max_steps = temperature, top_p, top_k, max_steps
         self.ahead: torch.Tensor | None = None  # [rows, steps, vocab]: the next steps' draws, taken at once
         self.pick = torch.arange(0)  # the rows of `ahead` still sampled
         self.used = 0  # steps of `ahead` used
@@ -80,7 +87,7 @@ class SeededSampler(LogitsProcessor):
 
     def __call__(self, input_ids, scores):
         self.collect(input_ids[:, -1])  # the token chosen at the previous step
-        logp = torch.log_softmax(top_p_filter(scores.float() / self.temperature, self.top_p), -1)
+        logp = torch.log_softmax(top_p_filter(scores.float() / self.temperature, self.top_p, self.top_k), -1)
         self.last = logp
         u = self.uniform(scores.shape[-1]).to(scores.device)
         exponential = -torch.log(u.clamp(min=1e-20))  # Exp(1); logp - log(Exp(1)) = logp + Gumbel(0, 1)
@@ -167,7 +174,7 @@ def encode(tokenizer, prompts: list[str], device):
 def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int], drop_ended: bool = True) -> Rollout:
     """`seeds`: one sampling seed per prompt (see the module docstring); `drop_ended`: see `decode`."""
     input_ids, attention_mask = encode(tokenizer, prompts, device)
-    sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+    sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p, cfg.max_new_tokens, getattr(cfg, "top_k", 0))
     response = decode(model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, processor=sampler,
                       drop_ended=drop_ended)

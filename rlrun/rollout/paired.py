@@ -38,7 +38,8 @@ def job_config(cfg: DictConfig, job_num: int, sweep_dir: str) -> DictConfig:
         else:
             r = cfg.rollout
             out.rollout = OmegaConf.create({"name": "replay", "path": path, "temperature": r.temperature,
-                                            "top_p": r.top_p, "max_new_tokens": r.max_new_tokens, "pipeline": "sync"})
+                                            "top_p": r.top_p, "top_k": r.top_k,
+                                            "max_new_tokens": r.max_new_tokens, "pipeline": "sync"})
     return out
 
 

@@ -45,8 +45,13 @@ FORMAT = 2
 HEADER, INDEX = "record.json", "rollouts.jsonl"
 TENSORS = ("input_ids", "attention_mask", "response_mask", "gen_logprobs", "finished")
 # What a record's rollouts depend on: a replaying run must have the same (the training side is free).
-FIXED = ("rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "train.group_size",
+FIXED = ("rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_new_tokens", "train.group_size",
          "train.rollout_batch", "train.dynamic_sampling", "seed", "task", "model", "warm_start")
+# keys inside a FIXED node that no rollout depends on: how long a reward call may take (a record holds the rewards
+# it got), and DPO's pair columns. Left out of a record and of the comparison (a record made before says them)
+UNFIXED = ("task.reward_timeout_s", "task.chosen_key", "task.rejected_key")
+# FIXED keys added since records were first made, as a record without them was drawn: rollout.top_k off
+RECORDED_BEFORE = {"rollout.top_k": 0}
 # the files of a model folder that hold its weights (transformers' names), digested into the record (weights_digest)
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 _digests: dict[tuple, str] = {}  # (path, size, mtime) -> sha256: a paired sweep asks once per job, the files once
@@ -72,6 +77,8 @@ def fixed(cfg) -> dict:
             value["weights_sha256"] = weights_digest(node)
         if key == "warm_start":
             value = warm_start(cfg)
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if f"{key}.{k}" not in UNFIXED}
         out[key] = json.loads(json.dumps(value, default=str))
     return out
 
@@ -125,9 +132,9 @@ def _flat(value, prefix: str = ""):
 
 def differences(recorded: dict, now: dict) -> list[str]:
     """`key was X in the record, now Y` for each FIXED value (flattened) that differs."""
-    a, b = dict(_flat(recorded)), dict(_flat(now))
+    a, b = {**RECORDED_BEFORE, **dict(_flat(recorded))}, dict(_flat(now))
     return [f"{k} was {a.get(k)!r} in the record, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k)]
+            if a.get(k) != b.get(k) and k not in UNFIXED]
 
 
 class Record:

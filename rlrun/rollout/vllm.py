@@ -62,7 +62,7 @@ class VLLMRollout:
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)  # left-padded, as hf
         requests = [TokensPrompt(prompt_token_ids=row[m.bool()].tolist())
                     for row, m in zip(enc.input_ids, enc.attention_mask)]
-        params = [SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=0, max_tokens=c.max_new_tokens,
+        params = [SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_new_tokens,
                                  stop_token_ids=[tok.eos_token_id], logprobs=0, seed=int(s), detokenize=False)
                   for s in seeds]
         if c.sleep:

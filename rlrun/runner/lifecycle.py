@@ -37,13 +37,19 @@ def run(cfg, raw, run_name: str | None, train, on_start=None) -> dict:
         return _tracked(cfg, raw, run_name, train, state, main_rank, on_start)
 
 
+def fits_record(cfg) -> None:
+    """rollout=replay: RecordError unless the record at rollout.path fits the config (the rollout option's
+    `check`); run, `rlrun plan` and `rlrun check` alike."""
+    fits = getattr(registry.get("rollout", cfg.rollout.name), "check", None)
+    if fits is not None:
+        fits(cfg)
+
+
 def check_rollouts(cfg) -> None:
     """Before anything is built: the record a run replays must fit its config (rollout=replay: the rollout option's
     `check`), and a folder to record to must be new, empty, or this run's own record when it resumes. (With
     loss=dpo the config rules refuse both.)"""
-    fits = getattr(registry.get("rollout", cfg.rollout.name), "check", None)
-    if fits is not None:
-        fits(cfg)
+    fits_record(cfg)
     if getattr(cfg.rollout, "record", None) and ranks.is_main():  # rank 0 writes it (the others may see it begun)
         record.check_folder(os.path.expanduser(cfg.rollout.record), cfg, resumed=bool(cfg.resume))
 

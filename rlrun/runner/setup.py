@@ -49,6 +49,8 @@ class Setup:
     rollout: Sampler | None  # the generator (GRPO, sync), built on the weights the run starts from
     grad_accum: int  # micro-batches per rank per optimizer step
     warnings: tuple[str, ...]  # about the data and settings (the run tag rlrun.warnings)
+    memory: Any = None  # the memory plan (plan.Plan; None where the run could not be planned)
+    head_size: int | None = None  # head.size resolved (auto: the plan's choice)
 
 
 def seed_everything(seed: int) -> None:
@@ -59,12 +61,12 @@ def seed_everything(seed: int) -> None:
 
 def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: int, with_reference: bool,
           reference_path: str | None = None, with_rollout: bool = False, resume: dict | None = None,
-          temperature: float = 1.0, top_p: float = 1.0) -> Setup:
+          temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> Setup:
     """Seed; build the policy and tokenizer; `load` the recipe's data; warm-start the policy (when `warm_start`
     applies); build the reference and the trainer's copy (rlrun.policy: LoRA, activations, precision); hand both
     to the engine; plan the memory (resolving head.size=auto); load a checkpoint's engine state (`resume`); build
-    the rollout on those weights; bind the axes (`temperature`, `top_p`: the distribution of the run's logprobs,
-    GRPO's the sampler's)."""
+    the rollout on those weights; bind the axes (`temperature`, `top_p`, `top_k`: the distribution of the run's
+    logprobs, GRPO's the sampler's)."""
     seed_everything(cfg.seed)
     base, tokenizer = models.build(cfg.model, cfg.seed)
     data = load(tokenizer, models.context_size(base))
@@ -87,7 +89,7 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
     shapes = plan.shapes_of(trainer, plan.weight_dtype(cfg))  # before the engine partitions it (ZeRO-3)
     engine = registry.get("engine", cfg.engine.name).Engine(cfg, trainer, reference, grad_accum)
     head_size, memory = plan_memory(cfg, tracker, engine, tokenizer, shapes, data.plan_rows, warnings)
-    bound = axes.resolve(cfg, head_size=head_size, temperature=temperature, top_p=top_p,
+    bound = axes.resolve(cfg, head_size=head_size, temperature=temperature, top_p=top_p, top_k=top_k,
                          agree=batching.agree(engine), device=engine.device)
     device_notes(cfg, tracker, engine, bound)
     if resume is not None:
@@ -99,7 +101,8 @@ def setup(cfg, tracker, *, load: Callable[[Any, int | None], Data], grad_accum: 
                                                                       engine.device)
     skip = () if cfg.offload.enabled else OFFLOAD_PHASES  # not logged: charts of phases that never ran mislead
     return Setup(tokenizer=tokenizer, engine=engine, meter=Meter(engine.device, skip=skip), axes=bound,
-                 data=data.value, rollout=rollout, grad_accum=grad_accum, warnings=tuple(warnings))
+                 data=data.value, rollout=rollout, grad_accum=grad_accum, warnings=tuple(warnings), memory=memory,
+                 head_size=head_size)
 
 
 def device_notes(cfg, tracker, engine, bound: axes.Axes) -> None:

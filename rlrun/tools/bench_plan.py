@@ -48,17 +48,23 @@ MODEL_VARIANTS = (("dense", "fp32", False), ("tiled", "fp32", False), ("chunked"
 
 def pair_axes() -> dict[str, list]:
     """The options that change the planner's terms, from the registry; `micro`: rows per micro-batch (32: four
-    micro-batches accumulate into the step's 128 rows; 128: one)."""
+    micro-batches accumulate into the step's 128 rows; 128: one); GRPO's losses (gspo adds sequence ids and, on
+    tiled, a sweep's logprobs); offload; `skip`: train.skip_zero_advantage acting (no KL term, so that rows of
+    advantage 0 leave the train and old passes); the rollout pipeline (async: the generator's weight slots)."""
+    losses = [name for name in registry.REGISTRY["loss"] if name != "dpo"]  # the points run GRPO's loop
     return {"head": list(registry.REGISTRY["head"]), "batching": list(registry.REGISTRY["batching"]),
             "activations": list(registry.REGISTRY["activations"]), "precision": list(registry.REGISTRY["precision"]),
-            "lora": [False, True], "micro": [32, 128]}
+            "lora": [False, True], "micro": [32, 128], "loss": losses, "offload": list(registry.REGISTRY["offload"]),
+            "skip": [False, True], "pipeline": list(registry.REGISTRY["pipeline"])}
 
 
 def pair_points() -> list[dict]:
     from ..pairs import all_pairs
 
     return [dict(row, vocab=32000, hidden=256, layers=4, pair=True,
-                 extra=(f"batching={row['batching']}", f"activations={row['activations']}"))
+                 extra=(f"batching={row['batching']}", f"activations={row['activations']}", f"loss={row['loss']}",
+                        f"offload={row['offload']}", f"train.skip_zero_advantage={str(row['skip']).lower()}",
+                        f"rollout.pipeline={row['pipeline']}"))
             for row in all_pairs(pair_axes())]
 
 
@@ -79,9 +85,10 @@ def overrides(point: dict, steps: int, uri: str) -> list[str]:
     else:
         micro, new = TOKENS[point["tokens"]]
         size = [f"train.micro_batch={micro}", f"rollout.max_new_tokens={new}"]
+    kl = 0 if point.get("skip") else 0.01  # a KL term keeps every row in (skipping would not act)
     return [f"head={point['head']}", f"model.vocab_size={point['vocab']}", *size, "train.rollout_batch=128",
             "train.batch_size=128", "train.group_size=16", f"train.steps={steps}", "logprob_policy=always",
-            "loss.kl_coef=0.01", "warm_start.enabled=false", "eval.every=0", "export.enabled=false", "progress=false",
+            f"loss.kl_coef={kl}", "warm_start.enabled=false", "eval.every=0", "export.enabled=false", "progress=false",
             f"tracking.uri={uri}", *(["model.lora.enabled=true"] if point.get("lora") else []), *point.get("extra", ())]
 
 
@@ -97,7 +104,10 @@ def child(point: dict, steps: int, out_path: str) -> None:
             values = [m.value for m in history(name)]
             return statistics.median(values) if values else None
 
-        result = {p: (median(plan_growth_key(p)), median(growth_key(p))) for p in PHASES}
+        # train.skip_zero_advantage: the plan of the rows each step computed (the step-0 plan counts every row)
+        planned = {p: median(f"plan/{p}_trained_growth_mib") for p in PHASES}
+        result = {p: (planned[p] if planned[p] is not None else median(plan_growth_key(p)), median(growth_key(p)))
+                  for p in PHASES}
     torch.save({p: v for p, v in result.items() if None not in v}, out_path)
 
 
@@ -148,7 +158,8 @@ def label(p: dict) -> str:
         return "-".join([p["model"], p["head"], p["precision"], *(["lora"] if p["lora"] else [])])
     if p.get("pair"):
         return "-".join([p["head"], p["batching"], p["activations"], p["precision"], *(["lora"] if p["lora"] else []),
-                         f"mb{p['micro']}"])  # an MLflow metric name's characters
+                         f"mb{p['micro']}", p["loss"], *(["offload"] if p["offload"] == "on" else []),
+                         *(["skip"] if p["skip"] else []), p["pipeline"]])  # an MLflow metric name's characters
     if "hidden" in p:
         return f"{p['head']}-h{p['hidden']}-L{p['layers']}" + ("-bf16" if p["precision"] == "bf16" else "")
     return f"{p['head']}-v{p['vocab']}-n{p['tokens']}" + ("-lora" if p["lora"] else "")

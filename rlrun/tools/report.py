@@ -79,13 +79,23 @@ CURVES = (("loss", "loss"), ("reward_mean", "mean reward (GRPO)"), ("rewards/acc
 
 
 def collect(client, runs):
-    return [histories(client, r, [k for k, _ in CURVES] + list(costs.KEYS) + ["grad_norm"]) for r in runs]
+    return [histories(client, r, [k for k, _ in CURVES] + reward_curves(runs) + list(costs.KEYS) + ["grad_norm"])
+            for r in runs]
+
+
+def reward_curves(runs) -> list[str]:
+    """Each named reward's held-out mean that any run logged (eval/rewards/NAME/mean): a task with several rewards
+    (word_problems: the answer in \\boxed{} and in any form) shows each beside eval/accuracy."""
+    return sorted({k for r in runs for k in r.data.metrics if k.startswith("eval/rewards/") and k.endswith("/mean")})
 
 
 def curves_figure(names, data):
     """One panel per curve that any run logged (loss, GRPO reward, DPO accuracy and margin, token entropy,
-    held-out accuracy), one colour per run shared by all panels, and one legend for the figure listing every run."""
-    present = [(k, label) for k, label in CURVES if any(k in h for h in data)] or [CURVES[0]]
+    held-out accuracy, each named reward's held-out mean), one colour per run shared by all panels, and one legend
+    for the figure listing every run."""
+    named = sorted({k for h in data for k in h if k.startswith("eval/rewards/")})
+    curves = [*CURVES, *((k, f"held-out reward {k.split('/')[2]!r}") for k in named)]
+    present = [(k, label) for k, label in curves if any(k in h for h in data)] or [CURVES[0]]
     ncol = 1 if max((len(n) for n in names), default=0) > 45 else 2
     legend_h = 0.3 + 0.24 * -(-len(names) // ncol)
     fig, axes = figure([3.0] * len(present), extra=legend_h)
