@@ -319,6 +319,17 @@ def test_a_reward_module_that_exits_at_import_fails_the_run_naming_it(tmp_path):
     assert all(r.info.status == "FAILED" for r in found)  # none left RUNNING (none at all if refused before it)
 
 
+@pytest.mark.slow  # `rlrun check` in a subprocess, refused while it loads the data (~10 s)
+def test_rlrun_check_says_which_reward_module_exits_at_import(tmp_path):
+    """`rlrun check` with such a module: exit 7 and no output at all."""
+    (tmp_path / "exits_at_import.py").write_text("import os\nos._exit(7)\n\ndef r(completion, answer):\n"
+                                                 "    return 1.0\n")
+    r = subprocess.run([sys.executable, "-m", "rlrun", "check", "experiment=smoke", "task.reward=exits_at_import.py:r"],
+                       cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "importing 'exits_at_import.py' called os._exit(7)" in r.stderr, r.stderr[-2000:]
+
+
 def test_sys_exit_in_a_reward_module_at_import_is_a_task_error_naming_it(tmp_path, monkeypatch):
     (tmp_path / "quits_at_import.py").write_text("import sys\nsys.exit(3)\n")
     monkeypatch.chdir(tmp_path)
