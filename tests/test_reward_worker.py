@@ -305,6 +305,38 @@ def test_os_exit_in_a_reward_fails_the_run_naming_the_reward(tmp_path):
     assert r.info.status == "FAILED" and "'quits'" in r.data.tags["error"]
 
 
+@pytest.mark.slow  # a smoke run refused while its data loads (~25 s here)
+def test_a_reward_module_that_exits_at_import_fails_the_run_naming_it(tmp_path):
+    """`os._exit(7)` at a reward module's top level: the run ended at once, exit 7, no message, left RUNNING."""
+    (tmp_path / "exits_at_import.py").write_text("import os\nos._exit(7)\n\ndef r(completion, answer):\n"
+                                                 "    return 1.0\n")
+    p = rlrun(tmp_path, "task.reward=exits_at_import.py:r")
+    p.wait(timeout=300)
+    err = (tmp_path / "console.txt").read_text()
+    assert p.returncode == 2, err[-2000:]
+    assert "task.reward='exits_at_import.py:r': importing 'exits_at_import.py' called os._exit(7)" in err, err[-2000:]
+    _, found = runs(tmp_path / "mlflow.db")
+    assert all(r.info.status == "FAILED" for r in found)  # none left RUNNING (none at all if refused before it)
+
+
+@pytest.mark.slow  # `rlrun check` in a subprocess, refused while it loads the data (~10 s)
+def test_rlrun_check_says_which_reward_module_exits_at_import(tmp_path):
+    """`rlrun check` with such a module: exit 7 and no output at all."""
+    (tmp_path / "exits_at_import.py").write_text("import os\nos._exit(7)\n\ndef r(completion, answer):\n"
+                                                 "    return 1.0\n")
+    r = subprocess.run([sys.executable, "-m", "rlrun", "check", "experiment=smoke", "task.reward=exits_at_import.py:r"],
+                       cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "importing 'exits_at_import.py' called os._exit(7)" in r.stderr, r.stderr[-2000:]
+
+
+def test_sys_exit_in_a_reward_module_at_import_is_a_task_error_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "quits_at_import.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(tasks.TaskError, match=r"importing 'quits_at_import.py' called sys.exit\(3\)"):
+        scoring.import_reward("quits_at_import.py:r")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
 def test_a_reward_worker_killed_from_outside_fails_the_run_naming_the_reward(tmp_path, pipeline):

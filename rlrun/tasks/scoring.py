@@ -4,6 +4,7 @@ what they return. The calling rule is documented in rlrun.tasks. A run calls the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib
@@ -101,6 +102,32 @@ def _import_module(key: str, spec: str, module_name: str):
     return module, getattr(module, "__file__", None) or module_name
 
 
+class _ExitAtImport(BaseException):
+    """os._exit called while a reward module was imported (raised by the stand-in `_no_exit_on_import` sets)."""
+
+
+@contextlib.contextmanager
+def _no_exit_on_import(key: str, spec: str, where: str):
+    """A reward module that ends the process while it is imported (`sys.exit`, `os._exit(7)` at module level) is a
+    TaskError naming it: `os._exit` ended the run at once, exit 7, no message, its MLflow run left RUNNING. For the
+    import only, `os._exit` raises instead of exiting; a crash in C code (a segfault) still ends the process."""
+    real = os._exit
+
+    def stand_in(code):
+        raise _ExitAtImport(code)
+
+    os._exit = stand_in
+    try:
+        yield
+    except (SystemExit, _ExitAtImport) as e:
+        how = "os._exit" if isinstance(e, _ExitAtImport) else "sys.exit"
+        raise TaskError(f"{key}={spec!r}: importing {where!r} called {how}({e.args[0] if e.args else ''}), which "
+                        "would end the run; a reward module must not end the process when it is imported (move "
+                        "that code into a function, or under `if __name__ == '__main__':`).") from None
+    finally:
+        os._exit = real
+
+
 def import_reward(spec: str, key: str = "task.reward"):
     """`module:function` or `path/to/file.py:function` -> the function; errors say what failed and the fix."""
     if not isinstance(spec, str) or spec.count(":") < 1 or not spec.rpartition(":")[2].strip():
@@ -109,7 +136,8 @@ def import_reward(spec: str, key: str = "task.reward"):
     is_file = where.endswith(".py") or "/" in where or os.sep in where
     home = os.getcwd()
     try:
-        module, origin = _import_file(key, spec, where) if is_file else _import_module(key, spec, where)
+        with _no_exit_on_import(key, spec, where):
+            module, origin = _import_file(key, spec, where) if is_file else _import_module(key, spec, where)
     finally:
         _go_home(home)  # a module that changes directory on import does not move where the run writes
     fn = getattr(module, name, None)
