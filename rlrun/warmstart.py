@@ -42,12 +42,12 @@ from pathlib import Path
 import torch
 
 from . import nofollow
+from .config.warm_start import DEFAULTS, applies, options  # noqa: F401 - config-level: a record fixes them
 from .errors import LinkError
 
 log = logging.getLogger("rlrun")
 VERSION = 2  # bump when the warm start's computation changes: old cache entries stop matching
 HEADER = b"rlrun-warmstart sha256 "  # then the payload's hex digest and a newline (VERSION 2 on)
-DEFAULTS = {"steps": 300, "batch_size": 64, "lr": 3e-3, "weight_decay": 0.1, "wrong_prob": 0.75, "offsets": [1]}
 
 
 def cache_dir() -> Path:
@@ -55,18 +55,6 @@ def cache_dir() -> Path:
     root = os.environ.get("RLRUN_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlrun")
     return Path(root) / "warmstart"
-
-
-def options(cfg) -> dict:
-    """The warm-start options as a plain dict (OmegaConf nodes included), defaults filled in; `enabled` and
-    `cache` say whether and how to run, not what is computed, so they are left out (and out of the cache key)."""
-    if hasattr(cfg, "_metadata"):  # an OmegaConf node
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    out = {**DEFAULTS, **{k: v for k, v in dict(cfg or {}).items() if k not in ("enabled", "cache")}}
-    out["offsets"] = [int(o) for o in out["offsets"]]
-    return out
 
 
 def noisy_answer(answer: str, rng: random.Random, wrong_prob: float, offsets) -> str:
@@ -199,13 +187,6 @@ def warm_start(model, tokenizer, rows: list[dict], cfg, seed: int, cache: bool =
     if path is not None:
         _save_cached(path, model)
     return model
-
-
-def applies(cfg) -> bool:
-    """warm_start.enabled: true, or auto for the embedded random-init model on its own synthetic task (task=arith,
-    whose answers the warm start's off-by-one labels are made for); never on the user's data unless asked."""
-    enabled = cfg.warm_start.enabled
-    return enabled is True or (enabled == "auto" and cfg.model.name == "tiny" and cfg.task.name == "arith")
 
 
 def notice(cfg, rows: int) -> str | None:

@@ -92,7 +92,7 @@ def toy_head() -> types.ModuleType:
     toy.logprobs, toy.loss = dense.logprobs, dense.loss
     toy.EXACTNESS, toy.PHASES, toy.TILED, toy.SWEEPS_SEQUENCE_LEVEL = "fp_tolerance", dense.PHASES, False, False
 
-    def memory(size, tokens, vocab, *, grad, trainable, entropy_grad=False, top_p=1.0):
+    def memory(size, tokens, vocab, *, grad, trainable, entropy_grad=False, top_p=1.0, top_k=0):
         return {f"toy logits ({tokens} tokens)": 3 * tokens * vocab * 4}
 
     toy.memory, toy.freed_before_weight_grad = memory, dense.freed_before_weight_grad

@@ -47,11 +47,12 @@ def test_save_read_keep_and_fall_back_past_a_corrupted_checkpoint(tmp_path, capl
 
 def test_changed_keys():
     saved = {"train.lr": "0.1", "train.steps": "5", "head.name": "dense", "tracking.uri": "a", "seed": "0"}
-    now = {"train.lr": "0.2", "train.steps": "9", "head.name": "tiled", "tracking.uri": "b", "seed": "0"}
+    now = {"train.lr": "0.2", "train.steps": "9", "head.name": "tiled", "tracking.uri": "b", "seed": "0",
+           "rollout.top_k": "0"}  # a checkpoint from before rollout.top_k was drawn with it off
     assert checkpoint.changed_keys(saved, now) == ["train.lr"]
     # the memory plan and the head's tile may change, and a checkpoint from before plan.* existed still resumes
     assert checkpoint.changed_keys({"head.size": "128"}, {"plan.device_gib": "80", "head.size": "auto",
-                                                          "head.memory_budget_mib": "None"}) == []
+                                                          "head.memory_budget_mib": "None", "rollout.top_k": "0"}) == []
 
 
 def rlrun(tmp, *args):

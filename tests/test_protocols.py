@@ -133,7 +133,8 @@ def test_a_broken_implementation_is_caught():
     from rlrun.rollout.protocol import RolloutModule
     from rlrun.tasks.protocol import TaskReader
 
-    def loss(hidden, weight, targets, objective, mask, num_tokens, temperature, size, top_p=1.0):  # mask/objective
+    # mask and objective swapped
+    def loss(hidden, weight, targets, objective, mask, num_tokens, temperature, size, top_p=1.0, top_k=0):
         return None
 
     facts = {k: getattr(dense, k) for k in ("EXACTNESS", "PHASES", "TILED", "SWEEPS_SEQUENCE_LEVEL", "memory",
@@ -146,7 +147,8 @@ def test_a_broken_implementation_is_caught():
     no_facts = problems(types.SimpleNamespace(logprobs=dense.logprobs, loss=dense.loss), Head, "h")
     assert "h.EXACTNESS is missing" in no_facts and "h.memory is missing or not callable" in no_facts
 
-    def logprobs(hidden, weight, targets, temperature, size, with_entropy, top_p=1.0):  # no default: callers omit it
+    # with_entropy without a default: callers omit it
+    def logprobs(hidden, weight, targets, temperature, size, with_entropy, top_p=1.0, top_k=0):
         return None
 
     assert problems(types.SimpleNamespace(logprobs=logprobs, loss=dense.loss, **facts), Head, "h") == [

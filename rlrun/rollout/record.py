@@ -35,6 +35,7 @@ import json
 import os
 from typing import Any
 
+from ..config import warm_start as warm_start_config
 from ..errors import RecordError
 from ..folders import sha256
 from ..nofollow import appending, write_replacing
@@ -86,14 +87,12 @@ def fixed(cfg) -> dict:
 def warm_start(cfg) -> dict:
     """What the warm start does to the weights the rollouts were drawn with: whether it runs (`auto` resolved) and,
     when it does, what it computes (warmstart.options: not `cache`, which changes where it is kept, not the result)."""
-    from .. import warmstart  # torch: called after validation only
-
-    if not warmstart.applies(cfg):
+    if not warm_start_config.applies(cfg):
         return {"applies": False}
     node = cfg.warm_start
     if dataclasses.is_dataclass(node) and not isinstance(node, type):  # a typed config
         node = dataclasses.asdict(node)
-    return {"applies": True, **warmstart.options(node)}
+    return {"applies": True, **warm_start_config.options(node)}
 
 
 def weights_digest(model_cfg) -> str | None:
