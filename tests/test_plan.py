@@ -134,8 +134,8 @@ def test_packed_forwards_leave_cpu_heap_blocks_as_accumulating_micro_batches_do(
     _, one = planned(*shape, "batching=packed", "batching.max_tokens=100000")
     assert heap not in padded.phases["train"].parts  # one micro-batch, one forward a step
     assert heap not in one.phases["train"].parts  # the whole step in one pack
-    full = 1024 // packed.seq_len * packed.seq_len  # max_tokens is not a whole number of rows: a pack's are
-    assert 1024 % packed.seq_len and packed.layer_tokens == full
+    assert packed.layer_tokens == 1024 and 1024 % packed.seq_len  # max_tokens is not a whole number of rows
+    full = 1024 // packed.seq_len * packed.seq_len
     slack = plan.terms.heap_slack
     assert packed.phases["train"].parts[heap] == slack(packed.shapes, full, packed.shapes.layers, "fp32") > 0
     assert slack(packed.shapes, 1024, packed.shapes.layers, "fp32") == 0  # 1 MiB blocks: their own mappings

@@ -191,12 +191,12 @@ def laid_out(cfg, rows: int, seq_len: int, tokens: int, accum: int) -> Layout:
     if packed is None:
         return out
     step_tokens = tokens * accum
-    # a forward holds whole units (rows of `width`) up to max_tokens positions, whatever the rows: usually a little
-    # under max_tokens, so its [positions, hidden] tensors go to the heap where max_tokens' would just reach 1 MiB
-    layer_tokens, width, tokens = packed
+    layer_tokens, width, tokens = packed  # a forward holds at most max_tokens positions, whatever the rows
+    # whole units (rows of `width`) fill a forward to at most max_tokens, so a full one is usually a little under
+    # it: its [positions, hidden] tensors go to the heap where max_tokens' would just reach 1 MiB
+    heap = layer_tokens if layer_tokens < cfg.batching.max_tokens else layer_tokens // width * width
     return Layout(layer_tokens, {f"attention mask ({layer_tokens} positions in rows of {width}, bool)":
-                                 layer_tokens * width}, layer_tokens * width, layer_tokens, -(-step_tokens // tokens),
-                  tokens)
+                                 layer_tokens * width}, layer_tokens * width, heap, -(-step_tokens // tokens), tokens)
 
 
 def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, device_type: str = "cpu",
