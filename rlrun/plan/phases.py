@@ -120,6 +120,14 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
                             top_k=sampled_top_k(cfg))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     parts.update(terms.objective_parts(cfg, cfg.train.batch_size // world * cfg.rollout.max_new_tokens, tokens))
+    if forwards == 1 and cfg.engine.name == "single":
+        # one forward a step (no gradient made before it): backward makes each layer's gradient as it frees that
+        # layer's saved tensors, so at the head's backward only the lm head's exists, and all of them only at the
+        # end, the activations gone. The peak is the larger of the two (issue #53: skip_zero_advantage's few kept
+        # rows in one pack, planned with every gradient beside every activation, +28-41%)
+        head_grad = s.vocab * s.hidden * s.param_bytes if s.head_trainable else 0
+        rest = sum(v for k, v in parts.items() if k != "gradients")
+        parts["gradients"] = max(min(parts["gradients"], head_grad), parts["gradients"] - rest)
     # the blocks the forward before the peak's left; a step of one forward reuses the last step's heap
     if device_type == "cpu" and forwards > 1:
         parts["CPU heap: blocks under 1 MiB freed and kept (allocator)"] = terms.heap_slack(
