@@ -134,8 +134,8 @@ def test_packed_forwards_leave_cpu_heap_blocks_as_accumulating_micro_batches_do(
     _, one = planned(*shape, "batching=packed", "batching.max_tokens=100000")
     assert heap not in padded.phases["train"].parts  # one micro-batch, one forward a step
     assert heap not in one.phases["train"].parts  # the whole step in one pack
-    full = 1024 // packed.seq_len * packed.seq_len  # max_tokens is not a whole number of rows: a pack's are
-    assert 1024 % packed.seq_len and packed.layer_tokens == full
+    assert packed.layer_tokens == 1024 and 1024 % packed.seq_len  # max_tokens is not a whole number of rows
+    full = 1024 // packed.seq_len * packed.seq_len
     slack = plan.terms.heap_slack
     assert packed.phases["train"].parts[heap] == slack(packed.shapes, full, packed.shapes.layers, "fp32") > 0
     assert slack(packed.shapes, 1024, packed.shapes.layers, "fp32") == 0  # 1 MiB blocks: their own mappings
@@ -606,3 +606,14 @@ def test_rows_that_skipping_leaves_out_are_planned_as_the_rows_a_step_computes(b
     want_rows = 32 if batching == "padded" else 16
     assert again.phases["train"].growth == plan.predict(cfg, s, rows, seq_len, tokens,
                                                          trained_rows=want_rows).phases["train"].growth
+
+
+def test_a_step_of_one_forward_peaks_before_the_layers_gradients_exist():
+    """One forward a step (no micro-batch before it; issue #53's skip_zero_advantage points, whose few kept rows
+    fit one pack): backward makes each layer's gradient as it frees that layer's saved tensors, so the peak holds the
+    lm head's gradient beside the activations, not every gradient (planned so: +28-41% on CPU)."""
+    overrides = ("head=chunked", "model.hidden_size=256", "model.intermediate_size=1024", "model.layers=4",
+                 "model.heads=4", "model.kv_heads=4", "batching=packed", "batching.max_tokens=100000")
+    p, peak = live_train_peak(*overrides)
+    assert p.phases["train"].parts["gradients"] == p.shapes.vocab * p.shapes.hidden * 4  # the lm head's alone
+    assert p.phases["train"].growth == pytest.approx(peak, rel=0.05, abs=MIB), plan.detail(p)

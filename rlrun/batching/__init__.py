@@ -296,9 +296,5 @@ def planned_forward(cfg, rows: int, seq_len: int, response: int, shared: bool) -
         prompt = seq_len - response
         positions = -(-rows // group) * prompt + rows * response
         width = prompt + min(group, rows) * response
-    # whole units a forward: rows as wide as the longest unit, as many as fit max_tokens (`packs`); at small shapes
-    # (a shared_prompt group of 16 x 16 new tokens: 3 rows of ~270 in 1024) the forward is well under max_tokens,
-    # which the plan counted in full (issue #53: train +35% at loss=cispo head=tiled shared_prompt)
-    unit = min(width, b.max_tokens)
-    forward = min(max(1, b.max_tokens // unit) * unit, positions)
-    return forward, unit, -(-forward * rows * response // positions)
+    forward = min(b.max_tokens, positions)
+    return forward, min(b.max_tokens, width), -(-forward * rows * response // positions)

@@ -120,6 +120,14 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
                             top_k=sampled_top_k(cfg))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     parts.update(terms.objective_parts(cfg, cfg.train.batch_size // world * cfg.rollout.max_new_tokens, tokens))
+    if forwards == 1 and cfg.engine.name == "single":
+        # one forward a step (no gradient made before it): backward makes each layer's gradient as it frees that
+        # layer's saved tensors, so at the head's backward only the lm head's exists, and all of them only at the
+        # end, the activations gone. The peak is the larger of the two (issue #53: skip_zero_advantage's few kept
+        # rows in one pack, planned with every gradient beside every activation, +28-41%)
+        head_grad = s.vocab * s.hidden * s.param_bytes if s.head_trainable else 0
+        rest = sum(v for k, v in parts.items() if k != "gradients")
+        parts["gradients"] = max(min(parts["gradients"], head_grad), parts["gradients"] - rest)
     # the blocks the forward before the peak's left; a step of one forward reuses the last step's heap
     if device_type == "cpu" and forwards > 1:
         parts["CPU heap: blocks under 1 MiB freed and kept (allocator)"] = terms.heap_slack(
@@ -191,12 +199,12 @@ def laid_out(cfg, rows: int, seq_len: int, tokens: int, accum: int) -> Layout:
     if packed is None:
         return out
     step_tokens = tokens * accum
-    # a forward holds whole units (rows of `width`) up to max_tokens positions, whatever the rows: usually a little
-    # under max_tokens, so its [positions, hidden] tensors go to the heap where max_tokens' would just reach 1 MiB
-    layer_tokens, width, tokens = packed
+    layer_tokens, width, tokens = packed  # a forward holds at most max_tokens positions, whatever the rows
+    # whole units (rows of `width`) fill a forward to at most max_tokens, so a full one is usually a little under
+    # it: its [positions, hidden] tensors go to the heap where max_tokens' would just reach 1 MiB
+    heap = layer_tokens if layer_tokens < cfg.batching.max_tokens else layer_tokens // width * width
     return Layout(layer_tokens, {f"attention mask ({layer_tokens} positions in rows of {width}, bool)":
-                                 layer_tokens * width}, layer_tokens * width, layer_tokens, -(-step_tokens // tokens),
-                  tokens)
+                                 layer_tokens * width}, layer_tokens * width, heap, -(-step_tokens // tokens), tokens)
 
 
 def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, device_type: str = "cpu",
