@@ -405,3 +405,18 @@ def test_a_pack_as_wide_as_the_vocabulary_is_no_false_alarm():
     got = {r.probe: r for r in check.rows_of(cfg)}
     assert got["no full logits"].ok is True, got["no full logits"]
     assert all(r.ok is not False for r in got.values()), {p: r.measured for p, r in got.items() if r.ok is False}
+
+
+@pytest.mark.slow  # two checks refused before any probe, one bounded check (~15 s)
+def test_check_refuses_what_the_run_refuses_and_stays_within_its_documented_size(tmp_path):
+    """issue #54: `rollout.max_new_tokens=1000` beyond the tiny model's 256 positions passed every probe while the
+    run refused it; a group of 65,536 kept the check busy for minutes at gigabytes (documented: at most 16
+    sequences)."""
+    r = subprocess.run([sys.executable, "-m", "rlrun", "check", "experiment=smoke", "rollout.max_new_tokens=1000"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "context" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    cfg = validate(make_cfg("experiment=smoke", "train.group_size=65536", "train.rollout_batch=65536",
+                            "train.batch_size=65536", "train.micro_batch=8"))
+    with torch.random.fork_rng():
+        ctx = check.build(cfg)
+    assert ctx.roll.input_ids.shape[0] == check.PROBE_ROWS

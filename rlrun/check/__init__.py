@@ -69,13 +69,15 @@ def baseline_config(cfg):
 
 
 def probe_prompts(cfg, task, tokenizer) -> list[str]:
-    """Whole groups, at most PROBE_ROWS sequences (at least one group), of the task's shortest and longest prompts
-    in turn: where the data's prompts differ in length, the probe's rows are left-padded as a run's are."""
+    """Whole groups, at most PROBE_ROWS sequences (at least one group, itself cut to PROBE_ROWS: a group_size of
+    65,536 kept the check busy for minutes at gigabytes, against the seconds it documents; the probes check
+    arithmetic, not a group's statistics), of the task's shortest and longest prompts in turn: where the data's
+    prompts differ in length, the probe's rows are left-padded as a run's are."""
     t = cfg.train
     groups = max(1, min(t.rollout_batch, PROBE_ROWS) // t.group_size)
     prompts = sorted(dict.fromkeys(r["prompt"] for r in task.train), key=lambda p: len(tokenizer(p).input_ids))
     ends = [prompts[i // 2] if i % 2 == 0 else prompts[-1 - i // 2] for i in range(groups)]
-    return [p for p in ends for _ in range(t.group_size)]
+    return [p for p in ends for _ in range(min(t.group_size, PROBE_ROWS))]
 
 
 def build(cfg) -> Context:
@@ -84,6 +86,9 @@ def build(cfg) -> Context:
     base_model, tokenizer = models.build(cfg.model, cfg.seed)
     device = registry.get("engine", "single").device(cfg.engine) if cfg.engine.name == "single" else "cpu"
     task = tasks.load(cfg.task, cfg.seed, tokenizer)
+    # the run refuses prompts that with max_new_tokens overflow the model's context: so does its check (a check
+    # that passed a configuration its run refuses said less than the run)
+    tasks.check_lengths(task, tokenizer, cfg.rollout.max_new_tokens, models.context_size(base_model))
     base_cfg = baseline_config(cfg)
     reference = policy.build(cfg, "reference", base=base_model)
     trainer = policy.build(cfg, "trainer", base=probes.copy_model(base_model)).to(device)

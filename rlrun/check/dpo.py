@@ -30,6 +30,7 @@ def build(cfg, baseline_config) -> SimpleNamespace:
     base_model, tokenizer = models.build(cfg.model, cfg.seed)
     device = next(base_model.parameters()).device
     train_pairs, _ = tasks.load_pairs(cfg.task, cfg.seed, tokenizer)
+    tasks.check_lengths(train_pairs, tokenizer, None, models.context_size(base_model))  # refused as the run does
     pairs = [dict(p, id=i) for i, p in enumerate(train_pairs[:PROBE_PAIRS])]
     n = len(pairs)
     # the loss is each micro-batch's share of the batch mean: the probe batch is the whole batch
