@@ -14,7 +14,7 @@ from helpers import history, runs
 pytestmark = pytest.mark.slow
 
 SMALL = ["experiment=smollm2", "train.steps=2", "train.rollout_batch=8", "train.group_size=4", "train.batch_size=8",
-         "train.micro_batch=4", "rollout.max_new_tokens=12", "progress=false"]
+         "train.micro_batch=4", "rollout.max_new_tokens=12", "train.overlong_buffer=4", "progress=false"]
 
 
 def rlrun(tmp_path, *args, timeout=900):

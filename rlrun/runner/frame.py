@@ -259,8 +259,9 @@ class Frame:
         with torch.no_grad():
             hidden = models.hidden_states(backbone, ids, torch.ones_like(ids))
             finite = bool(torch.isfinite(hidden).all())
-            if finite and weight.numel():  # the logits too, where this rank holds the whole head (not ZeRO-3)
-                finite = bool(torch.isfinite(hidden.float() @ weight.float().T).all())
+            if finite and weight.numel():  # the last position's logits too, where this rank holds the whole head
+                # (not ZeRO-3): one row, so the check adds no [tokens, vocab] tensor to a tiled head's run
+                finite = bool(torch.isfinite(hidden[:, -1].float() @ weight.float().T).all())
         if not finite:
             raise NonFiniteLossError("the policy's forward gives NaN or inf at the end of training (its weights "
                                      f"are finite, but too large for its precision); {DIVERGED_FIX}")
