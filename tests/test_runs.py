@@ -170,7 +170,9 @@ def test_a_skipped_old_pass_takes_the_generator_gap_from_the_train_pass(tmp_path
         _, client, r = run_in(tmp_path / policy, SMOKE, f"logprob_policy={policy}", "train.steps=3")
         got[policy] = {k: history(client, r.info.run_id, k) for k in keys}
     gap = got["skip"]["mismatch/gen_vs_train_abs"]
-    assert len(gap) == 3 and min(gap) > 0  # rounding between the sampler's path and the trainer's, not a 0 stand-in
+    # rounding between the sampler's path and the trainer's, not a 0 stand-in (on some CPUs the two paths agree to the
+    # bit at step 0, before any update: measured 0.0 on an AVX-512 Xeon; later steps differ)
+    assert len(gap) == 3 and min(gap) >= 0 and max(gap) > 0
     assert gap == pytest.approx(got["always"]["mismatch/gen_vs_train_abs"], rel=1e-3)
     assert got["skip"]["mismatch/token_mult_prob_error"] == pytest.approx(
         got["always"]["mismatch/token_mult_prob_error"], rel=1e-12)
