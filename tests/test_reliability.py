@@ -181,22 +181,16 @@ def loss_steps(db) -> int:
         return 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-@pytest.mark.parametrize("moment", ["model build", "run just created", "mid step"])
-def test_a_signal_at_any_moment_never_leaves_the_run_running(tmp_path, moment, sig):
+def signalled_hook_run(tmp_path, sig, hook_env: dict, ready) -> list:
+    """A smoke run through HOOK, sent `sig` once `ready()`; asserts it exited 128 + sig with its one run KILLED, and
+    returns the runs."""
     (tmp_path / "hook.py").write_text(HOOK)
-    marker = tmp_path / "reached"
-    env = {**ENV, "HOOK_AT": moment, "HOOK_MARKER": str(marker)}
     p = subprocess.Popen([sys.executable, str(tmp_path / "hook.py"), "experiment=smoke", "train.steps=200",
                           "progress=false", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-                          f"checkpoint.dir={tmp_path}/ckpt"],
-                         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          f"checkpoint.dir={tmp_path}/ckpt"], cwd=tmp_path, env={**ENV, **hook_env},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        if moment == "mid step":
-            wait_for(lambda: loss_steps(tmp_path / "mlflow.db") >= 2, p)
-        else:
-            wait_for(marker.exists, p)
+        wait_for(ready, p)
         p.send_signal(sig)
         p.wait(timeout=120)
     finally:
@@ -205,6 +199,16 @@ def test_a_signal_at_any_moment_never_leaves_the_run_running(tmp_path, moment, s
     assert p.returncode == 128 + sig, p.stderr.read()[-2000:]
     _, found = runs(tmp_path / "mlflow.db")
     assert [r.info.status for r in found] == ["KILLED"]
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("moment", ["model build", "run just created", "mid step"])
+def test_a_signal_at_any_moment_never_leaves_the_run_running(tmp_path, moment, sig):
+    marker = tmp_path / "reached"
+    ready = (lambda: loss_steps(tmp_path / "mlflow.db") >= 2) if moment == "mid step" else marker.exists
+    found = signalled_hook_run(tmp_path, sig, {"HOOK_AT": moment, "HOOK_MARKER": str(marker)}, ready)
     assert "interrupted" in found[0].data.tags.get("error", "")
     if moment == "mid step":  # the step in flight finished and was checkpointed
         state, _ = checkpoint.load_latest(str(tmp_path / "ckpt"))
@@ -308,21 +312,8 @@ def test_sigusr2_and_sigxcpu_are_handled_like_sigterm(name):
 @pytest.mark.parametrize("name", ["SIGUSR2", "SIGXCPU"])
 def test_sigusr2_and_sigxcpu_end_the_run_killed_with_its_checkpoint(tmp_path, name):
     sig = getattr(signal, name)
-    (tmp_path / "hook.py").write_text(HOOK)
-    p = subprocess.Popen([sys.executable, str(tmp_path / "hook.py"), "experiment=smoke", "train.steps=200",
-                          "progress=false", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-                          f"checkpoint.dir={tmp_path}/ckpt"], cwd=tmp_path, env={**ENV, "HOOK_AT": "none",
-                          "HOOK_MARKER": ""}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(lambda: loss_steps(tmp_path / "mlflow.db") >= 2, p)
-        p.send_signal(sig)
-        p.wait(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 128 + sig, p.stderr.read()[-2000:]
-    _, found = runs(tmp_path / "mlflow.db")
-    assert [r.info.status for r in found] == ["KILLED"]
+    signalled_hook_run(tmp_path, sig, {"HOOK_AT": "none", "HOOK_MARKER": ""},
+                       lambda: loss_steps(tmp_path / "mlflow.db") >= 2)
     state, _ = checkpoint.load_latest(str(tmp_path / "ckpt"))
     assert state["step"] == loss_steps(tmp_path / "mlflow.db")
 
