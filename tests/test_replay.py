@@ -310,7 +310,11 @@ def test_a_resumed_recorder_writes_again_from_its_checkpoints_rollout(tmp_path):
     first = record.Recorder(str(tmp_path), cfg, resumed=False)
     for n in range(3):
         first.write(n, *record.parts_of(drawn(n)), version=n, step=n)
+    # a run killed while it wrote rollout 2 left its temporary file; the resumed run removes it, nothing else
+    (tmp_path / "rollout_000002.safetensors.tmp5219").write_bytes(b"half a rollout")
+    (tmp_path / "notes.tmp1").write_text("not the record's")
     again = record.Recorder(str(tmp_path), cfg, resumed=True)  # the checkpoint had consumed rollout 0 only
+    assert not (tmp_path / "rollout_000002.safetensors.tmp5219").exists() and (tmp_path / "notes.tmp1").exists()
     again.write(1, *record.parts_of(drawn(7)), version=1, step=1)
     entries = record.read_index(str(tmp_path))
     assert [e["n"] for e in entries] == [0, 1] and entries[0] == first.entries[0]

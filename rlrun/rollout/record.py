@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from typing import Any
 
 from ..config import warm_start as warm_start_config
@@ -44,6 +45,8 @@ from ..nofollow import appending, write_replacing
 # warm_start.enabled=true, or after the weights at model.path changed, trained off-policy without a word)
 FORMAT = 2
 HEADER, INDEX = "record.json", "rollouts.jsonl"
+# the temporary name write_replacing gives a record's file (`<name>.tmp<pid>`)
+LEFTOVER = re.compile(r"(record\.json|rollouts\.jsonl|rollout_\d{6}\.safetensors)\.tmp\d+")
 TENSORS = ("input_ids", "attention_mask", "response_mask", "gen_logprobs", "finished")
 # What a record's rollouts depend on: a replaying run must have the same (the training side is free).
 FIXED = ("rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_new_tokens", "train.group_size",
@@ -312,6 +315,10 @@ class Recorder:
     def __init__(self, path: str, cfg, resumed: bool):
         self.path = path
         self.entries = check_folder(path, cfg, resumed)
+        if resumed and os.path.exists(os.path.join(path, HEADER)):  # a writer killed mid-write left its temporary file (nofollow.write_replacing)
+            for name in os.listdir(path):
+                if LEFTOVER.fullmatch(name) and not os.path.islink(os.path.join(path, name)):
+                    os.remove(os.path.join(path, name))
         if not os.path.exists(os.path.join(path, HEADER)):
             os.makedirs(path, exist_ok=True)
             header = {"format": FORMAT, "fixed": fixed(cfg)}
