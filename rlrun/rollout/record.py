@@ -315,7 +315,8 @@ class Recorder:
     def __init__(self, path: str, cfg, resumed: bool):
         self.path = path
         self.entries = check_folder(path, cfg, resumed)
-        if resumed and os.path.exists(os.path.join(path, HEADER)):  # a writer killed mid-write left its temporary file (nofollow.write_replacing)
+        # resumed: a writer killed mid-write left its temporary file (nofollow.write_replacing)
+        if resumed and os.path.exists(os.path.join(path, HEADER)):
             for name in os.listdir(path):
                 if LEFTOVER.fullmatch(name) and not os.path.islink(os.path.join(path, name)):
                     os.remove(os.path.join(path, name))
