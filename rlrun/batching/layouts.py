@@ -77,7 +77,9 @@ class Packed(Padded):
     def logprobs(self, model, micros, head, counts=None):
         """As padded's, computed in packs and put back in each micro-batch's layout (0 where masked)."""
         backbone, weight = models.split(model)
-        out = [torch.zeros_like(m.gen_logprobs) for m in micros]
+        # float64 where check's arbiter runs a float64 copy of the model (the heads compute in it there)
+        dtype = torch.float64 if weight.dtype == torch.float64 else micros[0].gen_logprobs.dtype
+        out = [torch.zeros_like(m.gen_logprobs, dtype=dtype) for m in micros]
         for p in packs(micros, self.shares_prompt, self.max_tokens, self.agree):
             count_pack(counts, p)
             targets = gather(p, [m.targets for m in micros])

@@ -196,25 +196,41 @@ def ranks(ctx) -> Row:
     of the rows, as engine=deepspeed computes (each rank's step normalised by the counts gathered from both, its
     loss times the world size, the two gradients averaged as DeepSpeed's all-reduce averages), against one rank
     holding them all. In one process: the recipe's arithmetic; DeepSpeed's own all-reduce is tests/test_distributed's.
-    The probe's advantages are given, so a share need not hold whole groups."""
+    The probe's advantages are given, so a share need not hold whole groups. Past the fp32 tolerance (SmolLM2 on 4
+    rows: 1.5e-5, the two halves summed in another order), the same comparison in float64 decides: rounding
+    vanishes there (< `F64_ALONE_TOL`), a per-rank normaliser does not."""
     rows = ctx.roll.input_ids.shape[0]
     if rows < 2:
         return Row("ranks", "n/a: one sequence in the probe", "-", None, RANKS_SOURCE)
+    half = rows // 2
+    d, tol = ranks_gap(ctx, ctx.trainer), BF16_TOL if ctx.axes.precision.exactness == "approximate" else FP_TOL
+    expects = f"2 ranks (rows 0-{half - 1} | {half}-{rows - 1}) = 1: gradients within {tol:.0e}"
+    if d <= tol or ctx.axes.precision.exactness == "approximate":
+        return Row("ranks", expects, f"max rel diff {d:.1e}", d <= tol, RANKS_SOURCE)
+    exact = copy_model(ctx.trainer).double()
+    d64 = ranks_gap(ctx, exact)
+    del exact
+    return Row("ranks", f"{expects}, else {F64_ALONE_TOL:.0e} in float64", f"max rel diff {d:.1e}; float64 {d64:.1e}",
+               d64 <= F64_ALONE_TOL, RANKS_SOURCE)
+
+
+def ranks_gap(ctx, model) -> float:
+    """The largest relative difference between the gradients of two ranks (each half of the probe's rows,
+    averaged) and of one rank with every row, for `model`."""
+    rows = ctx.roll.input_ids.shape[0]
     half = rows // 2
     size = min(ctx.cfg.train.micro_batch, half)
     one = grpo.split_rollout(ctx.roll, ctx.advantages, size)
     shares = [grpo.split_rollout(rows_of(ctx.roll, lo, hi), ctx.advantages[lo:hi], size)
               for lo, hi in ((0, half), (half, rows))]
-    every = [sent(ctx.trainer, share, ctx.axes, ctx.meter, 2) for share in shares]
+    every = [sent(model, share, ctx.axes, ctx.meter, 2) for share in shares]
     got: dict[str, torch.Tensor] = {}
     for share in shares:
-        _, _, grads = train_step(ctx.trainer, share, ctx.axes, ctx.meter, world=2, gather=lambda obj: every)
+        _, _, grads = train_step(model, share, ctx.axes, ctx.meter, world=2, gather=lambda obj: every)
         for n, g in grads.items():  # DeepSpeed's all-reduce: the mean over ranks
             got[n] = got[n] + g / 2 if n in got else g / 2
-    _, _, want = train_step(ctx.trainer, one, ctx.axes, ctx.meter)
-    d, tol = grad_diff(got, want), BF16_TOL if ctx.axes.precision.exactness == "approximate" else FP_TOL
-    return Row("ranks", f"2 ranks (rows 0-{half - 1} | {half}-{rows - 1}) = 1: gradients within {tol:.0e}",
-               f"max rel diff {d:.1e}", d <= tol, RANKS_SOURCE)
+    _, _, want = train_step(model, one, ctx.axes, ctx.meter)
+    return grad_diff(got, want)
 
 
 def sequences_alone(ctx) -> Row:

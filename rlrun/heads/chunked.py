@@ -23,6 +23,7 @@ from .common import (
     tile_logits,
     tile_memory,
     tiles,
+    wide_dtype,
 )
 
 
@@ -44,13 +45,13 @@ class ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_lp, grad_ent):
         hidden, weight, targets = ctx.saved_tensors
         if grad_lp is None:
-            grad_lp = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+            grad_lp = torch.zeros(targets.shape, dtype=wide_dtype(hidden), device=hidden.device)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         if need_w:
             ready_for_grad(weight)  # ZeRO-3: gathered until its gradient is accumulated
         with gathered(weight) if not need_w else contextlib.nullcontext():  # ZeRO-3: gathered for the recompute
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            grad_w = torch.zeros(weight.shape, dtype=wide_dtype(weight), device=weight.device) if need_w else None
             weight32 = fp32(weight)
             for sl in tiles(targets.shape[0], ctx.size):
                 z = tile_logits(hidden[sl], weight32, ctx.temperature, targets[sl], ctx.top_p, ctx.top_k)

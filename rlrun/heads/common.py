@@ -95,6 +95,17 @@ def fp32(weight: torch.Tensor) -> torch.Tensor:
     return weight if weight.dtype in (torch.float32, torch.float64) else weight.float()
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in fp32 (bf16 cast up, exact), or itself in float64: the heads' arithmetic in float64 where check's
+    arbiter (check.probes.float64_step) runs a float64 copy of the model."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def wide_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the heads accumulate in for inputs like `t`: float64 for float64, else fp32 (`wide`)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def no_autocast(t: torch.Tensor):
     """The heads choose their own dtypes: autocast, where a caller has it on, would round the logits to bf16."""
     return torch.autocast(t.device.type, enabled=False)
@@ -105,7 +116,7 @@ def logits(h: torch.Tensor, weight32: torch.Tensor) -> torch.Tensor:
     rounded to bf16 on the way (Liger #1432: a bf16 matmul then an fp32 cast gave 4-23% gradient error). fp32
     inputs: the plain fp32 matmul; float64 (check's arbiter) stays float64."""
     with no_autocast(h):
-        return (h if h.dtype == torch.float64 else h.float()) @ weight32.T
+        return wide(h) @ weight32.T
 
 
 def tile_logits(h: torch.Tensor, weight32: torch.Tensor, temperature: float, targets: torch.Tensor | None = None,
@@ -216,13 +227,13 @@ def logit_grad_(e: torch.Tensor, sums: torch.Tensor, targets: torch.Tensor, g: t
                 g_ent: torch.Tensor | None = None, ent: torch.Tensor | None = None):
     """Turn `e` = exp(z - rowmax) in place into dloss/d(h @ W.T) = g * (onehot - softmax(z)) / T, plus, with
     `g_ent` = dloss/dH and `ent` = H, g_ent * dH/dz / T = -g_ent * p (log p + H) / T."""
-    scale = g.float() / temperature
+    scale = wide(g) / temperature
     if g_ent is None:
         e.mul_((-scale / sums)[:, None])
     else:  # -p * (g + g_ent (log p + H)) with log p = log e - log s: a per-row factor of e, and one of e log e
         if ent is None:
             raise ValueError("logit_grad_: the entropy's gradient (g_ent) needs the entropy (ent)")
-        g_ent = g_ent.float() / temperature
+        g_ent = wide(g_ent) / temperature
         factor, factor_log = -(scale + g_ent * (ent - sums.log())) / sums, -g_ent / sums
         for r in range(0, e.shape[0], ROWS):
             block = e[r : r + ROWS]
@@ -239,14 +250,14 @@ def accumulate_grads(dz, h, weight32, grad_h_out, grad_w):
         if grad_h_out is not None:
             grad_h_out.copy_(dz @ weight32)
         if grad_w is not None:
-            grad_w.addmm_(dz.T, h.float())
+            grad_w.addmm_(dz.T, wide(h))
 
 
 def chunked_logprobs_nograd(hidden, weight, targets, temperature: float, size: int, with_entropy: bool = False,
                             top_p: float = 1.0, top_k: int = 0):
     """Per-token logprobs, tile by tile; with `with_entropy`, (logprobs, entropies); `top_p`: of the sampler's
     renormalised top-p distribution."""
-    out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(targets.shape, dtype=wide_dtype(hidden), device=hidden.device)
     ent = torch.empty_like(out) if with_entropy else None
     with torch.no_grad():
         weight32 = fp32(weight)

@@ -28,6 +28,7 @@ from .common import (
     tile_logits,
     tile_memory,
     tiles,
+    wide_dtype,
 )
 
 
@@ -38,8 +39,8 @@ class TiledLoss(torch.autograd.Function):
         need_h, need_w = hidden.requires_grad, weight.requires_grad
         need_ent = bool(getattr(objective, "entropy_coef", 0.0))  # the loss uses the entropy: its gradient too
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_w = torch.zeros(weight.shape, dtype=wide_dtype(weight), device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=wide_dtype(hidden), device=hidden.device)
         parts: dict[str, list] = {}
         weight32 = fp32(weight)
         for sl in tiles(targets.shape[0], size):
