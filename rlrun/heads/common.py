@@ -91,18 +91,13 @@ def fp32(weight: torch.Tensor) -> torch.Tensor:
     """The weight in fp32, once per head call: itself when it is fp32 (train.precision=bf16 on engine=single keeps
     fp32 master weights), else a [vocab, hidden] fp32 copy (bf16 weights: DeepSpeed's bf16 mode) that every tile
     reuses, counted by the plan. A float64 weight stays float64: `rlrun check`'s arbiter (check.probes.float64_step)
-    runs the dense head in float64."""
+    runs the dense head in float64. The same for the heads' other operands (hidden states, gradients): their
+    arithmetic in fp32, or in float64 on a float64 model."""
     return weight if weight.dtype in (torch.float32, torch.float64) else weight.float()
 
 
-def wide(t: torch.Tensor) -> torch.Tensor:
-    """`t` in fp32 (bf16 cast up, exact), or itself in float64: the heads' arithmetic in float64 where check's
-    arbiter (check.probes.float64_step) runs a float64 copy of the model."""
-    return t if t.dtype == torch.float64 else t.float()
-
-
 def wide_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype the heads accumulate in for inputs like `t`: float64 for float64, else fp32 (`wide`)."""
+    """The dtype the heads accumulate in for inputs like `t`: float64 for float64, else fp32 (`fp32`)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
@@ -116,7 +111,7 @@ def logits(h: torch.Tensor, weight32: torch.Tensor) -> torch.Tensor:
     rounded to bf16 on the way (Liger #1432: a bf16 matmul then an fp32 cast gave 4-23% gradient error). fp32
     inputs: the plain fp32 matmul; float64 (check's arbiter) stays float64."""
     with no_autocast(h):
-        return wide(h) @ weight32.T
+        return fp32(h) @ weight32.T
 
 
 def tile_logits(h: torch.Tensor, weight32: torch.Tensor, temperature: float, targets: torch.Tensor | None = None,
@@ -227,13 +222,13 @@ def logit_grad_(e: torch.Tensor, sums: torch.Tensor, targets: torch.Tensor, g: t
                 g_ent: torch.Tensor | None = None, ent: torch.Tensor | None = None):
     """Turn `e` = exp(z - rowmax) in place into dloss/d(h @ W.T) = g * (onehot - softmax(z)) / T, plus, with
     `g_ent` = dloss/dH and `ent` = H, g_ent * dH/dz / T = -g_ent * p (log p + H) / T."""
-    scale = wide(g) / temperature
+    scale = fp32(g) / temperature
     if g_ent is None:
         e.mul_((-scale / sums)[:, None])
     else:  # -p * (g + g_ent (log p + H)) with log p = log e - log s: a per-row factor of e, and one of e log e
         if ent is None:
             raise ValueError("logit_grad_: the entropy's gradient (g_ent) needs the entropy (ent)")
-        g_ent = wide(g_ent) / temperature
+        g_ent = fp32(g_ent) / temperature
         factor, factor_log = -(scale + g_ent * (ent - sums.log())) / sums, -g_ent / sums
         for r in range(0, e.shape[0], ROWS):
             block = e[r : r + ROWS]
@@ -250,7 +245,7 @@ def accumulate_grads(dz, h, weight32, grad_h_out, grad_w):
         if grad_h_out is not None:
             grad_h_out.copy_(dz @ weight32)
         if grad_w is not None:
-            grad_w.addmm_(dz.T, wide(h))
+            grad_w.addmm_(dz.T, fp32(h))
 
 
 def chunked_logprobs_nograd(hidden, weight, targets, temperature: float, size: int, with_entropy: bool = False,
