@@ -256,26 +256,25 @@ def test_the_tolerance_for_another_machine_takes_its_last_bits_but_not_a_change(
     assert len(moved) == 1 and "step 1" in moved[0]
 
 
-def cpu_model() -> str:
-    """The CPU's model name (what a recording was made on: the last bits depend on it)."""
+def cpuinfo(field: str) -> str:
+    """The first `field` line of /proc/cpuinfo ('' where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return ""
+
+
+def cpu_model() -> str:
+    """The CPU's model name (what a recording was made on: the last bits depend on it)."""
+    return cpuinfo("model name") or platform.processor() or "unknown"
 
 
 def cpu_flags() -> list[str]:
     """The vector-instruction flags of the CPU (avx*, fma, amx*): kernels dispatch on them."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "fma", "amx")))
-    except OSError:
-        pass
-    return []
+    return sorted(f for f in cpuinfo("flags").split() if f.startswith(("avx", "fma", "amx")))
 
 
 def git_commit(root: Path) -> str:
