@@ -15,7 +15,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from .. import models, precision
 from ..recipes import grpo
@@ -150,18 +152,36 @@ def generator_vs_trainer(ctx) -> list[Row]:
                 "huggingface/trl#6789 (top_p=0.8: every weight scaled by the kept mass)")]
 
 
+ACCUMULATION_SOURCE = "modelscope/ms-swift#10117 (gradient accumulation normalised twice)"
+
+
 def accumulation(ctx) -> Row:
     """4. Gradients do not depend on how the step is split into micro-batches (accumulation normalises once):
-    train.micro_batch's split (at least two micro-batches of the probe) against one micro-batch of all of it."""
+    train.micro_batch's split (at least two micro-batches of the probe) against one micro-batch of all of it. Past
+    the fp32 tolerance (SmolLM2 on an H200: 3.7e-5, CUDA's kernels summing two batch shapes in another order), the
+    same comparison in float64 decides: rounding vanishes there, a loss normalised twice is off by a factor of n."""
+    micros = accumulation_split(ctx)
+    n = len(micros)
+    d, tol = accumulation_gap(ctx, ctx.trainer), BF16_TOL if ctx.axes.precision.exactness == "approximate" else FP_TOL
+    expects = f"{n} micro-batches = 1: gradients within {tol:.0e}"
+    if d <= tol or ctx.axes.precision.exactness == "approximate":
+        return Row("accumulation", expects, f"max rel diff {d:.1e}", d <= tol, ACCUMULATION_SOURCE)
+    d64 = in_float64(ctx.trainer, lambda exact: accumulation_gap(ctx, exact))
+    return Row("accumulation", f"{expects}, else {F64_ALONE_TOL:.0e} in float64",
+               f"max rel diff {d:.1e}; float64 {d64:.1e}", d64 <= F64_ALONE_TOL, ACCUMULATION_SOURCE)
+
+
+def accumulation_split(ctx) -> list:
     rows = ctx.roll.input_ids.shape[0]
-    micros = ctx.micros if len(ctx.micros) > 1 else grpo.split_rollout(ctx.roll, ctx.advantages, max(1, rows // 2))
-    whole = grpo.split_rollout(ctx.roll, ctx.advantages, rows)
-    _, _, split = train_step(ctx.trainer, micros, ctx.axes, ctx.meter)
-    _, _, one = train_step(ctx.trainer, whole, ctx.axes, ctx.meter)
-    d, tol = grad_diff(split, one), BF16_TOL if ctx.axes.precision.exactness == "approximate" else FP_TOL
-    n = len(micros)  # a loss normalised twice is off by a factor of n: far outside bf16's rounding too
-    return Row("accumulation", f"{n} micro-batches = 1: gradients within {tol:.0e}", f"max rel diff {d:.1e}",
-               d <= tol, "modelscope/ms-swift#10117 (gradient accumulation normalised twice)")
+    return ctx.micros if len(ctx.micros) > 1 else grpo.split_rollout(ctx.roll, ctx.advantages, max(1, rows // 2))
+
+
+def accumulation_gap(ctx, model) -> float:
+    """The largest relative difference between the gradients of the split step and of one micro-batch, for `model`."""
+    whole = grpo.split_rollout(ctx.roll, ctx.advantages, ctx.roll.input_ids.shape[0])
+    _, _, split = train_step(model, accumulation_split(ctx), ctx.axes, ctx.meter)
+    _, _, one = train_step(model, whole, ctx.axes, ctx.meter)
+    return grad_diff(split, one)
 
 
 def rows_of(roll: Rollout, lo: int, hi: int) -> Rollout:
@@ -207,9 +227,7 @@ def ranks(ctx) -> Row:
     expects = f"2 ranks (rows 0-{half - 1} | {half}-{rows - 1}) = 1: gradients within {tol:.0e}"
     if d <= tol or ctx.axes.precision.exactness == "approximate":
         return Row("ranks", expects, f"max rel diff {d:.1e}", d <= tol, RANKS_SOURCE)
-    exact = copy_model(ctx.trainer).double()
-    d64 = ranks_gap(ctx, exact)
-    del exact
+    d64 = in_float64(ctx.trainer, lambda exact: ranks_gap(ctx, exact))
     return Row("ranks", f"{expects}, else {F64_ALONE_TOL:.0e} in float64", f"max rel diff {d:.1e}; float64 {d64:.1e}",
                d64 <= F64_ALONE_TOL, RANKS_SOURCE)
 
@@ -243,9 +261,7 @@ def sequences_alone(ctx) -> Row:
     source = "unslothai/unsloth-zoo#840 (left padding shifted RoPE positions)"
     if worst <= tol or ctx.axes.precision.exactness == "approximate":
         return Row("sequence alone", f"max |in batch - alone| <= {tol:.0e}", f"max {worst:.1e}", worst <= tol, source)
-    exact = copy_model(ctx.trainer).double()
-    worst64 = alone_gap(ctx, exact)
-    del exact
+    worst64 = in_float64(ctx.trainer, lambda exact: alone_gap(ctx, exact))
     return Row("sequence alone", f"max |in batch - alone| <= {tol:.0e}, else <= {F64_ALONE_TOL:.0e} in float64",
                f"max {worst:.1e}; float64 {worst64:.1e}", worst64 <= F64_ALONE_TOL, source)
 
@@ -373,11 +389,45 @@ ROUNDING_SLACK = 4.0  # an exact option may round up to this many times worse th
 
 def float64_step(ctx, old) -> tuple[float, dict]:
     """The baseline's step on a float64 copy of its weights: the arithmetic both fp32 paths round."""
-    exact = copy_model(ctx.baseline).double()
-    loss, _, grads = train_step(exact, ctx.micros, ctx.base_axes, ctx.meter, [o.double() for o in old])
-    del exact
-    return loss, grads
+    def step(exact):
+        loss, _, grads = train_step(exact, ctx.micros, ctx.base_axes, ctx.meter, [o.double() for o in old])
+        return loss, grads
+
+    return in_float64(ctx.baseline, step)
 
 
 def copy_model(model):
     return copy.deepcopy(model)
+
+
+def in_float64(model, fn):
+    """fn(a float64 copy of `model`), computed in float64 throughout (`KeepFloat64`): the float64 arbiter."""
+    exact = copy_model(model).double()
+    with KeepFloat64():
+        return fn(exact)
+
+
+class KeepFloat64(TorchFunctionMode):
+    """Float64 throughout: every float32 a model or rlrun asks for here is float64 (a dtype argument, .float(), the
+    default dtype of a new tensor). A model's own casts would round otherwise: transformers' RMSNorm normalises in
+    float32, its eager attention takes softmax in float32, its rotary embedding calls .float(). A "float64" Llama
+    that still rounds each norm's input to float32 parts by float32's ulp wherever a GPU's kernels sum two batch
+    shapes in another order: SmolLM2 on an H200 measured sequence alone 8.4e-7 apart "in float64". Keeping only
+    float64 tensors from being cast down is not enough: an op then meets a float64 tensor and a float32 one made
+    from integers, and raised on the H200 (transformers 5.17). Converting integers or float32 data to float64 is
+    exact, so nothing is lost."""
+
+    def __enter__(self):
+        self.default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self.default)
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.float:
+            func = torch.Tensor.double
+        wide = lambda x: torch.float64 if x is torch.float32 else x  # noqa: E731
+        return func(*tree_map(wide, args), **tree_map(wide, kwargs or {}))
