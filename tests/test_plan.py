@@ -277,11 +277,14 @@ def test_plan_predicts_what_runs_measure(point):
     from rlrun.render import in_child
     from rlrun.tools import bench_plan
 
-    result = in_child(bench_plan.child, point, 3)  # the median of 3 steps' growth (RSS is process-wide: see bench_plan)
+    # The smallest of 3 steps' growth: CPU RSS is the live tensors plus what the heap's fragmentation adds, which only
+    # adds, and varies from step to step: chunked-h256-L6's logprob passes (plan 26.9 MiB, RSS alone 24-33) measured
+    # 25-85 MiB within one run, and a CI run's median of 3 was 76.7 (docs/plan.md, "Noise")
+    result = in_child(bench_plan.child, point, 3)
     assert set(bench_plan.CHECKED) <= set(result), result
     for phase in bench_plan.CHECKED:
-        predicted, measured = result[phase]
-        assert bench_plan.within(predicted, measured), (phase, predicted, measured)
+        predicted, _, smallest = result[phase]
+        assert bench_plan.within(predicted, smallest), (phase, result[phase])
 
 
 @pytest.mark.slow  # four fresh processes importing torch
