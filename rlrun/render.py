@@ -87,6 +87,12 @@ def save(fig, path: str, dpi: int | None = None) -> str:
     return path
 
 
+def close(figs: dict) -> None:
+    """Close figures once written and logged: pyplot keeps every open figure alive (and warns past 20)."""
+    for fig in figs.values():
+        pyplot().close(fig)
+
+
 # --- child processes ---
 
 

@@ -33,7 +33,7 @@ import time
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from . import signals, tracking
+from . import render, signals, tracking
 from .sweep_jobs import count, expand_repeats, jobs, refuse_invalid_jobs, swept_keys
 from .tracking import ui
 
@@ -295,6 +295,7 @@ class SweepCallback(Callback):
                                                 baseline)
         report.write(figs, (rows, problems), out)
         tracking.log_figures(self.client, self.parent_id, figs)
+        render.close(figs)
         self.describe(report, runs, baseline, left_out)
         if rows or problems:
             self.client.log_artifact(self.parent_id, os.path.join(out, "equivalence.txt"))

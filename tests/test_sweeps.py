@@ -101,6 +101,11 @@ def test_figures_have_one_series_per_job_and_report_redraws_them_from_the_store(
     assert {t.get_text() for t in figs["curves.png"].legends[0].get_texts()} == set(report.labels(children))
     assert loss_ax.get_xlabel() == "optimizer step"
     assert "growth MiB" in [a.get_ylabel() for a in figs["memory.png"].axes]  # the colour bar: growth, not RSS
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    report.main([parent.info.run_id, "--uri", f"sqlite:///{tmp}/mlflow.db", "--out", str(tmp / "in-process")])
+    assert plt.get_fignums() == []  # written, then closed: a sweep's report leaves no figure open
     out = tmp / "report"
     r = subprocess.run(["rlrun-report", parent.info.run_id, "--uri", f"sqlite:///{tmp}/mlflow.db", "--out", str(out)],
                        cwd=tmp, env=ENV, capture_output=True, text=True, timeout=600)

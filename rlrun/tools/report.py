@@ -315,6 +315,7 @@ def main(argv=None):
         sys.exit(2)
     if a.log and a.parent_run_id:
         log_figures(client, a.parent_run_id, figs)
+    render.close(figs)
     print(f"{len(runs)} runs -> {', '.join(os.path.join(out, n) for n in figs)}")
 
 
