@@ -393,7 +393,7 @@ def test_the_float64_arbiter_rounds_nothing_to_float32_though_the_model_casts():
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from rlrun.check import probes
+    from rlrun.check import float64, probes
 
     class Float32Outputs(TorchDispatchMode):  # ops that round: a float64 tensor in, a float32 tensor out
         def __init__(self):
@@ -418,11 +418,11 @@ def test_the_float64_arbiter_rounds_nothing_to_float32_though_the_model_casts():
 
     plain, plain_loss, _ = step(probes.copy_model(ctx.baseline).double())  # the model's own float32 casts
     assert plain == {"aten._to_copy.default"}, plain
-    ops, loss, grads = probes.in_float64(ctx.baseline, step)
+    ops, loss, grads = float64.in_float64(ctx.baseline, step)
     assert ops == set(), ops
     assert all(g.dtype == torch.float64 for g in grads.values())
     assert loss != plain_loss  # the norms' float32 rounding is gone from the loss
-    with probes.KeepFloat64():  # what transformers 5.17's rotary embedding does: float64 operands on both sides
+    with float64.KeepFloat64():  # what transformers 5.17's rotary embedding does: float64 operands on both sides
         freqs = torch.ones(4, 1, dtype=torch.float64).float() @ torch.arange(3)[None].float()
         made = [torch.zeros(2), torch.ones(2, dtype=torch.float32), torch.arange(2).to(torch.float32)]
     assert freqs.dtype == torch.float64 and {t.dtype for t in made} == {torch.float64}

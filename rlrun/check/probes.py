@@ -15,13 +15,12 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from .. import models, precision
 from ..recipes import grpo
 from ..rollout import Rollout
+from .float64 import in_float64
 
 RATIO_TOL = 1e-5  # |ratio - 1| on-policy, and a logprob computed two ways, in fp32
 GEN_TOL = 1e-4  # generator vs trainer logprobs at the same weights (another kernel path: generate's KV cache)
@@ -398,36 +397,3 @@ def float64_step(ctx, old) -> tuple[float, dict]:
 
 def copy_model(model):
     return copy.deepcopy(model)
-
-
-def in_float64(model, fn):
-    """fn(a float64 copy of `model`), computed in float64 throughout (`KeepFloat64`): the float64 arbiter."""
-    exact = copy_model(model).double()
-    with KeepFloat64():
-        return fn(exact)
-
-
-class KeepFloat64(TorchFunctionMode):
-    """Float64 throughout: every float32 a model or rlrun asks for here is float64 (a dtype argument, .float(), the
-    default dtype of a new tensor). A model's own casts would round otherwise: transformers' RMSNorm normalises in
-    float32, its eager attention takes softmax in float32, its rotary embedding calls .float(). A "float64" Llama
-    that still rounds each norm's input to float32 parts by float32's ulp wherever a GPU's kernels sum two batch
-    shapes in another order: SmolLM2 on an H200 measured sequence alone 8.4e-7 apart "in float64". Keeping only
-    float64 tensors from being cast down is not enough: an op then meets a float64 tensor and a float32 one made
-    from integers, and raised on the H200 (transformers 5.17). Converting integers or float32 data to float64 is
-    exact, so nothing is lost."""
-
-    def __enter__(self):
-        self.default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.set_default_dtype(self.default)
-        return super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.float:
-            func = torch.Tensor.double
-        wide = lambda x: torch.float64 if x is torch.float32 else x  # noqa: E731
-        return func(*tree_map(wide, args), **tree_map(wide, kwargs or {}))
