@@ -101,16 +101,19 @@ def child(point: dict, steps: int, out_path: str) -> None:
 
     render.quiet(os.devnull)  # the table is what the bench prints
     with rlrun_run(lambda uri: overrides(point, steps, uri), "bench-plan") as history:
-        def values(name):
+        def median(values):
+            return statistics.median(values) if values else None
+
+        def values(name):  # one query of the store per metric
             return [m.value for m in history(name)]
 
-        def median(name):
-            return statistics.median(values(name)) if values(name) else None
-
-        # train.skip_zero_advantage: the plan of the rows each step computed (the step-0 plan counts every row)
-        planned = {p: median(f"plan/{p}_trained_growth_mib") for p in PHASES}
-        result = {p: (planned[p] if planned[p] is not None else median(plan_growth_key(p)), median(growth_key(p)),
-                      min(values(growth_key(p)), default=None)) for p in PHASES}
+        result = {}
+        for p in PHASES:
+            # train.skip_zero_advantage: the plan of the rows each step computed (the step-0 plan counts every row)
+            planned = median(values(f"plan/{p}_trained_growth_mib"))
+            measured = values(growth_key(p))
+            result[p] = (planned if planned is not None else median(values(plan_growth_key(p))), median(measured),
+                         min(measured, default=None))
     torch.save({p: v for p, v in result.items() if None not in v}, out_path)
 
 
