@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 MIB = 2**20
 PHASES = ("sync", "wait", "generate", "offload", "old_logprobs", "ref_logprobs", "onload", "train", "eval")
 OFFLOAD_PHASES = ("offload", "onload")  # only with offload=on: with offload=off they move nothing
+
+
+LOAD_KEY = "host/load_1m"  # the 1-minute load average (os.getloadavg) at each step's end: logged with every step
 
 
 def time_key(phase: str) -> str:
@@ -169,4 +173,5 @@ class Meter:
         out.update({peak_key(k): v / MIB for k, v in self.peak.items()})
         out.update({growth_key(k): v / MIB for k, v in self.growth.items()})
         out["time/step_s"] = sum(self.seconds.values())
+        out[LOAD_KEY] = os.getloadavg()[0]  # the machine's load as the step ended: a slow step on a busy machine
         return out

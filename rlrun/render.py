@@ -129,3 +129,10 @@ def tail(log_path: str, chars: int = 3000) -> str:
     """The end of a child's log, for the message that says it failed."""
     with open(log_path) as f:
         return f.read()[-chars:]
+
+
+def duration(seconds: float) -> str:
+    """A time left or taken, as people say it: "40 s", "3.5 min", "2.1 h"."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"

@@ -45,8 +45,6 @@ SUBMITTED: set[str] = set()
 log = logging.getLogger("rlrun.sweep")
 
 
-def duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def refuse_unwritable(folder, key: str) -> None:
@@ -122,6 +120,7 @@ class SweepCallback(Callback):
         # holds no run for it, so the exit status and the count never depend on the store
         self.job_errors: list[tuple[str, str]] = []
         self.jobs_ended = 0  # the jobs that ended in this process, failed or not
+        self.said: str | None = None  # the sweep's answer for its console (tools/verdict.console), once drawn
 
     def on_run_start(self, config, config_name=None, **kwargs):
         refuse_outside(config)
@@ -147,10 +146,11 @@ class SweepCallback(Callback):
         hidden = set(OmegaConf.select(config, "hydra.job.config.override_dirname.exclude_keys") or [])
         hidden |= {"tracking.uri", "tracking.experiment"}  # where it is logged, not what it runs
         overrides = [o for o in config.hydra.overrides.task if o.split("=", 1)[0].lstrip("+~") not in hidden]
-        name = config_name if config_name and config_name != "config" else "sweep"
         params = config.hydra.sweeper.get("params")
         sweep_params = OmegaConf.to_container(params, resolve=False) if params else {}
-        run_name = f"{name}: {','.join(overrides)}"[:250] if overrides else name
+        name = sweep_name(config, config_name, overrides)
+        rest = [o for o in overrides if o not in name.split(" ")]  # what the name does not already say
+        run_name = f"{name}: {','.join(rest)}"[:250] if rest else name
         keys = swept_keys(config)
         paired_tags, pairing = {}, ""
         if config.report.replay:  # the record every job trains on (rollout/paired.py)
@@ -205,8 +205,8 @@ class SweepCallback(Callback):
             return
         self.times.append(time.monotonic() - self.job_start)
         left = (self.total - len(self.times)) * sum(self.times) / len(self.times)
-        log.info("sweep: job %d of %d ended after %s; %s", len(self.times), self.total, duration(self.times[-1]),
-                 f"about {duration(left)} left (the mean job so far)" if left else "the last one")
+        log.info("sweep: job %d of %d ended after %s; %s", len(self.times), self.total, render.duration(self.times[-1]),
+                 f"about {render.duration(left)} left (the mean job so far)" if left else "the last one")
 
     def end_interrupted(self):
         """At exit, if the sweep never reached on_multirun_end: its RUNNING children and the parent -> KILLED."""
@@ -237,6 +237,8 @@ class SweepCallback(Callback):
                   file=sys.stderr)
             self.draw(report, finished, self.figures_dir, self.baseline,
                   left_out=[r for r in runs if r.info.status != "FINISHED"])
+            if self.said:
+                print(self.said, file=sys.stderr)
 
     def on_multirun_end(self, config, **kwargs):
         if self.parent_id is None:  # tracking=none (or a sweep that never started): the jobs this process ran
@@ -268,6 +270,8 @@ class SweepCallback(Callback):
             self.client.set_terminated(self.parent_id, status)
         exp_id = self.client.get_run(self.parent_id).info.experiment_id
         view = ui.sweep_view(self.client, exp_id, self.parent_id, self.group) if self.group else None
+        if self.said:
+            print(self.said, flush=True)
         print(links(config.tracking.uri, exp_id, self.parent_id,
                     OmegaConf.select(config, "tracking.ui_port", default=tracking.UI_PORT), view=view), flush=True)
         if not runs and not self.job_errors:  # a sweeper that chose no job (the basic one refuses that before)
@@ -351,6 +355,7 @@ class SweepCallback(Callback):
                 "tokens over that time; growth: the step's largest phase at the median step. Figures and the table "
                 "comparison.json: Artifacts.\n")
         self.client.set_tag(self.parent_id, "mlflow.note.content", text)
+        self.said = verdict.console(answer)
         self.client.log_table(self.parent_id, {c: [None if isinstance(r[c], float) and r[c] != r[c] else r[c]
                                                    for r in rows] for c in report.COLUMNS}, "comparison.json")
 
@@ -363,6 +368,31 @@ class SweepCallback(Callback):
             text = text[len(old) + 3 :]
         self.client.set_tag(run.info.run_id, ui.VERDICT_TAG, brief)
         self.client.set_tag(run.info.run_id, "mlflow.note.content", f"{brief}.\n\n{text}" if text else f"{brief}.")
+
+
+def sweep_name(config, config_name: str | None, overrides: list[str]) -> str:
+    """A sweep's name in MLflow, so that two sweeps are told apart in the runs table: report.name; else its config's
+    name (`-cd sweeps -cn NAME`); else what it sweeps, the overrides with more than one value (`head=dense,tiled`)
+    but the repeats report.repeats added."""
+    given = OmegaConf.select(config, "report.name", default=None)
+    if given:
+        return str(given)
+    if config_name and config_name != "config":
+        return config_name
+    swept = [o for o in swept_overrides(overrides) if not o.startswith("report.repeat=")]
+    return " ".join(swept)[:120] or "sweep"
+
+
+def swept_overrides(overrides: list[str]) -> list[str]:
+    """The overrides that give a sweep more than one value (Hydra's parser: `head=dense,tiled`, `range(...)`,
+    not a list value `train.betas=[0.9,0.99]`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 - Hydra refuses such a sweep itself, with its own message
+        return []
+    return [o for o, p in zip(overrides, parsed) if p.is_sweep_override()]
 
 
 def left_out_text(runs) -> str:

@@ -2,6 +2,7 @@
 and the MLflow tags and description every run carries (sqlite store, no training)."""
 
 import io
+import os
 import re
 import sys
 
@@ -13,7 +14,7 @@ from rlrun import runner, sweep, tracking
 GRPO = {"reward_first": 0.1, "reward_last": 0.45, "eval_accuracy_first": 0.05, "eval_accuracy_last": 0.3,
         "step_s": 0.123, "gen_tokens_per_s": 1234.0, "train_tokens_per_s": 5678.0, "loss_last": 0.01,
         "max_generate_peak_mib": 512.0, "max_train_peak_mib": 900.0, "max_train_growth_mib": 30.0,
-        "passes_ref_run": 3.0}
+        "passes_ref_run": 3.0, "load_1m": 9.26}
 DPO = {"accuracy_first": 0.5, "accuracy_last": 0.9, "step_s": 0.2, "train_tokens_per_s": 100.0,
        "max_train_peak_mib": 700.0, "max_ref_logprobs_peak_mib": float("nan")}
 
@@ -26,6 +27,7 @@ def test_end_table_is_short_aligned_and_names_its_numbers():
     assert "eval accuracy (first / last evaluation)" in text and "0.050 → 0.300" in text
     assert "0.123 s" in text and "1234 generated, 5678 trained" in text
     assert "generate 512  train 900" in text and "growth" not in text
+    assert "machine load (1-min average, mean)" in text and f"9.3 on {os.cpu_count()} cores" in text  # busy or not
     starts = {re.match(r"^  (.+?)\s{2,}\S", line).end() for line in lines[1:]}
     assert len(starts) == 1  # the values start in one column
     dpo = runner.end_table(DPO)
@@ -65,6 +67,7 @@ def test_not_on_a_terminal_progress_writes_a_line_every_n_steps(monkeypatch):
         bar.set_postfix(reward=f"{step / 400:.3f}")
     lines = out.getvalue().splitlines()
     assert len(lines) == 40 and lines[-1].startswith("rlrun grpo: step 400/400") and "reward=0.998" in lines[-1]
+    assert all(re.search(r"steps/s, ~\d+ s left\)", line) for line in lines[:-1]) and "left" not in lines[-1]
     out = io.StringIO()
     assert list(runner.PlainProgress(5, 8, "x", out=out)) == [5, 6, 7] and out.getvalue().count("\n") == 3
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file: plain lines
@@ -72,6 +75,24 @@ def test_not_on_a_terminal_progress_writes_a_line_every_n_steps(monkeypatch):
     monkeypatch.setattr(sys, "stderr", Terminal())  # a terminal: tqdm's bar
     bar = runner.progress(0, 3, "x", enabled=True)
     assert not isinstance(bar, runner.PlainProgress) and list(bar) == [0, 1, 2] and "3/3" in sys.stderr.getvalue()
+
+
+def test_a_run_starts_by_saying_what_runs_and_where_its_results_go(tmp_path, monkeypatch):
+    """The header: the objective, model and task, the steps and device, the axes away from their baseline (the rest
+    in three words), then the MLflow run and the output folder; a sweep job's: its first line only."""
+    from conftest import make_cfg
+
+    from rlrun.config import validate
+
+    monkeypatch.chdir(tmp_path)
+    cfg = validate(make_cfg("head=chunked", "train.steps=7", tmp_path=tmp_path))
+    tracker = tracking.MLflow(cfg.tracking, {}, "x")
+    lines = runner.header(cfg, tracker).splitlines()
+    assert lines[0] == ("rlrun: loss=dapo model=tiny task=arith, 7 steps on auto; head=chunked logprob_policy=window, "
+                        "other axes at their baselines")
+    assert lines[1].startswith("  logging: mlflow ui --port 5000") and f"/runs/{tracker.run_id}?" in lines[2]
+    cfg.tracking.parent_run_id = "abc"  # a sweep job: one line, the sweep prints the links
+    assert runner.header(cfg, tracker) == lines[0]
 
 
 def test_runs_carry_source_tags_and_a_description(tmp_path):

@@ -129,7 +129,7 @@ def test_the_parent_description_leads_with_the_answer_then_one_line_per_job():
     text = note.comparison_note(rows, specs, ("Cost of train against head=dense (head): no difference measured.",
                                               verdicts))
     lines = text.splitlines()
-    assert lines[0] == "**Cost of train against head=dense (head): no difference measured.**"
+    assert lines[0] == "Cost of train against head=dense (head): no difference measured."  # plain: the runs table
     assert lines[2] == ("- **head=dense**: changed phases 0.2000 s [0.1900, 0.2100] · 0.9000 s/step · reward / acc "
                         "0.500 · growth 12 MiB · same result: – (the baseline)")  # cheapest on the changed phases
     assert lines[3].startswith(r"- **log\_samples=\***: changed phases 0.2500 s") and "same result: yes" in lines[3]
@@ -156,3 +156,17 @@ def test_each_ended_job_says_how_long_the_sweep_has_left(monkeypatch, caplog):
     quiet.on_job_start(None)
     quiet.on_job_end(None, None)
     assert len(caplog.records) == 3
+
+
+def test_a_sweep_is_named_by_what_it_sweeps_or_by_its_user():
+    """Ad-hoc sweeps are no longer all named `sweep`: report.name, else the config's name (-cn), else the overrides
+    with more than one value (a list value is one value; the repeats are not what a sweep is about)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"report": {"name": None}})
+    overrides = ["head=dense,tiled,chunked", "experiment=smoke", "train.betas=[0.9,0.99]", "report.repeat=0,1,2",
+                 "seed=range(2)"]
+    assert sweep.sweep_name(cfg, "config", overrides) == "head=dense,tiled,chunked seed=range(2)"
+    assert sweep.sweep_name(cfg, "heads_on_smollm2", overrides) == "heads_on_smollm2"
+    assert sweep.sweep_name(OmegaConf.create({"report": {"name": "mine"}}), "x", overrides) == "mine"
+    assert sweep.sweep_name(cfg, None, ["experiment=smoke"]) == "sweep"

@@ -104,7 +104,7 @@ def test_metrics_are_namespaced_learning_apart_from_the_machine(swept):
 def test_sweep_parent_description_holds_the_comparison_table(swept):
     client, _, parent, children, *_ = swept
     note = parent.data.tags["mlflow.note.content"]
-    assert note.startswith("**Cost of old\\_logprobs + ref\\_logprobs against ") and "Same result:" in note
+    assert note.startswith("Cost of old_logprobs + ref_logprobs against ") and "Same result:" in note
     assert note.count("\n- **logprob\\_policy=") == 3 and "changed phases" in note
     for c in children:  # each job ran `rlrun check` first (report.check_jobs) and logged what it found
         # dense: "no full logits" does not apply; sync, one pass a rollout: nor "generator process", "logprob schedule"
@@ -182,7 +182,8 @@ def test_compare_opens_on_the_learning_curve_and_phases_that_did_not_run_are_abs
 
 def test_the_compare_link_opens_the_chart_view_on_each_jobs_answer(swept):
     """The chart view's first section: bars of each job's answer, the numbers of its verdict (a job whose cost is
-    within the noise has no cost bar); the printed `compare` link opens it on this sweep's runs only."""
+    within the noise drawn too, marked by answer/differs 0); the printed `compare` link opens it on this sweep's
+    runs only."""
     _, exp, parent, children, tmp, _ = swept
     state = json.loads(json.loads(exp.tags[ui.VIEW_TAG])["state"])
     assert state["compareRunSections"][0]["uuid"] == ui.ANSWER_SECTION and state["isAccordionReordered"]
@@ -195,10 +196,12 @@ def test_the_compare_link_opens_the_chart_view_on_each_jobs_answer(swept):
             assert m["answer/cost_x"] == m["answer/same"] == 1.0
         else:
             assert m["answer/same"] == (1.0 if brief.startswith("same") else 0.0)
-            measured = "no difference measured" not in brief
-            assert ("answer/cost_x" in m) == measured
-            if measured:  # the brief's two decimals of the same ratio
+            assert ("answer/cost_x" in m) == ("too few timed steps" not in brief)  # drawn, in the noise too
+            if "no difference measured" in brief:  # drawn, marked, its interval holding 1
+                assert m["answer/differs"] == 0 and m["answer/cost_x_low"] <= 1 <= m["answer/cost_x_high"]
+            elif "answer/cost_x" in m:  # the brief's two decimals of the same ratio
                 assert abs(m["answer/cost_x"] - float(brief.split(" · ")[1].split("x vs")[0])) <= 0.006
+                assert m["answer/differs"] != 0
     view_id = f"rlrun-sweep-{parent.info.run_id}"  # the sweep's own view: its runs only
     sweep_state = json.loads(json.loads(exp.tags[f"mlflow.sharedViewState.{view_id}"])["state"])
     assert sweep_state["searchFilter"] == f"tags.mlflow.parentRunId = '{parent.info.run_id}'"

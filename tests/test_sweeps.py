@@ -320,7 +320,7 @@ def test_sweep_parent_carries_the_table_and_children_get_short_full_names(tmp_pa
     cb.draw(report, children, str(tmp_path / "figures"))
     run = client.get_run(parent)
     note = run.data.tags["mlflow.note.content"]
-    assert note.startswith("**Fastest on the whole step: loss=dpo, beyond every other run")  # DPO: no generation
+    assert note.startswith("Fastest on the whole step: loss=dpo, beyond every other run")  # DPO: no generation
     assert "- **loss=dpo**: changed phases 0.1000 s [0.1000, 0.1000] · 0.1000 s/step · 1000 tokens/s · reward / acc " \
         "0.900" in note and "nan" not in note
     arts = {a.path for a in client.list_artifacts(parent)}

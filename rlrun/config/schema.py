@@ -367,6 +367,7 @@ class ReportConfig:
     replay: bool = False  # a paired sweep: job 0 records its rollouts, the others replay them (rollout/paired.py)
     repeats: PosInt = 1  # a sweep runs every job this many times, interleaved (sweep.expand_repeats)
     repeat: NonNegInt = 0  # set by the sweep: which repeat a job is
+    name: str | None = None  # a sweep's name in MLflow; null: its config's name, or the swept keys and values
 
 
 @dataclass

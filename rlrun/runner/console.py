@@ -3,6 +3,7 @@ plain lines when stdout is not one)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -46,6 +47,10 @@ def end_table(summary: dict[str, float], steps: int | None = None) -> str:
             (("gen_tokens_per_s", "generated"), ("train_tokens_per_s", "trained")) if k in summary]
     if toks:
         rows.append(("tokens / s, by phase (mean)", ", ".join(toks)))
+    if "load_1m" in summary:  # a slow run on a busy machine is told apart afterwards
+        cores = os.cpu_count() or 1
+        rows.append(("machine load (1-min average, mean)", f"{summary['load_1m']:.1f} on {cores} cores, this run "
+                     "included"))
     from ..meters import PHASES
 
     peaks = [(p, summary[f"max_{p}_peak_mib"]) for p in PHASES if f"max_{p}_peak_mib" in summary]  # step order
@@ -86,6 +91,32 @@ def results_hint(cfg, tracker) -> str:
     return "\n".join(lines)
 
 
+def header(cfg, tracker) -> str:
+    """The run's first lines: what runs (the objective, model, task and every axis's option, the steps and device),
+    then where its results go (`results_hint`: the MLflow run and the output folder). A sweep job's: the first line."""
+    from .. import registry
+
+    def pick(key: str):
+        v = cfg
+        for part in key.split("."):
+            v = getattr(v, part, None)
+        return v
+
+    what = [f"loss={cfg.loss.name}", f"model={cfg.model.name}", f"task={cfg.task.name}"]
+    moved = []  # the axes away from their baseline option: the rest need no words
+    for g in registry.AXES:
+        key = registry.KEYED_BY.get(g, f"{g}.name")
+        if pick(key) is not None and str(pick(key)) != registry.baseline(g):
+            moved.append(f"{key.removesuffix('.name')}={pick(key)}")
+    device = getattr(cfg.engine, "device", None)  # the single-process engine's; DeepSpeed's ranks say their own
+    line = (f"rlrun: {' '.join(what)}, {cfg.train.steps} steps" + (f" on {device}" if device else "")
+            + (f"; {' '.join(moved)}, other axes at their baselines" if moved else "; every axis at its baseline"))
+    if getattr(cfg.tracking, "parent_run_id", None):
+        return line
+    hint = results_hint(cfg, tracker).replace("  results:", "  logging:", 1)
+    return f"{line}\n{hint}" if hint else line
+
+
 class PlainProgress:
     """Progress for logs that are not a terminal (SLURM, `> file`): one plain line every `every` steps and at the
     last step, instead of a bar redrawn every step. Iterates like tqdm over `range(start, total)` and takes
@@ -109,7 +140,9 @@ class PlainProgress:
             if self.enabled and (done % self.every == 0 or done == self.total):
                 rate = (done - self.start) / max(time.perf_counter() - self.t0, 1e-9)
                 extra = " ".join(f"{k}={v}" for k, v in self.postfix.items())
-                print(f"{self.desc}: step {done}/{self.total} ({rate:.2f} steps/s) {extra}".rstrip(),
+                left = (self.total - done) / rate  # the mean step so far: evaluations included
+                eta = f", ~{render.duration(left)} left" if done < self.total else ""
+                print(f"{self.desc}: step {done}/{self.total} ({rate:.2f} steps/s{eta}) {extra}".rstrip(),
                       file=self.out, flush=True)
 
     def close(self) -> None:

@@ -137,8 +137,9 @@ class Frame:
         taken = RESERVED & set(stateful)  # the frame's and the engines' own keys of a checkpoint
         assert not taken, f"stateful names {sorted(taken)} collide with checkpoint keys"
         total = self.cfg.train.steps
+        in_sweep = bool(getattr(self.cfg.tracking, "parent_run_id", None))  # a job's output, shortened: ~5 lines
         self.bar = progress(start, total, desc, enabled=self.cfg.progress and self.engine.main,
-                            every=self.cfg.log.every)
+                            every=self.cfg.log.every or (max(1, round((total - start) / 5)) if in_sweep else None))
         every = self.cfg.eval.every if evaluate is not None else 0
         with signals.deferred() as stop:
             for step in self.bar:
@@ -155,8 +156,8 @@ class Frame:
         numbers."""
         self.check_forward()
         self.export()
-        if self.last_samples and self.engine.main:
-            log.info("last samples:\n%s", format_rows(self.last_samples))
+        if self.last_samples and self.engine.main and not getattr(self.cfg.tracking, "parent_run_id", None):
+            log.info("last samples:\n%s", format_rows(self.last_samples))  # a sweep job's are in MLflow only
         return self.summary.result()
 
     def maybe_checkpoint(self, step: int, stop: bool, stateful: dict) -> None:
@@ -187,6 +188,11 @@ class Frame:
         self.tracker.log(step, m)
         if result.samples:
             self.samples(step, result.samples, "eval")
+        if self.engine.main:  # as it happens: a long run's learning is seen before its end
+            said = ", ".join(f"{k.removeprefix('eval/').replace('_', ' ')} {v:.3g}" for k, v in result.metrics.items()
+                             if k in ("eval/accuracy", "eval/reward_mean"))
+            if said:
+                log.info("held-out evaluation at step %d: %s", step, said)
 
     def samples(self, step: int, rows: list[dict], kind: str) -> None:
         """A table of a few prompts, completions, answers and rewards; the last one is printed at the end."""

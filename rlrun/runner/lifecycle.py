@@ -11,7 +11,7 @@ from .. import checkpoint, exportdir, faults, folders, ranks, registry, signals,
 from ..config import ConfigError
 from ..errors import DivergedError
 from ..rollout import record
-from .console import end_table, results_hint
+from .console import end_table, header, results_hint
 
 log = logging.getLogger("rlrun")
 
@@ -62,6 +62,7 @@ def _tracked(cfg, raw, run_name, train, state, main_rank, on_start=None) -> dict
         if main_rank:  # inside the try: a signal just after the run is created still ends it (tracking.MLflow)
             tracker = tracking.start(cfg.tracking, raw, run_name, resume_run_id=resume_id,
                                      previous_spill=state and state.get("spill"))
+            print(header(cfg, tracker), flush=True)
             if on_start is not None:
                 on_start(tracker)
         try:

@@ -15,7 +15,8 @@ class Summary:
     `<curve>_first` / `<curve>_last`), and the last loss."""
 
     MEANS = {"gen_tokens_per_s": "throughput/gen_tokens_per_s",
-             "train_tokens_per_s": "throughput/train_tokens_per_s", "step_s": "time/step_s"}
+             "train_tokens_per_s": "throughput/train_tokens_per_s", "step_s": "time/step_s",
+             "load_1m": "host/load_1m"}
 
     def __init__(self, curve: str):
         self.curve = curve

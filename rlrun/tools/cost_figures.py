@@ -10,7 +10,7 @@ import numpy as np
 
 from ..render import num, short
 from . import costs
-from .charts import DPI, FONT, WIDTH, figure, hbars, heatmap, job_bars, legend_above, panel_height
+from .charts import DPI, FONT, WIDTH, figure, hbars, heatmap, job_bars, legend_above, panel_height, wrap
 
 
 def _mib(v: float) -> str:
@@ -128,11 +128,51 @@ def _cost_text(v: float, ratio: float, baseline: bool, spec: str | None, unit: s
     return text + (f"  {ratio:.2f}× baseline" if math.isfinite(ratio) else "")
 
 
-def cost_figure(rows: list[dict]):
-    """Per job: step time, peak growth and tokens/s, each against its group's baseline (hatched)."""
+def answer_panel(ax, answer) -> None:
+    """The sweep's answer (tools/verdict.answer): each option's cost on the phases the options change against its
+    baseline's, with its interval (the quartiles' ratio) as a whisker: green cheaper, red dearer, grey "no difference
+    measured" (its interval holds 1), drawn and labelled; too few timed steps: no bar, said."""
+    from .verdict import cost_text
+
+    line, rows = answer
+    opts = list(rows)
+    y = np.arange(len(opts))
+    for i, o in enumerate(opts):
+        r = rows[o]
+        if r.get("is_baseline"):
+            ax.barh(i, 1.0, 0.6, color="white", edgecolor="black", hatch="//")
+            ax.text(1.0, i, "  baseline", va="center", fontsize=FONT - 1)
+        elif "baseline" in r and not r.get("few") and math.isfinite(r["ratio"]):
+            color = {-1: "tab:green", 1: "tab:red", 0: "lightgray"}[r["differs"]]
+            ax.barh(i, r["ratio"], 0.6, color=color, edgecolor="dimgray")
+            ax.errorbar(r["ratio"], i, xerr=[[r["ratio"] - r["ratio_low"]], [r["ratio_high"] - r["ratio"]]],
+                        fmt="none", ecolor="black", capsize=4)
+            said = cost_text(r, interval=True) if r["differs"] else \
+                f"no difference measured ({r['ratio']:.2f}x [{r['ratio_low']:.2f}, {r['ratio_high']:.2f}])"
+            ax.text(r["ratio_high"], i, f"  {said}", va="center", fontsize=FONT - 1)
+        else:
+            ax.text(0.02, i, cost_text(r) if "baseline" in r else r["same_text"], va="center", fontsize=FONT - 1)
+    ax.axvline(1.0, color="black", lw=1)
+    ax.set_yticks(y, [wrap(o) for o in opts], fontsize=FONT - 1)
+    ax.invert_yaxis()
+    highs = [r.get("ratio_high", 1.0) for r in rows.values() if math.isfinite(r.get("ratio_high", 1.0))]
+    ax.set_xlim(0, max(highs + [1.0]) * 1.9)
+    phases = line.split(" against ")[0].removeprefix("Cost of ") if line.startswith("Cost of ") else "the step"
+    ax.set_xlabel(f"cost on {phases} against the baseline (median; whisker: the interval)", fontsize=FONT - 1)
+    ax.set_title("The answer: lower is cheaper; grey: no difference measured", fontsize=FONT + 1)
+
+
+def cost_figure(rows: list[dict], answer=None):
+    """Per job: the sweep's answer (the cost of the changed phases, with its interval: `answer_panel`) where one is
+    given; then step time, peak growth and tokens/s, each against its group's baseline (hatched), as context (the
+    whole step: in a paired sweep only the recording job generates)."""
     names = [r["run"] for r in rows]
     marked = [i for i, r in enumerate(rows) if r["is_baseline"]]
-    fig, axes = figure([panel_height(names)] * 3)
+    shown = answer is not None and any("baseline" in r for r in answer[1].values())
+    fig, every = figure([panel_height(list(answer[1]) if shown else names)] * shown + [panel_height(names)] * 3)
+    if shown:
+        answer_panel(every[0], answer)
+    axes = every[1:] if shown else every
     panels = (("step_s", ".3g", " s", "seconds per step (mean, as the job's console; no evaluation)",
                "Step time: lower is cheaper"),
               ("growth_mib", None, " MiB", "MiB, a step's largest phase (median step)",

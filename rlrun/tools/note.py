@@ -1,5 +1,6 @@
-"""A sweep parent's description: the answer in one bold line, then one short line per job, cheapest first (MLflow's
-run page folds a long description and draws tables without borders, so lines read better than a table)."""
+"""A sweep parent's description: the answer in one plain line (the runs table shows its first line as it is), then
+one short line per job, cheapest first (MLflow's run page folds a long description and draws tables without borders,
+so lines read better than a table)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ PHRASES = {STEP: "{} s/step", "tokens/s (step)": "{} tokens/s", "reward / acc": 
 
 def comparison_note(rows: list[dict], specs: dict[str, str], answer=None) -> str:
     """The sweep's comparison as markdown that MLflow's run page shows legibly: it folds a description after a few
-    lines and draws tables without borders or padding, so the answer in one bold line, then one short line per
+    lines and draws tables without borders or padding, so the answer in one plain line, then one short line per
     job, cheapest first. `answer`: tools/verdict.answer's (headline, {run: its cost on the changed phases, its
     spread and its same-result verdict}); without it (a bare table), the runs by step time."""
     from ..render import num, short
@@ -28,7 +29,7 @@ def comparison_note(rows: list[dict], specs: dict[str, str], answer=None) -> str
         return v if v == v else float("inf")  # NaN: no time, last
 
     rows = sorted(rows, key=cost)
-    lines = [f"**{esc(headline)}**\n"] if headline else []
+    lines = [f"{headline}\n"] if headline else []  # plain: the runs table shows the first line as it is
     shown = [c for c in LINE if c in specs] or list(specs)
     for r in rows:
         cells = [PHRASES.get(c, c + " {}").format(num(r.get(c), specs[c]) if specs[c] else short(r.get(c)))

@@ -183,7 +183,10 @@ def figures(client, runs, device="cpu", baseline: str | None = None):
     data = collect(client, runs)
     params = [r.data.params for r in runs]
     base_of, _ = eq.baselines(params, names, baseline)
-    figs = {"cost.png": cost_figure(costs.costs(names, data, base_of)),
+    from . import verdict
+
+    answer = verdict.answer(names, data, params, base_of) if len(runs) > 1 else None
+    figs = {"cost.png": cost_figure(costs.costs(names, data, base_of), answer),
             "memory.png": memory_figure(names, data, device), "throughput.png": throughput_figure(names, data),
             "curves.png": curves_figure(names, data)}
     plan = plan_figure(names, data, device, costs.empty_phase_floor(params, data))

@@ -175,7 +175,7 @@ def log_params(client, run_id: str, params: dict) -> None:
 
 
 # Measurements of the machine rather than of learning: logged under system/ (MLflow's "System metrics" tab).
-SYSTEM_PREFIXES = ("time/", "mem/", "plan/", "throughput/", "passes/", "mismatch/", "summary/", "batching/",
+SYSTEM_PREFIXES = ("time/", "mem/", "host/", "plan/", "throughput/", "passes/", "mismatch/", "summary/", "batching/",
                    "pipeline/", "check/")
 
 
