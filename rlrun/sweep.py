@@ -344,7 +344,10 @@ class SweepCallback(Callback):
         # one line per option: its first repeat's table row under the option's name (the cost pools the repeats)
         firsts = {verdict.option_of(r["run"]): {**r, "run": verdict.option_of(r["run"])} for r in reversed(rows)}
         repeats = max(v.get("repeats", 1) for v in answer[1].values())
-        spread = (f"over {repeats} interleaved repeats: the median of the repeats' medians, with their range"
+        paced = any(v.get("paced") for v in answer[1].values())  # timed on the steps at the machine's full pace
+        over = f" over {repeats} interleaved repeats" if repeats > 1 else ""
+        spread = (f"on the steps at the machine's full pace{over}, with their interquartile range" if paced else
+                  f"over {repeats} interleaved repeats: the median of the repeats' medians, with their range"
                   if repeats > 1 else "with their interquartile range")
         text = (f"{note_of.comparison_note(list(firsts.values())[::-1], report.SPECS, answer)}"
                 + (f"\n\n{noise_floor.text(found)}" if found and found[1] else "")
@@ -356,6 +359,10 @@ class SweepCallback(Callback):
                 "comparison.json: Artifacts.\n")
         self.client.set_tag(self.parent_id, "mlflow.note.content", text)
         self.said = verdict.console(answer)
+        recorded = [n for n, p in zip(names, params) if p.get("rollout.record") not in (None, "", "None")]
+        if recorded:  # a paired sweep: the whole step of the others holds no generation
+            self.said += (f"\n  paired: {', '.join(recorded)} generated and recorded the rollouts, the others replayed "
+                          "them: their whole step has no generation, so compare the answer above, not step times")
         self.client.log_table(self.parent_id, {c: [None if isinstance(r[c], float) and r[c] != r[c] else r[c]
                                                    for r in rows] for c in report.COLUMNS}, "comparison.json")
 

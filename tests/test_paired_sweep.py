@@ -66,6 +66,9 @@ def test_a_paired_sweep_records_once_and_every_job_trains_on_those_rollouts(tmp_
     # the exact option's largest difference over the run: the floor an inexact option would be measured against
     assert "Paired against report.repeat=0,head=dense (the same rollouts, 4 steps): exact options' noise floor" in note
     assert (tmp_path / "sweep" / "figures" / "paired.png").exists()
+    said = r.stdout[r.stdout.index("rlrun: the sweep's answer"):]  # the console ends with the answer, then the links
+    assert "paired: report.repeat=0,head=dense generated and recorded the rollouts" in said
+    assert said.index("paired:") < said.index("rlrun: sweep results:")
 
 
 def always_fails(completion, answer):

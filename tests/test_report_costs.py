@@ -129,6 +129,28 @@ def test_cost_chart_marks_each_groups_baseline_and_compares_with_it():
     assert rows[0]["median_step_s"] == pytest.approx(0.06 + 0.03 + 2e-5)  # steps 0, 2: generate 0.02 s; 1, 3: 0.04
 
 
+def test_cost_chart_leads_with_the_answer_its_intervals_and_a_difference_within_the_noise_drawn():
+    """cost.png's first panel is the sweep's answer: each option's ratio to its baseline with its interval as a
+    whisker; one within the noise is drawn grey and labelled, not dropped."""
+    from rlrun.tools import verdict
+
+    wobble = [1.0, 1.02, 0.98, 1.01, 0.99, 1.0, 1.03, 0.97, 1.0, 1.01]
+    names = ["head=dense", "head=tiled", "head=chunked"]
+    data = [{"time/train_s": (list(range(10)), [t * w for w in wobble]), "loss": (list(range(10)), [0.1] * 10),
+             "time/step_s": (list(range(10)), [t * w for w in wobble])} for t in (0.3, 0.15, 0.3)]
+    params = [{"head.name": n.split("=")[1]} for n in names]
+    answer = verdict.answer(names, data, params, {1: 0, 2: 0})
+    fig = report.cost_figure(costs.costs(names, data, {1: 0, 2: 0}), answer)
+    assert len(fig.axes) == 4 and fig.axes[0].get_title().startswith("The answer: the cost of old_logprobs")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts[0].strip() == "baseline" and texts[1].strip().startswith("0.50x [")
+    assert texts[2].strip().startswith("no difference\n(1.00x [")
+    bars = fig.axes[0].patches
+    assert bars[0].get_hatch() == "//" and [round(b.get_width(), 2) for b in bars[1:]] == [0.5, 1.0]
+    assert len(fig.axes[0].collections) == 2  # a whisker on each compared option
+    assert fig.axes[1].get_title().startswith("Context: the whole step")
+
+
 def test_the_plan_figure_draws_the_measured_median_and_the_empty_phase_floor():
     on, off = history(job(first=30.0)), history(job())
     on["mem/onload_growth_mib"] = (np.arange(4), np.array([50.0] * 4))  # offload=on: its onload is not empty

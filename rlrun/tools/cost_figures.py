@@ -148,7 +148,7 @@ def answer_panel(ax, answer) -> None:
             ax.errorbar(r["ratio"], i, xerr=[[r["ratio"] - r["ratio_low"]], [r["ratio_high"] - r["ratio"]]],
                         fmt="none", ecolor="black", capsize=4)
             said = cost_text(r, interval=True) if r["differs"] else \
-                f"no difference measured ({r['ratio']:.2f}x [{r['ratio_low']:.2f}, {r['ratio_high']:.2f}])"
+                f"no difference\n({r['ratio']:.2f}x [{r['ratio_low']:.2f}, {r['ratio_high']:.2f}])"
             ax.text(r["ratio_high"], i, f"  {said}", va="center", fontsize=FONT - 1)
         else:
             ax.text(0.02, i, cost_text(r) if "baseline" in r else r["same_text"], va="center", fontsize=FONT - 1)
@@ -156,10 +156,11 @@ def answer_panel(ax, answer) -> None:
     ax.set_yticks(y, [wrap(o) for o in opts], fontsize=FONT - 1)
     ax.invert_yaxis()
     highs = [r.get("ratio_high", 1.0) for r in rows.values() if math.isfinite(r.get("ratio_high", 1.0))]
-    ax.set_xlim(0, max(highs + [1.0]) * 1.9)
+    ax.set_xlim(0, max(highs + [1.0]) * 2.4)
     phases = line.split(" against ")[0].removeprefix("Cost of ") if line.startswith("Cost of ") else "the step"
-    ax.set_xlabel(f"cost on {phases} against the baseline (median; whisker: the interval)", fontsize=FONT - 1)
-    ax.set_title("The answer: lower is cheaper; grey: no difference measured", fontsize=FONT + 1)
+    ax.set_xlabel("× the baseline's cost (median; whisker: the interval)", fontsize=FONT - 1)
+    ax.set_title(f"The answer: the cost of {textwrap.shorten(phases, 50)}\n(lower is cheaper; grey: no difference "
+                 "measured)", fontsize=FONT + 1)
 
 
 def cost_figure(rows: list[dict], answer=None):
@@ -174,7 +175,7 @@ def cost_figure(rows: list[dict], answer=None):
         answer_panel(every[0], answer)
     axes = every[1:] if shown else every
     panels = (("step_s", ".3g", " s", "seconds per step (mean, as the job's console; no evaluation)",
-               "Step time: lower is cheaper"),
+               "Context: the whole step as timed, load included"),
               ("growth_mib", None, " MiB", "MiB, a step's largest phase (median step)",
                "Peak growth: lower is cheaper"),
               ("tokens_per_s", ".0f", "", "trained tokens / s of step time", "Tokens / s: higher is faster"))

@@ -270,22 +270,23 @@ def brief(row: dict) -> str:
 
 
 def metrics(row: dict) -> dict[str, float]:
-    """One job's answer as numbers, for the bars of MLflow's chart view (tracking/ui.py): answer/phase_s, its median
-    seconds per step on the changed phases; answer/cost_x, that against its baseline's, drawn whether or not it is
-    beyond the noise, with answer/cost_x_low and _high (the quartiles' ratio: an interval that holds 1 is "no
-    difference measured") and answer/differs (-1 cheaper, 1 dearer, 0 no difference measured); answer/same, 1 where
-    it trains the same as its baseline, 0 where not, absent where not judged (the baseline: 1 and 1). 4 significant
-    digits. Too few timed steps: no cost."""
+    """One job's answer as numbers, for the bars of MLflow's chart view (tracking/ui.py), under system/answer/ (the
+    System metrics tab: a child's Model metrics tab opens on its learning curves): phase_s, its median seconds per
+    step on the changed phases; cost_x, that against its baseline's, drawn whether or not it is beyond the noise,
+    with cost_x_low and _high (the quartiles' ratio: an interval that holds 1 is "no difference measured") and
+    differs (-1 cheaper, 1 dearer, 0 no difference measured); same, 1 where it trains the same as its baseline, 0
+    where not, absent where not judged (the baseline: 1 and 1). 4 significant digits. Too few timed steps: no
+    cost."""
     out = {}
     if row["phase_s"] == row["phase_s"]:
-        out["answer/phase_s"] = row["phase_s"]
+        out["system/answer/phase_s"] = row["phase_s"]
     if row.get("is_baseline"):
-        out["answer/cost_x"] = out["answer/same"] = 1.0
+        out["system/answer/cost_x"] = out["system/answer/same"] = 1.0
     elif "baseline" in row and not row.get("few") and row["ratio"] == row["ratio"]:
-        out.update({"answer/cost_x": row["ratio"], "answer/cost_x_low": row["ratio_low"],
-                    "answer/cost_x_high": row["ratio_high"], "answer/differs": float(row["differs"])})
+        out.update({"system/answer/cost_x": row["ratio"], "system/answer/cost_x_low": row["ratio_low"],
+                    "system/answer/cost_x_high": row["ratio_high"], "system/answer/differs": float(row["differs"])})
     if row.get("same") is not None:
-        out["answer/same"] = float(row["same"])
+        out["system/answer/same"] = float(row["same"])
     return {k: float(f"{v:.4g}") for k, v in out.items() if v == v}
 
 

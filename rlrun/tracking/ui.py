@@ -35,7 +35,7 @@ ATTRIBUTE_COLUMNS = ("Description",)
 # memory peak and its learning curve's latest value. Where the view says so, MLflow keeps this section's place
 # above the ones it makes for every metric (sorted by name). The sweep's printed `compare` link opens it.
 ANSWER_SECTION = "rlrun-answer"
-ANSWER_CHARTS = ("answer/cost_x", "answer/same", "system/summary/peak_mib")
+ANSWER_CHARTS = ("system/answer/cost_x", "system/answer/same", "system/summary/peak_mib")
 MAX_TAG = 5000  # MLflow's limit on an experiment tag's value
 
 
