@@ -148,9 +148,9 @@ def test_each_job_gets_its_answer_in_a_few_words():
 
 
 def test_each_jobs_answer_as_bars_draws_a_difference_within_the_noise_with_its_interval():
-    """system/answer/* (the chart view's bars): the baseline 1 and 1; every compared job its ratio with the interval (the
-    quartiles' ratio) and whether it differs: one within the noise is drawn, marked 0, its interval holding 1; a
-    wrong result same 0; no baseline: no ratio, no same."""
+    """system/answer/* (the chart view's bars): the baseline 1 and 1; every compared job its ratio with the interval
+    (the quartiles' ratio) and whether it differs: one within the noise is drawn, marked 0, its interval holding 1;
+    a wrong result same 0; no baseline: no ratio, no same."""
     base, fast = run([1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0]), run([0.5, 0.52, 0.48, 0.5, 0.51, 0.49, 0.5])
     as_slow = run([0.98, 1.12, 0.91, 1.01, 1.04, 0.96, 1.0])
     wrong = run([0.98, 1.12, 0.91, 1.01, 1.04, 0.96, 1.0], loss=[0.1, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3])
@@ -162,9 +162,11 @@ def test_each_jobs_answer_as_bars_draws_a_difference_within_the_noise_with_its_i
     assert bars["head=dense"] == {"system/answer/cost_x": 1.0, "system/answer/same": 1.0}
     tiled = rows["head=tiled"]
     assert bars["head=tiled"] == {"system/answer/cost_x": float(f"{tiled['ratio']:.4g}"), "system/answer/same": 1.0,
-                                  "system/answer/cost_x_low": float(f"{tiled['ratio_low']:.4g}"), "system/answer/differs": -1.0,
+                                  "system/answer/cost_x_low": float(f"{tiled['ratio_low']:.4g}"),
+                                  "system/answer/differs": -1.0,
                                   "system/answer/cost_x_high": float(f"{tiled['ratio_high']:.4g}")}
-    assert 0.45 < bars["head=tiled"]["system/answer/cost_x_low"] < bars["head=tiled"]["system/answer/cost_x_high"] < 0.55
+    got = bars["head=tiled"]
+    assert 0.45 < got["system/answer/cost_x_low"] < got["system/answer/cost_x_high"] < 0.55
     assert bars["head=chunked"]["system/answer/differs"] == 0.0
     assert bars["head=chunked"]["system/answer/cost_x_low"] < 1 < bars["head=chunked"]["system/answer/cost_x_high"]
     _, rows = verdict.answer(names[:2], [base, wrong], [params(head=n[5:]) for n in names[:2]], {1: 0})
@@ -230,7 +232,8 @@ def test_a_sweep_of_too_few_timed_steps_gives_no_ratio():
     names, ps = ["head=dense", "head=tiled"], [params(head="dense"), params(head="tiled")]
     headline, rows = verdict.answer(names, [run([0.4, 0.33, 0.33]), run([0.4, 0.3, 0.2478])], ps, {1: 0})
     assert "head=tiled: too few timed steps (1; 5 after the first 2: more train.steps)" in headline
-    assert verdict.cost_x(rows["head=tiled"]) is None and "system/answer/cost_x" not in verdict.metrics(rows["head=tiled"])
+    assert verdict.cost_x(rows["head=tiled"]) is None
+    assert "system/answer/cost_x" not in verdict.metrics(rows["head=tiled"])
     enough = [run([0.4, 0.33] + [0.33] * 5), run([0.4, 0.3] + [0.2478] * 5)]
     assert "head=tiled: 0.75x" in verdict.answer(names, enough, ps, {1: 0})[0]
 
