@@ -34,7 +34,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from . import render, signals, tracking
-from .sweep_jobs import count, expand_repeats, jobs, refuse_invalid_jobs, swept_keys
+from .sweep_jobs import count, expand_repeats, jobs, refuse_invalid_jobs, sweep_name, swept_keys
 from .tracking import ui
 
 ENV = "RLRUN_PARENT_RUN_ID"
@@ -375,31 +375,6 @@ class SweepCallback(Callback):
             text = text[len(old) + 3 :]
         self.client.set_tag(run.info.run_id, ui.VERDICT_TAG, brief)
         self.client.set_tag(run.info.run_id, "mlflow.note.content", f"{brief}.\n\n{text}" if text else f"{brief}.")
-
-
-def sweep_name(config, config_name: str | None, overrides: list[str]) -> str:
-    """A sweep's name in MLflow, so that two sweeps are told apart in the runs table: report.name; else its config's
-    name (`-cd sweeps -cn NAME`); else what it sweeps, the overrides with more than one value (`head=dense,tiled`)
-    but the repeats report.repeats added."""
-    given = OmegaConf.select(config, "report.name", default=None)
-    if given:
-        return str(given)
-    if config_name and config_name != "config":
-        return config_name
-    swept = [o for o in swept_overrides(overrides) if not o.startswith("report.repeat=")]
-    return " ".join(swept)[:120] or "sweep"
-
-
-def swept_overrides(overrides: list[str]) -> list[str]:
-    """The overrides that give a sweep more than one value (Hydra's parser: `head=dense,tiled`, `range(...)`,
-    not a list value `train.betas=[0.9,0.99]`)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception:  # noqa: BLE001 - Hydra refuses such a sweep itself, with its own message
-        return []
-    return [o for o, p in zip(overrides, parsed) if p.is_sweep_override()]
 
 
 def left_out_text(runs) -> str:

@@ -121,3 +121,28 @@ def refuse_empty(config) -> None:
     print(f"rlrun: error: the sweep has no jobs: {', '.join(empty) or 'its swept keys'} give(s) no values; give "
           "every swept key at least one value, e.g. seed='range(0,3)' or seed=0,1,2", file=sys.stderr)
     sys.exit(2)
+
+
+def sweep_name(config, config_name: str | None, overrides: list[str]) -> str:
+    """A sweep's name in MLflow, so that two sweeps are told apart in the runs table: report.name; else its config's
+    name (`-cd sweeps -cn NAME`); else what it sweeps, the overrides with more than one value (`head=dense,tiled`)
+    but the repeats report.repeats added."""
+    given = OmegaConf.select(config, "report.name", default=None)
+    if given:
+        return str(given)
+    if config_name and config_name != "config":
+        return config_name
+    swept = [o for o in swept_overrides(overrides) if not o.startswith("report.repeat=")]
+    return " ".join(swept)[:120] or "sweep"
+
+
+def swept_overrides(overrides: list[str]) -> list[str]:
+    """The overrides that give a sweep more than one value (Hydra's parser: `head=dense,tiled`, `range(...)`,
+    not a list value `train.betas=[0.9,0.99]`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 - Hydra refuses such a sweep itself, with its own message
+        return []
+    return [o for o, p in zip(overrides, parsed) if p.is_sweep_override()]

@@ -157,6 +157,19 @@ def full_pace(paces: list[dict[int, float]]) -> float:
     return every[len(every) // 10]
 
 
+def at_full_pace(data: list[dict], phases: tuple[str, ...], members: dict[str, list[int]]):
+    """(each job's timed steps, those kept, {option: its cost's spread}, whether a pace was found): `answer`'s
+    timing, on the steps at the machine's full pace where generation gives the pace."""
+    steps = [timed(h, phases) for h in data]
+    paces = [{} if "generate" in phases or "step" in phases else per_token(h) for h in data]
+    has_pace = all(p and set(s) <= set(p) for s, p in zip(steps, paces))
+    if not has_pace:
+        return steps, steps, {o: pooled([list(steps[i].values()) for i in m]) for o, m in members.items()}, False
+    limit = PACE_SLACK * full_pace(paces)
+    kept = [{s: v for s, v in st.items() if paces[i][s] <= limit} for i, st in enumerate(steps)]
+    return steps, kept, {o: spread([v for i in m for v in kept[i].values()]) for o, m in members.items()}, True
+
+
 def answer(names: list[str], data: list[dict], all_params: list[dict[str, str]], base_of: dict[int, int]):
     """(the sweep's answer in one line, {option: {phase cost, spread, whole step, verdict, repeats}}); the repeats
     of one option (report.repeats) are pooled under its name without `report.repeat=K`.
@@ -175,16 +188,7 @@ def answer(names: list[str], data: list[dict], all_params: list[dict[str, str]],
         phases = tuple(p for p in phases if p != "generate")
     opts = list(dict.fromkeys(option_of(n) for n in names))
     members = {o: [i for i, n in enumerate(names) if option_of(n) == o] for o in opts}
-    steps = [timed(h, phases) for h in data]
-    paces = [{} if "generate" in phases or "step" in phases else per_token(h) for h in data]
-    has_pace = all(p and set(s) <= set(p) for s, p in zip(steps, paces))
-    if has_pace:
-        limit = PACE_SLACK * full_pace(paces)
-        kept = [{s: v for s, v in st.items() if paces[i][s] <= limit} for i, st in enumerate(steps)]
-        cost = {o: spread([v for i in members[o] for v in kept[i].values()]) for o in opts}
-    else:
-        kept = steps
-        cost = {o: pooled([list(steps[i].values()) for i in members[o]]) for o in opts}
+    steps, kept, cost, has_pace = at_full_pace(data, phases, members)
     whole = {o: pooled([series(data[i], ("step",)) for i in members[o]]) for o in opts}
     counted = {o: sum(len(kept[i]) for i in members[o]) for o in opts}
     total = {o: sum(len(steps[i]) for i in members[o]) for o in opts}
