@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -173,5 +172,4 @@ class Meter:
         out.update({peak_key(k): v / MIB for k, v in self.peak.items()})
         out.update({growth_key(k): v / MIB for k, v in self.growth.items()})
         out["time/step_s"] = sum(self.seconds.values())
-        out[LOAD_KEY] = os.getloadavg()[0]  # the machine's load as the step ended: a slow step on a busy machine
         return out

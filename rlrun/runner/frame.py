@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .. import checkpoint, folders, signals
-from ..meters import Meter
+from ..meters import LOAD_KEY, Meter
 from .console import Progress, format_rows, progress
 from .lifecycle import cfg_flat, export_dir
 from .summary import DEAD_GRADIENTS_TAG, Summary, watch_gradients
@@ -89,6 +89,7 @@ def no_held_out(cfg, rows: str) -> str:
 def meter_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     """Per-rank meter readings -> the slowest rank's times, the largest peak, and each rank's peaks (world > 1)."""
     out = {k: max(p[k] for p in parts if k in p) for k in {k for p in parts for k in p}}
+    out[LOAD_KEY] = os.getloadavg()[0]  # the machine's load as the step ended: a slow step on a busy machine
     if len(parts) > 1:
         for r, p in enumerate(parts):
             out.update({f"{k.replace('mem/', f'mem/rank{r}/')}": v for k, v in p.items() if k.startswith("mem/")})
