@@ -221,7 +221,7 @@ def check_main(cfg: DictConfig):
         from .runner.lifecycle import fits_record
 
         fits_record(typed)  # a replay's record checked as its run would check it
-        text, ok = check.report(typed)
+        text, ok = check.report(typed, progress=True)
     except USER_ERRORS as e:
         print(f"rlrun check: error: {e}", file=sys.stderr)
         sys.exit(2)

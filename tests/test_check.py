@@ -45,8 +45,29 @@ def test_the_command_prints_one_table_and_exits_0(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
-    assert lines[0].split()[:2] == ["probe", "expects"] and lines[-1] == "11 of 11 probes pass"  # sync, 1 pass: 2 n/a
+    assert lines[0].split()[:2] == ["probe", "measured"] and lines[-1] == "11 of 11 probes pass"  # sync, 1 pass: 2 n/a
+    assert all(len(line) <= 100 for line in lines), max(lines, key=len)  # a 100-column console
+    assert "rlrun check: probe 12 of 12: generator process" in r.stderr  # progress, not on a terminal: lines
     assert not list(tmp_path.iterdir())  # a check writes nothing
+
+
+def test_a_failed_probe_says_what_it_expects_its_failure_class_and_what_to_try_next():
+    from rlrun import check
+    from rlrun.check.probes import Row
+
+    rows = [Row("accumulation", "2 micro-batches = 1: gradients within 1e-05", "max rel diff 3.7e-02", False,
+                "modelscope/ms-swift#10117 (gradient accumulation normalised per micro-batch)"),
+            Row("ranks", "2 ranks = 1", "max rel diff 0.0e+00", True, "prime-rl#2358"),
+            Row("logprob schedule", "n/a: no rollout spans an optimizer step", "-", None, "")]
+    text = check.lines(rows).splitlines()
+    assert all(len(line) <= 100 for line in text)
+    assert text[1].startswith("FAIL  accumulation      max rel diff 3.7e-02")
+    rest = " ".join(line.strip() for line in text[2:-2])
+    assert "expects: 2 micro-batches = 1: gradients within 1e-05" in rest and "failure class: modelscope" in rest
+    assert "try: train.micro_batch=<train.batch_size> (one micro-batch)" in rest
+    assert text[-2].startswith("pass  ranks") and "try" not in text[-2]
+    assert text[-1].startswith("-     logprob schedule  n/a: no rollout spans")
+    assert set(check.TRY) == {n for _, names in check.PROBES for n in names}  # every probe has its hint
 
 
 # -- each failure class, injected, fails its probe -------------------------------------------------------------------

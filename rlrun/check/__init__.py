@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,11 +150,20 @@ def plan_probe(ctx: Context) -> Row:
                blocks=False)
 
 
-def run_probes(ctx: Context) -> list[Row]:
-    """Every probe, in the table's order; one that raises is that probe's FAIL row (probes.guarded)."""
+def run_probes(ctx: Context, progress: bool = False) -> list[Row]:
+    """Every probe, in the table's order; one that raises is that probe's FAIL row (probes.guarded). `progress`:
+    a bar on a terminal, a line per probe otherwise (stderr; `rlrun check` itself, minutes on a real model)."""
+    from tqdm import tqdm
+
     rows: list[Row] = []
-    for probe, names in PROBES:
+    bar = tqdm(PROBES, desc="rlrun check", unit="probe", disable=not (progress and sys.stderr.isatty()),
+               dynamic_ncols=True)
+    for i, (probe, names) in enumerate(bar):
+        bar.set_postfix_str(names[0])
+        if progress and not sys.stderr.isatty():
+            print(f"rlrun check: probe {i + 1} of {len(PROBES)}: {', '.join(names)}", file=sys.stderr, flush=True)
         rows += probes.guarded(probe, ctx, names=names)
+    bar.close()
     return rows
 
 
@@ -174,14 +184,56 @@ def table(rows: list[Row]) -> str:
                         [[r.probe, r.expects, r.measured, VERDICT[r.ok], r.source] for r in rows], left=5)
 
 
-def rows_of(cfg) -> list[Row]:
+def rows_of(cfg, progress: bool = False) -> list[Row]:
     """The probes of a validated config (DPO's: rlrun/check/dpo.py), the caller's random state untouched."""
     with torch.random.fork_rng():
         if cfg.loss.name == "dpo":
             from . import dpo
 
             return dpo.rows(cfg, baseline_config, exactness_of(cfg))
-        return run_probes(build(cfg))
+        return run_probes(build(cfg), progress)
+
+
+# What to try next when a probe fails (the console's "try:" line): the quickest way to find which setting is at
+# fault, as docs/check.md#the-probes explains each probe.
+TRY = {"on-policy ratio": "logprob_policy=always and head=dense: if that passes, the option you changed computes the "
+                          "old pass unlike the train pass",
+       "generator = trainer": "rollout=hf and train.precision=fp32: if that passes, the generator's weights or "
+                              "numbers are not the trainer's (docs/vllm.md for vLLM's weight sync)",
+       "sampler filter": "rollout.top_p=1.0 rollout.top_k=0: the trainer scores the whole vocabulary, the sampler "
+                         "drew from a filtered one",
+       "accumulation": "train.micro_batch=<train.batch_size> (one micro-batch): if that passes, the loss is "
+                       "normalised per micro-batch; check loss.agg",
+       "ranks": "engine=single: each rank's loss must be normalised by the tokens of all ranks",
+       "sequence alone": "batching=padded: if that passes, the layout's positions or masks let a neighbour in",
+       "policy copies": "train.precision=fp32: a copy of the policy was built outside rlrun.policy",
+       "no full logits": "head=chunked, or a head.size below the micro-batch's tokens",
+       "memory plan": "rlrun plan with the same overrides: its terms (a forecast: the run trains; docs/plan.md)",
+       "vs baseline": "set one axis back to its baseline at a time (rlrun check ... head=dense, ...): the option "
+                      "whose return makes it pass changes the numbers",
+       "master weights": "keep the weights fp32 (train.precision=bf16 autocasts over fp32 master weights)",
+       "logprob schedule": "logprob_policy=always: old logprobs recomputed for every rollout",
+       "generator process": "rollout.pipeline=sync: if that passes, the generator process misses weight syncs"}
+
+
+def lines(rows: list[Row], width: int = 100) -> str:
+    """The check for a console of `width` columns: one line per probe (its verdict, name, what it measured); under a
+    failed one what it expects, its failure class and what to try next; an n/a probe says why (check.txt keeps the
+    full table)."""
+    import textwrap
+
+    name = max(len(r.probe) for r in rows) if rows else 0
+    out = [f"{'':4}  {'probe':<{name}}  measured (what each expects and catches: docs/check.md#the-probes)"]
+    for r in rows:
+        said = r.measured if r.ok is not None else r.expects
+        head = f"{VERDICT[r.ok]:<4}  {r.probe:<{name}}  "
+        out += textwrap.wrap(said, width, initial_indent=head, subsequent_indent=" " * len(head)) or [head.rstrip()]
+        if r.ok is False:
+            for label, text in (("expects", r.expects), ("failure class", r.source), ("try", TRY.get(r.probe))):
+                if text:
+                    out += textwrap.wrap(f"{label}: {text}", width, initial_indent=" " * len(head),
+                                         subsequent_indent=" " * (len(head) + 2))
+    return "\n".join(out)
 
 
 def summary(rows: list[Row]) -> str:
@@ -196,7 +248,8 @@ def metrics(rows: list[Row]) -> dict[str, float]:
             if r.ok is not None}
 
 
-def report(cfg) -> tuple[str, bool]:
-    """The check of a validated config: (the table with its summary line, whether every probe passed)."""
-    rows = rows_of(cfg)
-    return f"{table(rows)}\n{summary(rows)}", all(r.ok is not False for r in rows)
+def report(cfg, progress: bool = False) -> tuple[str, bool]:
+    """The check of a validated config: (its lines for a 100-column console with the summary line, whether every
+    probe passed)."""
+    rows = rows_of(cfg, progress)
+    return f"{lines(rows)}\n{summary(rows)}", all(r.ok is not False for r in rows)
