@@ -202,7 +202,7 @@ def test_steps_slowed_by_other_work_are_left_out_wherever_they_fell():
     base, half = loaded(0.3, ()), loaded(0.3, range(2, 12, 2))
     headline, rows = verdict.answer(names, [base, half], ps, {1: 0})
     assert "head=chunked: no difference measured" in headline
-    assert "left out as slowed by other work: head=chunked 5 of 10." in headline
+    assert "left out as slowed (other work, the job's evaluations): head=chunked 5 of 10." in headline
     assert rows["head=chunked"]["timed"] == 5 and rows["head=dense"]["timed"] == 10
     unpaced = [run(base["time/train_s"][1]), run(half["time/train_s"][1])]  # without the pace: the busy steps count
     headline, rows = verdict.answer(names, unpaced, ps, {1: 0})

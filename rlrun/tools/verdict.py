@@ -234,7 +234,7 @@ def machine(has_pace: bool, rows: dict, repeats: int, n_opts: int) -> str:
             return ""
         busy = [o for o, r in rows.items() if r["timed"] < MIN_TIMED]
         return (f" Timed: the steps at the machine's full pace (generation, which these options do not change, within "
-                f"{PACE_SLACK}x its fastest); left out as slowed by other work: {', '.join(out)}."
+                f"{PACE_SLACK}x its fastest); left out as slowed (other work, the job's evaluations): {', '.join(out)}."
                 + (f" The machine was busy through most of {', '.join(busy)}: run again, or report.repeats=3 "
                    "(interleaved)." if busy else ""))
     if repeats == 1 and n_opts > 1:
