@@ -620,3 +620,24 @@ def test_a_step_of_one_forward_peaks_before_the_layers_gradients_exist():
     p, peak = live_train_peak(*overrides)
     assert p.phases["train"].parts["gradients"] == p.shapes.vocab * p.shapes.hidden * 4  # the lm head's alone
     assert p.phases["train"].growth == pytest.approx(peak, rel=0.05, abs=MIB), plan.detail(p)
+
+
+def test_the_plan_keeps_this_machine_and_the_cuda_verdict_apart_and_names_the_heads_that_cut_the_logits():
+    """Dense logits at a 152k vocabulary are most of the train phase: every other head in the registry that the
+    loss allows is planned and shown with what it leaves; the CPU plan comes first, the CUDA verdict on its own."""
+    from rlrun import registry
+
+    text = plan.report(validate(make_cfg("model.vocab_size=151936", "train.micro_batch=128")))
+    lines = text.splitlines()
+    assert lines[0] == "on this machine (CPU):"
+    cut = next(i for i, line in enumerate(lines) if line.startswith("another head would cut train"))
+    assert "dense logits" in lines[cut]
+    offered = {line.split()[0]: float(line.split()[3].replace(",", "")) for line in lines[cut + 1:cut + 4]
+               if line.startswith("  head=")}
+    assert set(offered) == {f"head={h}" for h in registry.REGISTRY["head"] if h != "dense"}  # from the registry
+    train = float(next(line.split()[1] for line in lines if line.startswith("train ")))
+    assert all(v <= 0.25 * train for v in offered.values()), (offered, train)
+    cuda = next(i for i, line in enumerate(lines) if line.startswith("on a CUDA device of 80 GiB (plan.device_gib)"))
+    assert lines[cuda - 1] == "" and cuda > cut  # its own paragraph, after this machine's
+    small = plan.report(validate(make_cfg()))  # the embedded default: the logits are nothing, no suggestion
+    assert "another head would cut" not in small

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from .. import precision, registry
+from .. import axes, precision, registry
 from ..config import OPTIONS, rules
 from . import phases as pr
 from . import shapes as sh
@@ -36,12 +36,17 @@ def table(plan: pr.Plan, device: pr.Plan | None = None, device_gib: float | None
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head] + rows]
     lines.append("peak = resident (weights, reference copy, optimizer state) + growth")
     if device is not None and device_gib:
-        name, peak = highest(device)
-        cap = device_gib * GIB
-        verdict = "fits" if peak <= cap else f"does not fit: over by {(peak - cap) / GIB:.2f} GiB"
-        lines.append(f"on a CUDA device of {device_gib:g} GiB: predicted peak {peak / GIB:.2f} GiB ({name}), "
-                     f"{verdict}; add the CUDA context and allocator slack, a few hundred MiB.")
+        lines.append(fits_line(device, device_gib))
     return "\n".join(lines)
+
+
+def fits_line(device: pr.Plan, device_gib: float, whence: str = "") -> str:
+    """Whether the run's CUDA plan fits a device of `device_gib` GiB."""
+    name, peak = highest(device)
+    cap = device_gib * GIB
+    verdict = "fits" if peak <= cap else f"does not fit: over by {(peak - cap) / GIB:.2f} GiB"
+    return (f"on a CUDA device of {device_gib:g} GiB{whence}: predicted peak {peak / GIB:.2f} GiB ({name}), "
+            f"{verdict}; add the CUDA context and allocator slack, a few hundred MiB.")
 
 
 def highest(plan: pr.Plan) -> tuple[str, int]:
@@ -202,6 +207,30 @@ def fit_lines(cfg, base: Base, world: int, gib: float) -> list[str]:
     return lines + ["  " + x for x in detail(plan).splitlines()]
 
 
+def head_lines(cfg, base: Base, cpu: pr.Plan, world: int) -> list[str]:
+    """The other heads in the registry that would cut this run's largest phase by a quarter or more (its growth, on
+    this machine's plan): where the head's own term (a dense head's logits) is what the run's memory is made of."""
+    name, _ = highest(cpu)
+    now = cpu.phases[name].growth
+    found = []
+    for head in registry.REGISTRY["head"]:
+        candidate = ("head", f"head={head}", nested(cfg, "head", option("head", head)), world)
+        if head == cfg.head.name or refused(candidate):
+            continue
+        variant = candidate[2]
+        size = pr.resolve_size(variant, base.shapes, base.tokens, "cpu", world)
+        after = pr.predict(variant, base.shapes, base.rows, base.seq_len, base.tokens, world=world,
+                           head_size=size).phases[name].growth
+        if after <= 0.75 * now:
+            exact = axes.exactness("head", head)
+            found.append(f"  head={head:<10} {name} growth {after / MIB:,.0f} MiB ({exact}: "
+                         f"{'trains the same' if exact in ('bitwise', 'fp_tolerance') else 'changes the numbers'})")
+    if not found:
+        return []
+    return [f"\nanother head would cut {name}, the largest phase ({now / MIB:,.0f} MiB; its largest part: "
+            f"{cpu.phases[name].dominant()}):", *found]
+
+
 def report(cfg) -> str:
     """`rlrun plan`: the plan of a validated config without building its weights (a meta-device model), as on
     this machine's CPU, plus whether it fits a CUDA device of plan.device_gib (and if not, what would make it);
@@ -219,11 +248,13 @@ def report(cfg) -> str:
                   f"a tenth of plan.device_gib={gib:g} GiB; a run chooses from its own device's free memory" if gib
                   else "a tenth of this machine's free memory; a run chooses from its own device's free memory")
         note = f"head.size=auto: {size} tokens per tile, within {within}\n"
-    text = [note + table(cpu, cuda, gib)]
+    base = Base(s, n_rows, seq_len, tokens, cfg.train.micro_batch, cfg.model.lora.enabled, sh.weight_dtype(cfg))
+    text = ["on this machine (CPU):", note + table(cpu), *head_lines(cfg, base, cpu, world)]
     device = cuda or cpu
+    if cuda is not None:  # the CUDA verdict apart from this machine's plan: another device, other terms
+        text.append("\n" + fits_line(cuda, gib, " (plan.device_gib)"))
     text.append(f"\nactivations saved for backward by the train pass, per option ({device.device_type}, "
                 f"{device.layer_tokens} positions per forward):\n" + "\n".join(activation_lines(device)))
     if cuda is not None and highest(cuda)[1] > gib * GIB:
-        base = Base(s, n_rows, seq_len, tokens, cfg.train.micro_batch, cfg.model.lora.enabled, sh.weight_dtype(cfg))
         text.append("\n" + "\n".join(fit_lines(cfg, base, world, gib)))
     return "\n".join(text) + "\n\nparts (MiB, CPU):\n" + detail(cpu)
