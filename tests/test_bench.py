@@ -250,22 +250,25 @@ def test_batching_bench_agrees_with_padded_and_prints_the_ranks_loads(tmp_path):
 
 
 def test_generate_bench_draws_the_same_tokens_and_computes_fewer_rows(tmp_path):
-    """`bench generate` on small rollouts of the default work (its warm start is cached by other tests): both modes
-    draw the same tokens, and with ended rows leaving the batch the model computes fewer rows (a count, not a
-    time)."""
+    """`bench generate` on small rollouts of the default work (its warm start is cached by other tests): the three
+    modes draw the same tokens; with ended rows leaving the batch the model computes fewer rows, and with each
+    prompt prefilled once the prompt pass has one row per prompt (counts, not times)."""
     from rlrun.tools import bench_generate
 
     a = argparse.Namespace(rollouts=2, seed=0, threads=1, tracking_uri=f"sqlite:///{tmp_path}/b.db",
                            rlrun_args=["train.rollout_batch=32", "train.group_size=8",
                                        "train.batch_size=32", "train.micro_batch=32"])
     logged = []
-    every, leave = bench_generate.bench(a, lambda a, rows, text, kind: logged.append((rows, text, kind)))
-    assert every["same_tokens"] and leave["same_tokens"] and logged[0][2] == "generate"
+    every, leave, once = bench_generate.bench(a, lambda a, rows, text, kind: logged.append((rows, text, kind)))
+    assert every["same_tokens"] and leave["same_tokens"] and once["same_tokens"] and logged[0][2] == "generate"
     assert leave["length_mean"] == every["length_mean"] and leave["longest_mean"] == every["longest_mean"]
     # every row to the end: rows x (longest - 1) after the prompt pass; leaving: fewer, at least the tokens past 1
     assert every["rows_computed"] == 32 * (every["longest_mean"] - 1)
     assert 32 * (leave["length_mean"] - 1) <= leave["rows_computed"] < every["rows_computed"]
-    assert "ended rows leave" in logged[0][1] and "same tokens" in logged[0][1]
+    assert once["rows_computed"] == leave["rows_computed"]
+    # the prompt pass: every row, or each of the 4 prompts once (8 completions each)
+    assert every["prefill_rows"] == leave["prefill_rows"] == 32 and once["prefill_rows"] == 4
+    assert "ended rows leave" in logged[0][1] and "prefilled once" in logged[0][1] and "same tokens" in logged[0][1]
 
 
 def test_trl_bench_varied_lengths_gives_both_the_same_work_and_rlrun_its_best_exact_settings():

@@ -47,3 +47,18 @@ def test_rlrun_check_passes_on_smollm2_with_the_efficient_options(tmp_path):
     r = rlrun(tmp_path, "check", *SMALL, "head=chunked", "batching=packed", "logprob_policy=window")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "probes pass" in r.stdout and "FAILED" not in r.stdout
+
+
+def test_the_trl_bench_scores_trls_completions_with_the_real_models_chat_task():
+    """`bench trl --model smollm2`: TRL's reward is rlrun's word-problem reward, its task loaded with SmolLM2's
+    tokenizer (the chat template needs it: without it the TRL run failed before its first step)."""
+    from transformers import AutoTokenizer
+
+    from rlrun import registry
+    from rlrun.tools import bench_trl
+
+    cfg = bench_trl.work("default", 0, "smollm2")
+    folder = registry.get("model", cfg.model.name).folder(cfg.model)
+    reward = bench_trl.trl_reward(cfg, 0, AutoTokenizer.from_pretrained(folder))
+    right, wrong, unboxed = reward(["The total is \\\\boxed{12}.", "\\\\boxed{13}", "12"], ["12", "12", "12"])
+    assert right > wrong and right > unboxed and right >= 1.0

@@ -174,3 +174,34 @@ def test_encode_pads_on_the_left_like_the_tokenizer_and_tokenizes_each_prompt_on
     monkeypatch.setattr(type(tok), "__call__", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
     hf.encode(tok, ["1+1=", "7+7="], "cpu")
     assert calls == [(["7+7="],)]  # only the prompt not seen before
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True)])
+def test_each_prompt_is_prefilled_once_per_group_and_draws_what_every_row_prefilled_draws(arch, tie):
+    """A rollout repeats each prompt group_size times (here 6 prompts x 4): the first forward runs the 6 distinct
+    prompts, their KV cache and first logits copied to the 24 rows; the tokens are those of prefilling every row
+    (and of transformers' generate), their logprobs within the matmul's last bits."""
+    model, tok = tiny(arch, tie)
+    distinct, seeds = prompts_and_seeds(6, 3)
+    prompts = [p for p in distinct for _ in range(4)]
+    seeds = [random.Random(i).randrange(2**32) for i in range(len(prompts))]
+    likely_eos(model, tok, prompts)
+    cfg = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=16)
+    seen = rows_per_forward(model)
+    once = hf.generate(model, tok, prompts, cfg, "cpu", seeds)
+    assert seen[0] == len(distinct) and seen[1] <= len(prompts)  # prefill: each prompt once; then every row
+    seen.clear()
+    ids, mask = hf.encode(tok, prompts, "cpu")
+    sampler = hf.SeededSampler(seeds, cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+    every = hf.decode(model, ids, mask, max_new_tokens=16, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, processor=sampler, prefill_once=False)
+    assert seen[0] == len(prompts)
+    sampler.collect(every[sampler.rows, -1])
+    every = Rollout.from_response(ids, mask, every, torch.stack(sampler.logprobs, 1), tok)
+    assert torch.equal(once.input_ids, every.input_ids)  # the same tokens, row for row
+    ref = with_generate(model, tok, prompts, cfg, seeds)
+    assert once.completions == ref.completions and torch.equal(once.finished, ref.finished)
+    assert 0 < ref.finished.sum() < len(prompts)
+    torch.testing.assert_close(once.gen_logprobs, every.gen_logprobs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(once.gen_logprobs, ref.gen_logprobs, rtol=0, atol=1e-6)
+    assert hf.distinct_rows(ids[:6:4], mask[:6:4]) is None  # every row distinct: nothing to share

@@ -101,9 +101,21 @@ def fast_path(model) -> bool:
             and "logits_to_keep" in inspect.signature(model.forward).parameters)
 
 
+def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """(one index per distinct row, each row's distinct row) of a prompt batch, or None where every row is distinct: a
+    rollout repeats each prompt group_size times, and a prompt's prefill is the same for every copy."""
+    key = torch.cat([input_ids, attention_mask], 1)
+    found, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if len(found) == len(key):
+        return None
+    first = torch.full((len(found),), len(key), dtype=torch.long, device=key.device)
+    first.scatter_reduce_(0, inverse, torch.arange(len(key), device=key.device), "amin")
+    return first, inverse
+
+
 @torch.no_grad()
 def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: int, pad_token_id: int,
-           processor=None, drop_ended: bool = True) -> torch.Tensor:
+           processor=None, drop_ended: bool = True, prefill_once: bool = True) -> torch.Tensor:
     """The response tokens [B, <= max_new_tokens] of greedy decoding over `processor(ids, scores)` (None: raw
     scores): the steps of transformers' `generate` (left padding, dynamic KV cache, last-position logits in fp32,
     pad after EOS, stop when every row has ended), without its per-step configuration and validation work, which
@@ -112,7 +124,12 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     A row that ends leaves the running batch (its KV cache rows too), so the model and the sampler only work on
     the rows still going: on long-tailed lengths most rows end long before the longest. A processor with a
     `select(keep, tokens)` method is told which rows go on (SeededSampler); one without it sees every row, as does
-    `drop_ended=False` (every row to the end, as `generate` does: `python -m rlrun.bench generate` compares)."""
+    `drop_ended=False` (every row to the end, as `generate` does: `python -m rlrun.bench generate` compares).
+
+    `prefill_once`: each distinct prompt is prefilled once and its KV cache and first logits copied to the rows that
+    repeat it (a group's completions share the prompt: group_size - 1 of every group_size prefills saved). A row's
+    prefill is the same computation alone or among others; its numbers may differ in the last bits where the
+    matmul library blocks a smaller batch otherwise (tests/test_rollout.py compares)."""
     lm = models.unwrap(model)
     if not fast_path(lm):
         out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
@@ -127,10 +144,18 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     response = input_ids.new_full((input_ids.shape[0], max_new_tokens), pad_token_id)
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)  # the rows still running, in response
     ids, x, unfinished, length = input_ids, input_ids, torch.ones_like(input_ids[:, 0], dtype=torch.bool), 0
+    shared = distinct_rows(input_ids, attention_mask) if prefill_once else None
     for step in range(max_new_tokens):
-        out = lm(input_ids=x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
-                 use_cache=True, logits_to_keep=1)
-        scores = out.logits[:, -1].to(dtype=torch.float32, copy=True)
+        if step == 0 and shared is not None:  # each distinct prompt once, then copied to the rows that repeat it
+            first, inverse = shared
+            out = lm(input_ids=x[first], attention_mask=attention_mask[first], position_ids=position_ids[first],
+                     past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache.batch_select_indices(inverse)
+            scores = out.logits[inverse, -1].to(dtype=torch.float32, copy=True)
+        else:
+            out = lm(input_ids=x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+                     use_cache=True, logits_to_keep=1)
+            scores = out.logits[:, -1].to(dtype=torch.float32, copy=True)
         del out
         next_tokens = (processor(ids, scores) if processor else scores).argmax(-1)
         next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
@@ -171,13 +196,15 @@ def encode(tokenizer, prompts: list[str], device):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int], drop_ended: bool = True) -> Rollout:
-    """`seeds`: one sampling seed per prompt (see the module docstring); `drop_ended`: see `decode`."""
+def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int], drop_ended: bool = True,
+             prefill_once: bool = True) -> Rollout:
+    """`seeds`: one sampling seed per prompt (see the module docstring); `drop_ended`, `prefill_once`: see
+    `decode`."""
     input_ids, attention_mask = encode(tokenizer, prompts, device)
     sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p, cfg.max_new_tokens, getattr(cfg, "top_k", 0))
     response = decode(model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, processor=sampler,
-                      drop_ended=drop_ended)
+                      drop_ended=drop_ended, prefill_once=prefill_once)
     sampler.collect(response[sampler.rows.to(response.device), -1])  # the last draw of the rows still running
     gen_logprobs = torch.stack(sampler.logprobs, dim=1)
     return Rollout.from_response(input_ids, attention_mask, response, gen_logprobs, tokenizer)

@@ -170,14 +170,10 @@ def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, imp
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from .. import tasks
 
     cfg = work(a.task, seed, a.model)
-    task = tasks.load(cfg.task, seed)
     size = sizes(cfg, a.model)
-
-    def reward(completions, answer, **_):  # rlrun's reward on the same rows
-        return task.score(completions, [{"answer": x} for x in answer])[0]
+    reward = trl_reward(cfg, seed, AutoTokenizer.from_pretrained(model_dir))
 
     class Record(TrainerCallback):
         def __init__(self):
@@ -211,6 +207,19 @@ def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, imp
                 "reward": [x["reward"] for x in record.logs],
                 "length": [x["completions/mean_length"] for x in record.logs], "phases": {}, "rss": peak_rss()},
                out_path)
+
+
+def trl_reward(cfg, seed: int, tokenizer):
+    """rlrun's reward of `cfg`'s task as TRL calls a reward function (completions and the dataset's `answer`
+    column). The task is loaded with the model's tokenizer: a chat-template task (a real model's) needs it."""
+    from .. import tasks
+
+    task = tasks.load(cfg.task, seed, tokenizer)
+
+    def reward(completions, answer, **_):
+        return task.score(completions, [{"answer": x} for x in answer])[0]
+
+    return reward
 
 
 def lora_config(cfg):
