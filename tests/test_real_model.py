@@ -62,3 +62,17 @@ def test_the_trl_bench_scores_trls_completions_with_the_real_models_chat_task():
     reward = bench_trl.trl_reward(cfg, 0, AutoTokenizer.from_pretrained(folder))
     right, wrong, unboxed = reward(["The total is \\\\boxed{12}.", "\\\\boxed{13}", "12"], ["12", "12", "12"])
     assert right > wrong and right > unboxed and right >= 1.0
+
+
+def test_the_benches_start_a_real_model_as_a_run_does_without_a_warm_start(monkeypatch):
+    """`bench generate --rlrun-args experiment=smollm2` ran the embedded model's 300-step warm start on SmolLM2
+    (warm_start.enabled=auto read as true): the benches now ask what a run asks (warmstart.applies)."""
+    from rlrun import warmstart
+    from rlrun.tools import bench_trl
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a real model is not warm-started")
+
+    monkeypatch.setattr(warmstart, "warm_start", refuse)
+    policy, tokenizer, task = bench_trl.warm_policy(bench_trl.work("default", 0, "smollm2"), 0)
+    assert policy.config.num_hidden_layers == 30 and task.train

@@ -85,13 +85,15 @@ def sizes(cfg, model: str) -> dict:
 
 
 def warm_policy(cfg, seed: int):
-    """(policy, tokenizer, task) of `cfg`: the embedded model after its warm start, what a run starts from."""
-    from .. import models, tasks
-    from ..warmstart import warm_start
+    """(policy, tokenizer, task) of `cfg`: the model as a run starts from it (the embedded one after its warm
+    start)."""
+    from .. import models, tasks, warmstart
 
     policy, tokenizer = models.build(cfg.model, seed)
     task = tasks.load(cfg.task, seed, tokenizer)
-    warm_start(policy, tokenizer, task.train, dataclasses.asdict(cfg.warm_start), seed, cache=cfg.warm_start.cache)
+    if warmstart.applies(cfg):  # as a run decides (auto: the embedded model on arith only, never a real model)
+        warmstart.warm_start(policy, tokenizer, task.train, dataclasses.asdict(cfg.warm_start), seed,
+                             cache=cfg.warm_start.cache)
     return policy, tokenizer, task
 
 
