@@ -113,6 +113,20 @@ def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
     return first, inverse
 
 
+def next_scores(lm, x, attention_mask, position_ids, cache, shared=None) -> torch.Tensor:
+    """One forward of the decode loop: the last position's logits in fp32, the KV cache extended. `shared` (the
+    prompt pass, `distinct_rows`): each distinct prompt computed once, its cache and logits copied to the rows that
+    repeat it."""
+    pick = shared[0] if shared is not None else slice(None)
+    out = lm(input_ids=x[pick], attention_mask=attention_mask[pick], position_ids=position_ids[pick],
+             past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits = out.logits[:, -1]
+    if shared is not None:
+        cache.batch_select_indices(shared[1])
+        logits = logits[shared[1]]
+    return logits.to(dtype=torch.float32, copy=True)
+
+
 @torch.no_grad()
 def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: int, pad_token_id: int,
            processor=None, drop_ended: bool = True, prefill_once: bool = True) -> torch.Tensor:
@@ -146,17 +160,7 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     ids, x, unfinished, length = input_ids, input_ids, torch.ones_like(input_ids[:, 0], dtype=torch.bool), 0
     shared = distinct_rows(input_ids, attention_mask) if prefill_once else None
     for step in range(max_new_tokens):
-        if step == 0 and shared is not None:  # each distinct prompt once, then copied to the rows that repeat it
-            first, inverse = shared
-            out = lm(input_ids=x[first], attention_mask=attention_mask[first], position_ids=position_ids[first],
-                     past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache.batch_select_indices(inverse)
-            scores = out.logits[inverse, -1].to(dtype=torch.float32, copy=True)
-        else:
-            out = lm(input_ids=x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
-                     use_cache=True, logits_to_keep=1)
-            scores = out.logits[:, -1].to(dtype=torch.float32, copy=True)
-        del out
+        scores = next_scores(lm, x, attention_mask, position_ids, cache, shared if step == 0 else None)
         next_tokens = (processor(ids, scores) if processor else scores).argmax(-1)
         next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
         response[rows, step], length = next_tokens, step + 1
