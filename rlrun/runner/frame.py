@@ -107,6 +107,7 @@ class Frame:
         self.bar: Progress | None = None  # set by `steps`
         self.last_samples: list[dict] = []  # the last samples table, printed at the end of the run
         self.exported: str | None = None
+        self.in_sweep = bool(getattr(cfg.tracking, "parent_run_id", None))  # a job's console output is shortened
         # who owns the checkpoints this run writes: rotation removes only the owner's (kept across resumes: restore)
         self.owner = self.engine.gather(uuid.uuid4().hex)[0]  # rank 0's, on every rank
         self.grad_watch: dict = {}  # consecutive dead-gradient steps (watch_gradients)
@@ -138,9 +139,8 @@ class Frame:
         taken = RESERVED & set(stateful)  # the frame's and the engines' own keys of a checkpoint
         assert not taken, f"stateful names {sorted(taken)} collide with checkpoint keys"
         total = self.cfg.train.steps
-        in_sweep = bool(getattr(self.cfg.tracking, "parent_run_id", None))  # a job's output, shortened: ~5 lines
         self.bar = progress(start, total, desc, enabled=self.cfg.progress and self.engine.main,
-                            every=self.cfg.log.every or (max(1, round((total - start) / 5)) if in_sweep else None))
+                            every=self.cfg.log.every or (max(1, round((total - start) / 5)) if self.in_sweep else None))
         every = self.cfg.eval.every if evaluate is not None else 0
         with signals.deferred() as stop:
             for step in self.bar:
@@ -157,7 +157,7 @@ class Frame:
         numbers."""
         self.check_forward()
         self.export()
-        if self.last_samples and self.engine.main and not getattr(self.cfg.tracking, "parent_run_id", None):
+        if self.last_samples and self.engine.main and not self.in_sweep:
             log.info("last samples:\n%s", format_rows(self.last_samples))  # a sweep job's are in MLflow only
         return self.summary.result()
 
