@@ -87,9 +87,9 @@ def kill_after(tmp, args, at_step, sig):
     return p, logged_steps(tmp / "mlflow.db")
 
 
-def curve(db):
+def curve(db, key="train/loss"):
     client, (r,) = runs(db)
-    hist = sorted(client.get_metric_history(r.info.run_id, "train/loss"), key=lambda m: m.step)
+    hist = sorted(client.get_metric_history(r.info.run_id, key), key=lambda m: m.step)
     return r, [m.step for m in hist], [m.value for m in hist]
 
 
@@ -102,7 +102,8 @@ def test_sigkill_at_a_seeded_step_then_resume_gives_the_same_curve(tmp_path, los
     # the packed layout resumes bit for bit too; so does async generation (the rollouts generated ahead are in the
     # checkpoint, and the generator restarts on the checkpoint's weights)
     extra = {"packed": ["batching=packed"], "async": ["rollout.pipeline=async"]}.get(loss.partition("-")[2], [])
-    args = ["experiment=smoke", f"loss={loss.partition('-')[0]}", *extra, f"train.steps={STEPS}",
+    # evaluations between the checkpoints: one logged before a kill is not logged again by the resume
+    args = ["experiment=smoke", f"loss={loss.partition('-')[0]}", *extra, f"train.steps={STEPS}", "eval.every=4",
             f"checkpoint.dir={tmp_path}/run/ckpt", "checkpoint.every=3"]
     (tmp_path / "base").mkdir()
     (tmp_path / "run").mkdir()
@@ -121,6 +122,8 @@ def test_sigkill_at_a_seeded_step_then_resume_gives_the_same_curve(tmp_path, los
     assert run_.info.status == "FINISHED", where
     assert steps == base_steps == list(range(STEPS)), where  # no missing, no duplicated step
     assert values == base_values, f"{where}, resumed from the checkpoint after step {saved}"  # bit for bit
+    evals = [curve(tmp_path / d / "mlflow.db", "eval/accuracy")[1:] for d in ("run", "base")]
+    assert evals[0] == evals[1] and evals[1][0] == [0, 4, 8, 12], f"{where}: eval/accuracy"  # each once
 
 
 @pytest.mark.slow

@@ -341,3 +341,30 @@ def test_a_kept_dataset_record_is_sent_as_the_runs_dataset_input(tmp_path):
     assert (given.dataset.name, given.dataset.digest) == ("rollouts rec", digest[:16])
     assert json.loads(given.dataset.profile) == {"sha256": digest, "rollouts": 3, "format": 1}
     assert json.loads(given.dataset.source) == {"uri": "/data/rec"} and given.tags[0].value == "replay"
+
+
+def test_an_evaluation_logged_before_its_step_trained_is_not_logged_again_on_resume(tmp_path):
+    """The held-out evaluation at step N is logged before step N trains. A kill between the two leaves it in the
+    store past the learning curve's last step; the resumed run evaluates at N again and must not log it twice (a
+    node killed in the cluster test hit this: eval/accuracy at step 25 twice)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"uri": new_store(tmp_path), "experiment": "rlrun", "parent_run_id": None})
+    first = tracking.MLflow(cfg, {"train": {"steps": 4}}, "x")
+    first.log(0, {"eval/accuracy": 0.1})
+    first.log(0, {"loss": 0.5})
+    first.log(1, {"loss": 0.4})
+    first.log(2, {"eval/accuracy": 0.2})  # then the kill, before step 2's loss
+    first.finish("KILLED")
+    again = tracking.MLflow(cfg, {}, None, resume_run_id=first.run_id)
+    assert again.first_step == 2
+    again.log(2, {"eval/accuracy": 0.2})  # the resume's evaluation at step 2: already in the store
+    again.log(2, {"loss": 0.3})
+    again.log(3, {"loss": 0.2})
+    again.log(4, {"eval/accuracy": 0.3})
+    again.finish("FINISHED")
+    client = tracking.open_client(cfg.uri)
+    history = {k: sorted((m.step, m.value) for m in client.get_metric_history(first.run_id, k))
+               for k in ("eval/accuracy", "train/loss")}
+    assert [s for s, _ in history["eval/accuracy"]] == [0, 2, 4]  # each once
+    assert [s for s, _ in history["train/loss"]] == [0, 1, 2, 3]

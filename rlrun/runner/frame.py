@@ -149,8 +149,8 @@ class Frame:
                 self.meter.new_step()
                 yield step
                 self.maybe_checkpoint(step, stop["stop"], stateful)
-            if every and total > start:
-                self.evaluate(total, evaluate)
+            if every:  # resumed after the last step's checkpoint too: a kill may have come before this was logged
+                self.evaluate(total, evaluate)  # (the tracker logs no metric at a step it already holds)
 
     def finish(self) -> dict[str, float]:
         """After the last step: check the policy's forward, export it, print the last samples; the run's summary

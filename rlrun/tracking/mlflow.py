@@ -32,6 +32,9 @@ class MLflow:
                  previous_spill: str | None = None):
         self.client, exp_id = connect(cfg.uri, cfg.experiment)
         self.first_step = 0  # steps below this were logged before a resume: recomputed, not logged twice
+        # each metric's last step logged before a resume: a held-out evaluation is logged at step N before step N
+        # trains, so one that a kill caught between the two is in the store past the learning curve's last step
+        self.last_logged: dict[str, int] = {}
         self.run_id: str | None = None
         self.uri = cfg.uri
         self.spill: Spill | None = None
@@ -65,6 +68,7 @@ class MLflow:
             self._reopened(resume_run_id)
             logged = self.client.get_metric_history(resume_run_id, metric_key("loss"))
             self.first_step = max((m.step for m in logged), default=-1) + 1
+            self.last_logged = {m.key: m.step for m in self.client.get_run(resume_run_id).data.to_proto().metrics}
             self.held = None  # its metrics exist already: their order is set
             return
         tags = {"mlflow.runName": run_name} if run_name else {}
@@ -140,7 +144,10 @@ class MLflow:
         now = int(time.time() * 1000)  # fixed here: a resent metric is then one the store already holds
         lead = [k for k in LEADS if k in metrics]
         order = lead + [k for k in metrics if k not in lead]
-        records = [[metric_key(k), float(metrics[k]), now, step] for k in order]
+        records = [[metric_key(k), float(metrics[k]), now, step] for k in order
+                   if step > self.last_logged.get(metric_key(k), -1)]
+        if not records:
+            return
         if self.held is not None:
             if not lead:
                 self.held += records
