@@ -283,7 +283,7 @@ def test_plan_predicts_what_runs_measure(point):
     result = in_child(bench_plan.child, point, 3)
     assert set(bench_plan.CHECKED) <= set(result), result
     for phase in bench_plan.CHECKED:
-        predicted, _, smallest = result[phase]
+        predicted, _, smallest, _ = result[phase]
         assert bench_plan.within(predicted, smallest), (phase, result[phase])
 
 
@@ -609,6 +609,37 @@ def test_rows_that_skipping_leaves_out_are_planned_as_the_rows_a_step_computes(b
     want_rows = 32 if batching == "padded" else 16
     assert again.phases["train"].growth == plan.predict(cfg, s, rows, seq_len, tokens,
                                                          trained_rows=want_rows).phases["train"].growth
+
+
+@pytest.mark.parametrize("batching", ["padded", "packed", "shared_prompt"])
+def test_a_step_is_planned_at_the_lengths_its_completions_had(batching):
+    """A real model's completions end before rollout.max_new_tokens; the plan made before the run runs every one
+    to it (the bound a run must fit, 19-28% over SmolLM2's measured train pass). Each step's plan
+    (plan/<phase>_trained_growth_mib, what the planner's accuracy is judged on) is made from the micro-batches the
+    step trained on: their positions a row and their response slot, for every pass."""
+    from types import SimpleNamespace
+
+    from rlrun.recipes.grpo import Micro, trained_plan
+
+    cfg, every = planned("logprob_policy=always", "loss.kl_coef=0.01", "train.micro_batch=32", "train.batch_size=64",
+                         "train.rollout_batch=64", "rollout.max_new_tokens=16", f"batching={batching}")
+    s, rows, seq_len, tokens = plan.inputs(cfg)
+    assert plan.trained(cfg, every, None, None).phases == every.phases  # as long as planned: the same plan
+    short = plan.trained(cfg, every, None, None, seq_len=seq_len - 10, tokens=rows * 6)
+    want = plan.predict(cfg, s, rows, seq_len - 10, rows * 6)
+    for phase in ("train", "old_logprobs", "ref_logprobs"):
+        assert short.phases[phase].growth == want.phases[phase].growth < every.phases[phase].growth, phase
+
+    def micro(response: int) -> Micro:  # `rows` completions in a response slot of `response` tokens
+        n, width = rows * response, seq_len - 16 + response
+        return Micro(torch.zeros(rows, width, dtype=torch.long), torch.ones(rows, width), seq_len - 16,
+                     torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.bool), torch.ones(n),
+                     torch.zeros(n))
+
+    # the step's two micro-batches, their slots 4 and 6 long: planned as the longer
+    logged = trained_plan(cfg, SimpleNamespace(memory=every, head_size=None), [micro(4), micro(6)], None)
+    assert logged == {f"plan/{p}_trained_growth_mib": short.phases[p].growth / MIB
+                      for p in ("train", "old_logprobs", "ref_logprobs")}
 
 
 def test_a_step_of_one_forward_peaks_before_the_layers_gradients_exist():

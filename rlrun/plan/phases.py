@@ -264,15 +264,21 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
                 trained.layer_tokens, kind, rows, tokens)
 
 
-def trained(cfg, plan: Plan, kept: list[int], head_size: int | None) -> Plan:
-    """`plan` again for a step whose micro-batches kept `kept` rows each (train.skip_zero_advantage): padded
-    computes each micro-batch with its kept rows (one, masked, where none), so its peak is the largest's; packed
-    and shared_prompt lay out the step's kept rows anew."""
-    layout = registry.get("batching", cfg.batching.name)(cfg.batching)
-    padded = layout.planned_forward(cfg, plan.rows, plan.seq_len, plan.step_tokens // plan.rows) is None
-    rows = max(max(kept), 1) if padded else max(1, -(-sum(kept) // len(kept)))
-    return predict(cfg, plan.shapes, plan.rows, plan.seq_len, plan.step_tokens, world=plan.world,
-                   device_type=plan.device_type, head_size=head_size, trained_rows=rows)
+def trained(cfg, plan: Plan, kept: list[int] | None, head_size: int | None, seq_len: int | None = None,
+            tokens: int | None = None) -> Plan:
+    """`plan` again for a step's micro-batches as they came: `seq_len` positions a row and `tokens` response
+    positions a micro-batch (the longest micro-batch's; None: the plan's, every completion run to
+    rollout.max_new_tokens) and `kept` rows each (train.skip_zero_advantage; None: every row). Padded computes each
+    micro-batch with its kept rows (one, masked, where none), so its peak is the largest's; packed and
+    shared_prompt lay out the step's kept rows anew."""
+    seq_len, tokens = seq_len or plan.seq_len, tokens or plan.step_tokens
+    rows = None
+    if kept is not None:
+        layout = registry.get("batching", cfg.batching.name)(cfg.batching)
+        padded = layout.planned_forward(cfg, plan.rows, seq_len, tokens // plan.rows) is None
+        rows = max(max(kept), 1) if padded else max(1, -(-sum(kept) // len(kept)))
+    return predict(cfg, plan.shapes, plan.rows, seq_len, tokens, world=plan.world, device_type=plan.device_type,
+                   head_size=head_size, trained_rows=rows)
 
 
 TOLERANCE, FLOOR_MIB = 0.15, 32.0  # the plan's target: within 15% or 32 MiB of what is measured, the larger

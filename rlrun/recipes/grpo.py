@@ -193,7 +193,7 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
 
             # 3. Metrics over all ranks. A metric that needs a skipped pass is absent, never a zero that looks real.
             m = step_metrics(frame, passes, got, loss_total, num_tokens, parts, grad_norm, layout, drawn)
-            m.update(trained_plan(cfg, s, kept))
+            m.update(trained_plan(cfg, s, micros, kept))
             frame.log(step, m, reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
             if cfg.log.samples_every and step % cfg.log.samples_every == 0 and got.samples:
@@ -201,16 +201,19 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
         return frame.finish()
 
 
-def trained_plan(cfg, s, kept: list[int] | None) -> dict[str, float]:
-    """train.skip_zero_advantage: plan/<phase>_trained_growth_mib, the memory plan of the rows this step's train
-    pass computed (and, for the old-policy pass, the same rows: the rollout the step trains on). The plan at step 0
-    counts every row, the bound a run must fit; how many rows are left out is the rewards' to decide, so this is
+def trained_plan(cfg, s, micros: list[Micro], kept: list[int] | None) -> dict[str, float]:
+    """plan/<phase>_trained_growth_mib: the memory plan of the micro-batches this step trained on, at their lengths
+    (a real model's completions end before rollout.max_new_tokens, where the step-0 plan runs every one: the bound
+    a run must fit) and, with train.skip_zero_advantage, the rows the train and old-policy passes computed. How
+    long the completions are and how many rows are left out is the model's and the rewards' to decide, so this is
     what the planner's accuracy is measured against (python -m rlrun.bench plan)."""
-    if kept is None or s.memory is None:
+    if s.memory is None:
         return {}
-    again = plan.trained(cfg, s.memory, kept, s.head_size)
-    return {f"plan/{name}_trained_growth_mib": again.phases[name].growth / MIB for name in ("train", "old_logprobs")
-            if name in again.phases}
+    seq_len = max(mb.input_ids.shape[1] for mb in micros)  # prompt and the longest response slot, padded
+    tokens = max(mb.targets.numel() for mb in micros)  # rows x the response slot: what the heads compute over
+    again = plan.trained(cfg, s.memory, kept, s.head_size, seq_len=seq_len, tokens=tokens)
+    return {f"plan/{name}_trained_growth_mib": again.phases[name].growth / MIB
+            for name in ("train", "old_logprobs", "ref_logprobs") if name in again.phases}
 
 
 def refill(cfg, s, source, buffer: RolloutBuffer, step: int) -> StepRollouts:

@@ -5,6 +5,9 @@ the plan's upper bound on tokens is the real count) with a large vocabulary, `lo
 KL coefficient so that the old and reference passes both run, in its own process. The run logs its plan (plan/*)
 and its measured peak growth (mem/*); the bench reads both back from the run's MLflow store and prints, per phase,
 predicted vs measured, the error, and whether it is within the target: 15% or 32 MiB, whichever is larger.
+Predicted is the plan of each step's micro-batches as they came (plan/<phase>_trained_growth_mib: their lengths, and
+the rows train.skip_zero_advantage left in); the table also shows the plan made before the run (`rlrun plan`'s, every
+completion at rollout.max_new_tokens), the bound a run must fit, which a real model's shorter completions stay under.
 Measured is the median over the run's steps: on CPU it is RSS, which is process-wide, and one step's phase can
 catch an allocation that is not its own (a BLAS library's first-call buffers, a thread's); the plan is a step's.
 
@@ -109,11 +112,14 @@ def child(point: dict, steps: int, out_path: str) -> None:
 
         result = {}
         for p in PHASES:
-            # train.skip_zero_advantage: the plan of the rows each step computed (the step-0 plan counts every row)
+            # the plan of each step's micro-batches as they came (their lengths; the rows that
+            # train.skip_zero_advantage left in), and the run's plan made before it (every completion at
+            # rollout.max_new_tokens, every row): the bound a run must fit
+            bound = median(values(plan_growth_key(p)))
             planned = median(values(f"plan/{p}_trained_growth_mib"))
             measured = values(growth_key(p))
-            result[p] = (planned if planned is not None else median(values(plan_growth_key(p))), median(measured),
-                         min(measured, default=None))
+            result[p] = (planned if planned is not None else bound, median(measured), min(measured, default=None),
+                         bound)
     torch.save({p: v for p, v in result.items() if None not in v}, out_path)
 
 
@@ -177,9 +183,10 @@ def rows_of(grid: list[dict], results: list[dict]) -> list[dict]:
         if "error" in r:
             rows.append({"impl": label(p), "error": r["error"]})
             continue
-        for phase, (pred, meas, *_) in r.items():
+        for phase, (pred, meas, *rest) in r.items():
+            bound = rest[1] if len(rest) > 1 else pred
             rows.append({"impl": f"{label(p)}/{phase}", "point": label(p), "phase": phase, "predicted_mib": pred,
-                         "measured_mib": meas, "error_pct": 100.0 * (pred - meas) / max(meas, 1e-9),
+                         "bound_mib": bound, "measured_mib": meas, "error_pct": 100.0 * (pred - meas) / max(meas, 1e-9),
                          "ok": phase not in CHECKED or within(pred, meas), "pair": bool(p.get("pair"))})
     return rows
 
@@ -191,9 +198,12 @@ def table(rows: list[dict]) -> str:
             body.append([r["impl"], f"failed: {r['error']}"])
             continue
         target = ("ok" if r["ok"] else "MISSED") if r["phase"] in CHECKED else "(not a target)"
-        body.append([r["point"], r["phase"], render.num(r["predicted_mib"], ".0f"),
+        body.append([r["point"], r["phase"], render.num(r["bound_mib"], ".0f"), render.num(r["predicted_mib"], ".0f"),
                      render.num(r["measured_mib"], ".0f"), render.num(r["error_pct"], "+.1f") + "%", target])
-    lines = [render.table(["run", "phase", "predicted MiB", "measured MiB", "error", "target"], body, left=2)]
+    # "before the run": rlrun plan's number, every completion at rollout.max_new_tokens (a random-weight model's
+    # always are); "at the step's lengths": the plan of the micro-batches the steps trained on, which the target is for
+    lines = [render.table(["run", "phase", "before the run MiB", "at the step's lengths MiB", "measured MiB", "error",
+                           "target"], body, left=2)]
     checked = [r for r in rows if r.get("phase") in CHECKED]
     pairs = [r for r in checked if r.get("pair")]
     if pairs:
