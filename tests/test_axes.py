@@ -154,6 +154,27 @@ def test_a_toy_head_and_layout_are_validated_planned_and_grouped_with_their_base
     assert equivalence.baselines(params, ["base", "toy", "toy_layout"]) == ({1: 0, 2: 0}, [])
 
 
+def test_rlrun_plan_suggests_a_registered_head_it_was_never_told_of(toys, tmp_path, monkeypatch):
+    """`rlrun plan`'s switches come from the registry: the toy head is tried where a run does not fit, and the
+    combination may take it (it trains the same: fp_tolerance); activations=offload, which says `combined = False`,
+    is listed but never combined."""
+    import shutil
+
+    from rlrun.plan import text
+
+    shipped = tmp_path / "conf"  # the shipped YAMLs with the toy's, as docs/adding-an-option.md adds it to conf/
+    shutil.copytree(CONF, shipped)
+    shutil.copy(toys / "head" / "toy.yaml", shipped / "head")
+    monkeypatch.setattr(text, "CONF", shipped)
+    cfg = validate(compose_with(toys, "experiment=smoke"))
+    labels = {label for _, label, _, _ in text.candidates(cfg, 1)}
+    assert {"head=toy", "head=chunked", "activations=checkpoint", "activations=offload"} <= labels
+    assert not {"head=dense", "activations=keep"} & labels  # this run's options, and baselines, which save nothing
+    assert text.combined("head=toy") and text.combined("activations=checkpoint")
+    assert text.trains_same("activations=offload") and not text.combined("activations=offload")
+    assert not text.trains_same("train.precision=bf16") and not text.combined("model.lora.enabled=true")
+
+
 def test_a_toy_head_and_layout_compute_their_baselines_numbers(toys):
     """The equivalence checks of tests/test_heads.py and tests/test_batching.py, run on the toys."""
     sys.path.insert(0, str(Path(__file__).parent))

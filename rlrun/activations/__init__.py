@@ -110,6 +110,7 @@ class Offload(Keep):
     the backward; on a CPU run they are already there and nothing moves."""
 
     exactness = "bitwise"
+    combined = False  # rlrun plan lists it alone: where checkpoint costs compute, this copies over PCIe
     cost = ("{mib:.0f} MiB copied to pinned host memory in forward and back in backward per micro-batch (on a CPU "
             "run nothing moves)")
 

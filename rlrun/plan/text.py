@@ -88,7 +88,7 @@ def option(group: str, name: str, **changes):
 
     shipped = cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml")))  # a mapping
     data = {**shipped, **changes}
-    return OPTIONS[group][name](**data)
+    return {**OPTIONS[group], **registry.CONFIGS.get(group, {})}[name](**data)  # registered later too
 
 
 def nested(obj, key: str, value):
@@ -100,13 +100,10 @@ def nested(obj, key: str, value):
 def candidates(cfg, world: int) -> list[tuple[str, str, object, int]]:
     """(family, label, config, ranks) of each switch that changes this run: one family per line of the list."""
     out = []
-    for name in ("checkpoint", "offload"):
-        if cfg.activations.name != name:
-            out.append(("activations", f"activations={name}", nested(cfg, "activations", option("activations", name)),
-                        world))
-    for name in ("tiled", "chunked"):
-        if cfg.head.name == "dense" and (name != "tiled" or cfg.loss.name in rules.FUSABLE):
-            out.append(("head", f"head={name}", nested(cfg, "head", option("head", name)), world))
+    for axis in SWITCHED:  # every registered option but this run's and the axis's baseline (which saves nothing)
+        for name in registry.REGISTRY[axis]:
+            if name != getattr(cfg, axis).name and axes.exactness(axis, name) != "baseline":
+                out.append((axis, f"{axis}={name}", nested(cfg, axis, option(axis, name)), world))
     if not cfg.model.lora.enabled and importlib.util.find_spec("peft") is not None:  # planned with peft's adapters
         out.append(("lora", "model.lora.enabled=true", nested(cfg, "model.lora.enabled", True), world))
     if precision.resolved(cfg) == "fp32" and cfg.model.dtype == "float32":
@@ -164,20 +161,35 @@ def planned(cfg, world: int, gib: float, base: Base) -> pr.Plan:
                       device_gib=gib)
 
 
-# what `combine` may add: the switches that train the same thing (LoRA and bf16 change what trains) and cost compute
-# or devices, not a copy of every activation over PCIe per micro-batch (offload is listed alone)
-COMBINED = ("activations=checkpoint", "head=", "WORLD_SIZE=", "train.micro_batch=", "batching.max_tokens=")
+SWITCHED = ("activations", "head")  # the axes whose registered options rlrun plan tries
+# besides those options, what `combine` may add: data parallel ranks and smaller forwards, which train the same
+RESHAPES = ("WORLD_SIZE=", "train.micro_batch=", "batching.max_tokens=")
+
+
+def trains_same(label: str) -> bool:
+    """Whether a switch keeps what trains (LoRA and bf16 change it): a registered option by its exactness."""
+    axis, _, name = label.partition("=")
+    if axis in SWITCHED:
+        return axes.exactness(axis, name) in ("bitwise", "fp_tolerance")
+    return label.startswith(RESHAPES)
+
+
+def combined(label: str) -> bool:
+    """What `combine` may add: switches that train the same and cost compute or devices; an option that says
+    `combined = False` (activations=offload: a copy of every activation over PCIe per micro-batch) is listed alone."""
+    axis, _, name = label.partition("=")
+    return trains_same(label) and (axis not in SWITCHED or getattr(registry.get(axis, name), "combined", True))
 
 
 def combine(cfg, base: Base, world: int, gib: float):
-    """Switches that keep the result (COMBINED), added one family at a time, the one that lowers the peak most
+    """Switches that keep the result (`combined`), added one family at a time, the one that lowers the peak most
     first, until the run fits (or none lowers it): (labels, config, ranks, peak)."""
     chosen, current, ranks, used = [], cfg, world, set()
     peak = highest(planned(current, ranks, gib, base))[1]
     while peak > HEADROOM * gib * GIB:
         options = [(highest(planned(v, r, gib, base))[1], family, label, v, r)
                    for family, label, v, r in candidates(current, ranks)
-                   if family not in used and label.startswith(COMBINED)]
+                   if family not in used and combined(label)]
         best = min(options, key=lambda o: o[0], default=None)
         if best is None or best[0] >= peak:
             break
@@ -194,7 +206,7 @@ def fit_lines(cfg, base: Base, world: int, gib: float) -> list[str]:
              f"{gib:g} GiB, the rest for the CUDA context and allocator slack):"]
     for _, label, variant, ranks in candidates(cfg, world):
         name, peak = highest(planned(variant, ranks, gib, base))
-        note = "" if label.startswith(COMBINED + ("activations=offload",)) else "  (changes what trains)"
+        note = "" if trains_same(label) else "  (changes what trains)"
         lines.append(f"  {label:<52} {peak / GIB:8.2f} GiB ({name}){'  fits' if peak <= cap else ''}{note}")
     lines += not_applicable(cfg, world)
     chosen, current, ranks, peak = combine(cfg, base, world, gib)
