@@ -47,6 +47,20 @@ AXES = (*EFFICIENCY, "precision", "pipeline")
 # groups that are not config groups: the config group whose options key them, or the config key whose values do
 KEYED_BY = {"recipe": "loss", "precision": "train.precision", "pipeline": "rollout.pipeline"}
 
+
+def key_of(group: str) -> str:
+    """The config key that holds an axis's option: `<group>.name`, or the key KEYED_BY names (train.precision)."""
+    key = KEYED_BY.get(group, group)
+    return key if "." in key else f"{key}.name"
+
+
+def option_of(cfg, group: str) -> str | None:
+    """The option `cfg` (a config object or a DictConfig) chose on `group`'s axis; None where it has no such key."""
+    value = cfg
+    for part in key_of(group).split("."):
+        value = getattr(value, part, None)
+    return None if value is None else str(value)
+
 # Group -> the typing.Protocol every option of the group satisfies (tests/test_protocols.py checks each one).
 PROTOCOLS: dict[str, str] = {
     "head": "rlrun.heads.protocol:Head",

@@ -197,3 +197,15 @@ def test_a_toy_head_and_layout_compute_their_baselines_numbers(toys):
     laid = test_batching.step(model, micros, "toy", "toy_layout")
     assert laid[0] == pytest.approx(padded[0], rel=1e-5)
     assert all(torch.allclose(laid[2][n], g, rtol=1e-4, atol=1e-6) for n, g in padded[2].items())
+
+
+def test_one_reader_gives_each_axis_option_from_a_config_or_a_dictconfig():
+    """registry.option_of: what rlrun check, the run's header and the sweep's verdict read each axis from."""
+    raw = compose_with(CONF, "head=tiled", "train.precision=bf16", "rollout.pipeline=async")
+    cfg = validate(raw)
+    for c in (raw, cfg):
+        chosen = {g: registry.option_of(c, g) for g in registry.AXES}
+        assert chosen["head"] == "tiled" and chosen["precision"] == "bf16" and chosen["pipeline"] == "async"
+        assert (chosen["logprob_policy"], chosen["batching"], chosen["activations"]) == ("window", "padded", "keep")
+    assert registry.key_of("precision") == "train.precision" and registry.key_of("head") == "head.name"
+    assert registry.option_of(object(), "head") is None

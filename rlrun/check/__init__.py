@@ -30,7 +30,6 @@ from .probes import Row
 
 PROBE_ROWS = 16  # sequences of the probe rollout at most (whole groups): seconds on the embedded default
 PLAN_STEPS = 3  # train steps the memory-plan probe measures (their median)
-AXIS_KEYS = {"precision": ("train", "precision"), "pipeline": ("rollout", "pipeline")}  # the non-group axes
 
 
 @dataclass
@@ -49,13 +48,6 @@ class Context:
     prompts: list  # the probe rollout's prompts (the generator process draws them again)
 
 
-def option_of(cfg, group: str) -> str:
-    if group in AXIS_KEYS:
-        node, key = AXIS_KEYS[group]
-        return getattr(getattr(cfg, node), key)
-    return getattr(cfg, group).name
-
-
 def baseline_config(cfg):
     """`cfg` with every axis at its baseline option (the shipped YAML's keys; batching keeps its max_tokens)."""
     from ..plan.text import option
@@ -63,7 +55,10 @@ def baseline_config(cfg):
     changes = {g: option(g, registry.baseline(g)) for g in registry.EFFICIENCY if g != "batching"}
     changes["batching"] = option("batching", registry.baseline("batching"), max_tokens=cfg.batching.max_tokens)
     base = dataclasses.replace(cfg, **changes)
-    for group, (node, key) in AXIS_KEYS.items():
+    for group in registry.AXES:
+        node, _, key = registry.key_of(group).partition(".")
+        if key == "name":  # a config group's option: set above from its shipped YAML
+            continue
         base = dataclasses.replace(base, **{node: dataclasses.replace(getattr(base, node),
                                                                       **{key: registry.baseline(group)})})
     return base
@@ -120,7 +115,8 @@ def build(cfg) -> Context:
 
 def exactness_of(cfg) -> set:
     """What the options that differ from the baseline's are (rlrun.axes.EXACTNESS)."""
-    return {axes.exactness(g, option_of(cfg, g)) for g in registry.AXES if option_of(cfg, g) != registry.baseline(g)}
+    chosen = {g: registry.option_of(cfg, g) for g in registry.AXES}
+    return {axes.exactness(g, o) for g, o in chosen.items() if o is not None and o != registry.baseline(g)}
 
 
 def plan_probe(ctx: Context) -> Row:

@@ -96,18 +96,12 @@ def header(cfg, tracker) -> str:
     then where its results go (`results_hint`: the MLflow run and the output folder). A sweep job's: the first line."""
     from .. import registry
 
-    def pick(key: str):
-        v = cfg
-        for part in key.split("."):
-            v = getattr(v, part, None)
-        return v
-
     what = [f"loss={cfg.loss.name}", f"model={cfg.model.name}", f"task={cfg.task.name}"]
     moved = []  # the axes away from their baseline option: the rest need no words
     for g in registry.AXES:
-        key = registry.KEYED_BY.get(g, f"{g}.name")
-        if pick(key) is not None and str(pick(key)) != registry.baseline(g):
-            moved.append(f"{key.removesuffix('.name')}={pick(key)}")
+        chosen = registry.option_of(cfg, g)
+        if chosen is not None and chosen != registry.baseline(g):
+            moved.append(f"{registry.key_of(g).removesuffix('.name')}={chosen}")
     device = getattr(cfg.engine, "device", None)  # the single-process engine's; DeepSpeed's ranks say their own
     line = (f"rlrun: {' '.join(what)}, {cfg.train.steps} steps" + (f" on {device}" if device else "")
             + (f"; {' '.join(moved)}, other axes at their baselines" if moved else "; every axis at its baseline"))

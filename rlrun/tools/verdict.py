@@ -32,8 +32,7 @@ from . import equivalence as eq
 
 WARMUP = 2  # first steps left out of the timings: the process's and the job's warm-up
 FP_TOL = 1e-4  # relative to the baseline's largest |loss|: an exact option's loss before the runs part
-PARAM = {g: "train.precision" if g == "precision" else "rollout.pipeline" if g == "pipeline" else f"{g}.name"
-         for g in registry.AXES}
+PARAM = {g: registry.key_of(g) for g in registry.AXES}  # each axis's MLflow param
 EXACT = ("baseline", "bitwise", "fp_tolerance")
 REPEAT = "report.repeat="  # a repeated job's name part (report.repeats; sweep.expand_repeats)
 MIN_TIMED = 5  # timed steps an option needs (after WARMUP, over its repeats) before its cost is compared at all
