@@ -295,12 +295,13 @@ class SweepCallback(Callback):
         """The sweep's figures on the parent, its comparison table, and its equivalence check: equivalence/*
         metrics and equivalence.txt, or (no baseline among the jobs) a warning and the tag rlrun.equivalence.
         `left_out`: the jobs that did not finish (diverged, failed, killed), named in the answer, never ranked."""
+        got = report.gather(self.client, runs, baseline)  # read once: the figures and the description use it
         figs, (rows, problems) = report.figures(self.client, runs, runs[0].data.tags.get("rlrun.device", "cpu"),
-                                                baseline)
+                                                baseline, got)
         report.write(figs, (rows, problems), out)
         tracking.log_figures(self.client, self.parent_id, figs)
         render.close(figs)
-        self.describe(report, runs, baseline, left_out)
+        self.describe(report, runs, got, left_out)
         if rows or problems:
             self.client.log_artifact(self.parent_id, os.path.join(out, "equivalence.txt"))
         if rows:
@@ -314,11 +315,10 @@ class SweepCallback(Callback):
                             f"{len(rows)} run(s) compared with their baseline" if rows else "nothing to compare")
         log.info("figures: %s", out)
 
-    def describe(self, report, runs, baseline=None, left_out=()):
-        """The comparison as the parent's description (tools/note.py) and as the table `comparison.json`; the
-        children renamed to the overrides that tell them apart (already so where the sweep's jobs were known)."""
-        names = report.labels(runs)
-        data = report.collect(self.client, runs)
+    def describe(self, report, runs, got, left_out=()):
+        """The comparison (`got`: report.gather's) as the parent's description (tools/note.py) and as the table
+        `comparison.json`; the children renamed to the overrides that tell them apart."""
+        names, data, params, answer = got.names, got.data, got.params, got.answer
         for run, name in zip(runs, names):
             if run.data.tags.get("mlflow.runName") != name:
                 self.client.set_tag(run.info.run_id, "mlflow.runName", name)
@@ -327,8 +327,6 @@ class SweepCallback(Callback):
         from .tools import noise_floor, verdict
         from .tools import note as note_of
 
-        params = [r.data.params for r in runs]
-        answer = verdict.answer(names, data, params, report.eq.baselines(params, names, baseline)[0])
         for name, run in zip(names, runs):  # each job's `rlrun check` (report.check_jobs)
             if run.data.tags.get("rlrun.check"):
                 answer[1].setdefault(verdict.option_of(name), {})["check"] = run.data.tags["rlrun.check"]

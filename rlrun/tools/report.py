@@ -18,6 +18,7 @@ Step time and tokens/s leave evaluation and checkpoints out: the numbers each jo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -177,15 +178,32 @@ def markdown(names, data) -> str:
     return render.markdown(list(COLUMNS), _cells(names, data))
 
 
-def figures(client, runs, device="cpu", baseline: str | None = None):
-    """{filename: figure} comparing `runs`, plus the equivalence rows and problems (`baseline`: a run's name)."""
-    names = labels(runs)
-    data = collect(client, runs)
-    params = [r.data.params for r in runs]
-    base_of, _ = eq.baselines(params, names, baseline)
+@dataclasses.dataclass
+class Gathered:
+    """What a comparison of runs is drawn from, read from the store once: the figures and the sweep's description
+    both use it (tools/verdict.answer: the one-line answer and a row per option)."""
+
+    names: list[str]
+    data: list[dict]
+    params: list[dict]
+    base_of: dict
+    answer: tuple[str, dict]
+
+
+def gather(client, runs, baseline: str | None = None) -> Gathered:
     from . import verdict
 
-    answer = verdict.answer(names, data, params, base_of) if len(runs) > 1 else None
+    names, data, params = labels(runs), collect(client, runs), [r.data.params for r in runs]
+    base_of, _ = eq.baselines(params, names, baseline)
+    return Gathered(names, data, params, base_of, verdict.answer(names, data, params, base_of))
+
+
+def figures(client, runs, device="cpu", baseline: str | None = None, got: Gathered | None = None):
+    """{filename: figure} comparing `runs`, plus the equivalence rows and problems (`baseline`: a run's name);
+    `got`: what `gather` read, where the caller has it already."""
+    got = got or gather(client, runs, baseline)
+    names, data, params, base_of = got.names, got.data, got.params, got.base_of
+    answer = got.answer if len(runs) > 1 else None
     figs = {"cost.png": cost_figure(costs.costs(names, data, base_of), answer),
             "memory.png": memory_figure(names, data, device), "throughput.png": throughput_figure(names, data),
             "curves.png": curves_figure(names, data)}
