@@ -376,3 +376,17 @@ def test_a_sweep_of_no_jobs_is_one_error_and_exit_2(tmp_path, args):
         "rlrun: error: the sweep has no jobs: seed=range(0,0) give(s) no values; give every swept key at least one "
         "value, e.g. seed='range(0,3)' or seed=0,1,2")
     assert not (tmp_path / "mlflow.db").exists()  # refused before the parent run was created
+
+
+@pytest.mark.slow  # a 2-job sweep of 2-step runs in a subprocess (~20 s)
+def test_a_sweep_without_tracking_shortens_its_jobs_output_as_a_tracked_one_does(tmp_path):
+    """A job of a tracking=none sweep has no parent run; it is still a job (Hydra's multirun), so its console says
+    one header line and no samples table, and a single run of the same config says both."""
+    r = sweep(tmp_path, "-m", "experiment=smoke", "head=dense,chunked", "train.steps=2", "tracking=none")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    assert "last samples:" not in out and "logging:" not in out, out[-3000:]
+    assert out.count("rlrun: loss=dapo") == 2, out[-3000:]  # each job's header, one line
+    one = subprocess.run(["rlrun", "experiment=smoke", "train.steps=2", "tracking=none"], cwd=tmp_path, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0 and "last samples:" in one.stdout + one.stderr, one.stderr[-2000:]

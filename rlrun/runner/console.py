@@ -91,6 +91,17 @@ def results_hint(cfg, tracker) -> str:
     return "\n".join(lines)
 
 
+def sweep_job(cfg) -> bool:
+    """Whether this run is one job of a sweep (its console output is shortened): it has a parent run, or Hydra
+    launched it in a multirun (tracking=none has no parent)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if getattr(cfg.tracking, "parent_run_id", None):
+        return True
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def header(cfg, tracker) -> str:
     """The run's first lines: what runs (the objective, model, task and every axis's option, the steps and device),
     then where its results go (`results_hint`: the MLflow run and the output folder). A sweep job's: the first line."""
@@ -105,7 +116,7 @@ def header(cfg, tracker) -> str:
     device = getattr(cfg.engine, "device", None)  # the single-process engine's; DeepSpeed's ranks say their own
     line = (f"rlrun: {' '.join(what)}, {cfg.train.steps} steps" + (f" on {device}" if device else "")
             + (f"; {' '.join(moved)}, other axes at their baselines" if moved else "; every axis at its baseline"))
-    if getattr(cfg.tracking, "parent_run_id", None):
+    if sweep_job(cfg):
         return line
     hint = results_hint(cfg, tracker).replace("  results:", "  logging:", 1)
     return f"{line}\n{hint}" if hint else line

@@ -20,7 +20,7 @@ import torch
 
 from .. import checkpoint, folders, signals
 from ..meters import LOAD_KEY, Meter
-from .console import Progress, format_rows, progress
+from .console import Progress, format_rows, progress, sweep_job
 from .lifecycle import cfg_flat, export_dir
 from .summary import DEAD_GRADIENTS_TAG, Summary, watch_gradients
 
@@ -107,7 +107,7 @@ class Frame:
         self.bar: Progress | None = None  # set by `steps`
         self.last_samples: list[dict] = []  # the last samples table, printed at the end of the run
         self.exported: str | None = None
-        self.in_sweep = bool(getattr(cfg.tracking, "parent_run_id", None))  # a job's console output is shortened
+        self.in_sweep = sweep_job(cfg)  # a job's console output is shortened
         # who owns the checkpoints this run writes: rotation removes only the owner's (kept across resumes: restore)
         self.owner = self.engine.gather(uuid.uuid4().hex)[0]  # rank 0's, on every rank
         self.grad_watch: dict = {}  # consecutive dead-gradient steps (watch_gradients)
