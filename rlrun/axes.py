@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import activations, heads, logprobs, offload, precision, registry
+from . import activations, algorithms, heads, logprobs, offload, precision, registry
 from .batching.layouts import Padded
 from .losses.bound import Objective
 
@@ -59,7 +59,7 @@ def resolve(cfg, *, head_size: int | None = None, temperature: float = 1.0, top_
     sampler's, rollout.temperature, rollout.top_p and rollout.top_k; DPO: 1, 1, 0); `agree`:
     n -> the largest n over ranks (batching.agree(engine); None on one process); `device`: the run's."""
     size = head_size if head_size is not None else (cfg.head.size if cfg.head.size != "auto" else None)
-    grpo = cfg.loss.name != "dpo"
+    grpo = not algorithms.of(cfg).pairs
     return Axes(
         head=heads.Bound(registry.get("head", cfg.head.name), size, temperature, top_p, top_k),
         logprobs=registry.get("logprob_policy", cfg.logprob_policy.name)(cfg.logprob_policy),

@@ -3,7 +3,7 @@ config names that the machine lacks (checked before anything is built), and a lo
 
 from __future__ import annotations
 
-from . import precision
+from . import algorithms, precision
 from .config import ConfigError
 
 
@@ -23,7 +23,7 @@ def check_devices(cfg) -> None:
     import torch
 
     named = {"engine.device": getattr(cfg.engine, "device", None)}
-    if cfg.loss.name != "dpo" and getattr(cfg.rollout, "pipeline", "sync") == "async":
+    if algorithms.of(cfg).samples and getattr(cfg.rollout, "pipeline", "sync") == "async":
         named["rollout.worker_device"] = cfg.rollout.worker_device
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     problems = []

@@ -37,8 +37,8 @@ REGISTRY: dict[str, dict[str, Any]] = {
     "rollout": {"hf": "rlrun.rollout.hf", "vllm": "rlrun.rollout.vllm", "replay": "rlrun.rollout.replay"},
     "engine": {"single": "rlrun.engine.single", "deepspeed": "rlrun.engine.deepspeed"},
     "tracking": {"mlflow": "rlrun.tracking.mlflow:MLflow", "none": "rlrun.tracking.tracker:Null"},
-    "recipe": {"dapo": "rlrun.recipes.grpo", "cispo": "rlrun.recipes.grpo", "gspo": "rlrun.recipes.grpo",
-               "dpo": "rlrun.recipes.dpo"},
+    "recipe": {"dapo": "rlrun.algorithms:GRPO", "cispo": "rlrun.algorithms:GRPO",
+               "gspo": "rlrun.algorithms:GRPO", "dpo": "rlrun.algorithms:DPO"},
 }
 # The axes: the groups whose options change how a run computes (efficiency, the first five: exact against their
 # baseline) or its arithmetic and schedule (precision, pipeline: approximate). Each group lists its baseline first.

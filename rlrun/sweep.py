@@ -33,7 +33,7 @@ import time
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from . import render, signals, tracking
+from . import algorithms, render, signals, tracking
 from .sweep_jobs import count, expand_repeats, jobs, refuse_invalid_jobs, sweep_name, swept_keys
 from .tracking import ui
 
@@ -175,7 +175,7 @@ class SweepCallback(Callback):
         self.figures_dir = os.path.join(str(config.hydra.sweep.dir), "figures")
         self.baseline = OmegaConf.select(config, "report.baseline", default=None)
         ui.prepare(self.client, exp_id, tuple(ui.param_of(config, k) for k in keys),
-                   tracking.metric_key("rewards/accuracy" if config.loss.name == "dpo" else "reward_mean"))
+                   tracking.metric_key(algorithms.of(config.loss.name).curve))
         tracking.log_params(self.client, self.parent_id, tracking.flatten(
             {"sweep": {"name": name, "overrides": ",".join(overrides), "params": sweep_params}}))
         cfg = OmegaConf.to_container(config, resolve=False)

@@ -21,7 +21,8 @@ from rlrun import axes, registry
 from rlrun.config import choices, validate
 from rlrun.meters import PHASES
 
-CHECKED = [ROOT / "rlrun" / "recipes", ROOT / "rlrun" / "runner"]
+# the folders that ask an option's object what is true of it (an algorithm's facts: rlrun/algorithms.py)
+CHECKED = [ROOT / "rlrun" / "recipes", ROOT / "rlrun" / "runner", ROOT / "rlrun" / "batching"]
 
 
 def option_names() -> set[str]:
@@ -209,3 +210,17 @@ def test_one_reader_gives_each_axis_option_from_a_config_or_a_dictconfig():
         assert (chosen["logprob_policy"], chosen["batching"], chosen["activations"]) == ("window", "padded", "keep")
     assert registry.key_of("precision") == "train.precision" and registry.key_of("head") == "head.name"
     assert registry.option_of(object(), "head") is None
+
+
+def test_each_algorithm_says_what_is_true_of_it_once():
+    """The `recipe` group's objects: what the description, the views, the planner and the layouts ask of a loss."""
+    from rlrun import algorithms
+
+    for loss in registry.REGISTRY["recipe"]:
+        a = algorithms.of(loss)
+        cfg = validate(compose_with(CONF, "experiment=smoke", f"loss={loss}"))
+        assert algorithms.of(cfg) is a and a.samples != a.pairs  # GRPO samples groups; DPO reads pairs
+        assert a.prompt_rows(cfg) == (2 if a.pairs else cfg.train.group_size)
+        assert callable(a.train) and a.loop.startswith("rlrun.recipes.")
+    assert algorithms.title("cispo") == "GRPO-family RL (cispo loss)" and algorithms.title("dpo") == "DPO"
+    assert (algorithms.of("dapo").curve, algorithms.of("dpo").curve) == ("reward_mean", "rewards/accuracy")

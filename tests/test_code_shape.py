@@ -13,7 +13,7 @@ MAX_MODULE_LINES = 400
 # The config package, errors and the registry must stay importable without torch (the CLI validates in a second).
 LAYERS = [
     {"__init__", "errors", "config", "registry", "ranks", "signals", "render", "folders",
-     "nofollow", "exportdir", "procs", "pairs"},  # __init__: the version
+     "nofollow", "exportdir", "procs", "pairs", "algorithms"},  # __init__: the version
     {"losses", "heads", "logprobs", "offload", "batching", "activations", "meters", "models", "pretrained", "tasks",
      "checkpoint",
      "tracking", "rollout", "engine", "plan", "pipeline", "precision", "policy", "axes", "faults"},

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import algorithms
 from ..config import ConfigError
 from .exchange import balance  # noqa: F401  (data parallel: even token loads; the recipes call it as batching.balance)
 
@@ -292,7 +293,7 @@ def planned_forward(cfg, rows: int, seq_len: int, response: int, shared: bool) -
     max_tokens positions for responses)."""
     b, positions, width = cfg.batching, rows * seq_len, seq_len
     if shared:
-        group = 2 if cfg.loss.name == "dpo" else cfg.train.group_size
+        group = algorithms.of(cfg).prompt_rows(cfg)
         prompt = seq_len - response
         positions = -(-rows // group) * prompt + rows * response
         width = prompt + min(group, rows) * response

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import activations, logprobs, models, offload, precision, ranks, registry
+from .. import activations, algorithms, logprobs, models, offload, precision, ranks, registry
 from ..meters import plan_growth_key, plan_peak_key
 from . import terms
 from .shapes import Shapes
@@ -73,12 +73,12 @@ def passes(cfg, world: int) -> tuple[bool, bool, bool]:
 
 def sampled_top_p(cfg) -> float:
     """The top-p of the distribution the heads compute logprobs of: GRPO's sampler's (rollout.top_p); DPO's 1."""
-    return 1.0 if cfg.loss.name == "dpo" else cfg.rollout.top_p
+    return cfg.rollout.top_p if algorithms.of(cfg).samples else 1.0
 
 
 def sampled_top_k(cfg) -> int:
     """The top-k of that distribution: GRPO's sampler's (rollout.top_k, 0: off); DPO's 0."""
-    return 0 if cfg.loss.name == "dpo" else cfg.rollout.top_k
+    return cfg.rollout.top_k if algorithms.of(cfg).samples else 0
 
 
 RECOMPUTED = "one layer recomputed in backward"

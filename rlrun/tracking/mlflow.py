@@ -10,7 +10,7 @@ import logging
 import os
 import time
 
-from .. import signals
+from .. import algorithms, signals
 from ..errors import TrackingError
 from . import ui
 from .spill import FILE_NAME as SPILL_FILE
@@ -83,7 +83,7 @@ class MLflow:
                 tags[ui.GROUP_TAG] = self.client.get_run(cfg.parent_run_id).data.tags[ui.GROUP_TAG]
         mark_experiment_kind(self.client, exp_id)
         loss = (config.get("loss") or {}).get("name")
-        ui.prepare(self.client, exp_id, primary=metric_key(LEADS[1] if loss == "dpo" else LEADS[0]))
+        ui.prepare(self.client, exp_id, primary=metric_key(algorithms.of(loss).curve if loss else LEADS[0]))
         self.about = describe_run(config)
         tags.update({**standard_tags(), "mlflow.note.content": self.about})
         self.run = self.client.create_run(exp_id, tags=tags, run_name=run_name)

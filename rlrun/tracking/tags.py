@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 
+from .. import algorithms
 from ..render import short
 
 SWEEP_KEYS_ENV = "RLRUN_SWEEP_KEYS"  # set by the sweep callback (rlrun/sweep.py): the keys its jobs differ in
@@ -82,7 +83,7 @@ def describe_run(config: dict) -> str:
         return str(part.get("name", "?")) if isinstance(part, dict) else "?"
 
     loss = name("loss")
-    recipe = "DPO" if loss == "dpo" else f"GRPO-family RL ({loss} loss)"
+    recipe = algorithms.title(loss)
     steps = (config.get("train") or {}).get("steps", "?")
     return (f"{recipe} with the {name('head')} head, logprob policy {name('logprob_policy')}, optimizer offload "
             f"{name('offload')}, {name('rollout')} rollouts, engine {name('engine')}; model {name('model')}, "
