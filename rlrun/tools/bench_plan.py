@@ -237,7 +237,7 @@ def figure(rows: list[dict], path: str) -> str:
                            marker=marker, s=40, alpha=0.8, label=f"{head} {phase}", edgecolors="black",
                            linewidths=[1.5 if "lora" in r["point"].split("-") else 0.0 for r in pts])
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured peak growth, MiB (CPU RSS)",
-           ylabel="predicted (rlrun plan), MiB", title="Memory plan vs measured, per phase (black edge: LoRA)")
+           ylabel="predicted at the steps' lengths, MiB", title="Memory plan vs measured, per phase (black edge: LoRA)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, ncol=2, loc="upper left")
     fig.tight_layout()
