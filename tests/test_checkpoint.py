@@ -102,9 +102,10 @@ def test_sigkill_at_a_seeded_step_then_resume_gives_the_same_curve(tmp_path, los
     # the packed layout resumes bit for bit too; so does async generation (the rollouts generated ahead are in the
     # checkpoint, and the generator restarts on the checkpoint's weights)
     extra = {"packed": ["batching=packed"], "async": ["rollout.pipeline=async"]}.get(loss.partition("-")[2], [])
-    # evaluations between the checkpoints: one logged before a kill is not logged again by the resume
+    # evaluations between the checkpoints (of 8 held-out rows, kept cheap): one logged before a kill is not logged
+    # again by the resume
     args = ["experiment=smoke", f"loss={loss.partition('-')[0]}", *extra, f"train.steps={STEPS}", "eval.every=4",
-            f"checkpoint.dir={tmp_path}/run/ckpt", "checkpoint.every=3"]
+            "eval.size=8", f"checkpoint.dir={tmp_path}/run/ckpt", "checkpoint.every=3"]
     (tmp_path / "base").mkdir()
     (tmp_path / "run").mkdir()
     code, err = finished(rlrun(tmp_path / "base", *args[:-2]), 600)

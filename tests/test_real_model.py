@@ -51,17 +51,31 @@ def test_rlrun_check_passes_on_smollm2_with_the_efficient_options(tmp_path):
 
 def test_the_trl_bench_scores_trls_completions_with_the_real_models_chat_task():
     """`bench trl --model smollm2`: TRL's reward is rlrun's word-problem reward, its task loaded with SmolLM2's
-    tokenizer (the chat template needs it: without it the TRL run failed before its first step)."""
+    tokenizer (the chat template needs it: without it the TRL run failed before its first step), and the overlong
+    shaping experiment=smollm2 trains with (without it TRL trained on another reward: 2026-11-28, its reward rose
+    faster over 3 seeds)."""
+    import torch
     from transformers import AutoTokenizer
 
     from rlrun import registry
+    from rlrun.recipes.sampling import overlong_penalty
+    from rlrun.rollout import Rollout
     from rlrun.tools import bench_trl
 
     cfg = bench_trl.work("default", 0, "smollm2")
+    assert cfg.train.overlong == "penalty"
     folder = registry.get("model", cfg.model.name).folder(cfg.model)
-    reward = bench_trl.trl_reward(cfg, 0, AutoTokenizer.from_pretrained(folder))
+    reward, penalty = bench_trl.trl_rewards(cfg, 0, AutoTokenizer.from_pretrained(folder))
     right, wrong, unboxed = reward(["The total is \\\\boxed{12}.", "\\\\boxed{13}", "12"], ["12", "12", "12"])
     assert right > wrong and right > unboxed and right >= 1.0
+    new = cfg.rollout.max_new_tokens
+    lengths = [3, new - cfg.train.overlong_buffer, new - 4, new]  # TRL's ids: up to and including EOS
+    mask = torch.tensor([[i < n for i in range(new)] for n in lengths])
+    roll = Rollout(torch.zeros(4, new, dtype=torch.long), mask.long(), 0, mask, torch.zeros(4, new), [""] * 4,
+                   mask[:, -1])
+    want = overlong_penalty(roll, new, cfg.train.overlong_buffer, cfg.train.overlong_penalty_factor).tolist()
+    got = penalty([""] * 4, [[1] * n for n in lengths])
+    assert got == want and got[:2] == [0.0, 0.0] and got[3] == -cfg.train.overlong_penalty_factor
 
 
 def test_the_benches_start_a_real_model_as_a_run_does_without_a_warm_start(monkeypatch):

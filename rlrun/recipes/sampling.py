@@ -78,7 +78,11 @@ def sample_seed(seed: int, rollout: int, row: int, round_: int = 0) -> int:
 
 def overlong_penalty(roll: Rollout, max_new_tokens: int, buffer: int, factor: float) -> torch.Tensor:
     """[rows] DAPO's soft overlong punishment (module docstring), <= 0."""
-    length = roll.response_mask.sum(1).float().cpu()
+    return overlong_of(roll.response_mask.sum(1).float().cpu(), max_new_tokens, buffer, factor)
+
+
+def overlong_of(length: torch.Tensor, max_new_tokens: int, buffer: int, factor: float) -> torch.Tensor:
+    """The punishment of responses of `length` tokens, EOS included (also TRL's reward in `bench trl`)."""
     return torch.clamp(-(length - (max_new_tokens - buffer)) / buffer * factor, max=0.0)
 
 

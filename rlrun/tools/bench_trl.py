@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import os
 import resource
 import statistics
@@ -47,11 +48,7 @@ IMPLS = (*RLRUN, *TRL)
 
 
 def available() -> bool:
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("trl") is not None
 
 
 def compose(overrides: list[str]):
@@ -73,8 +70,7 @@ def work(task: str, seed: int, model: str = "tiny"):
 
 
 def sizes(cfg, model: str) -> dict:
-    """The workload's sizes and settings, the same for rlrun and TRL: the tiny model's constants, else the
-    experiment's (its config)."""
+    """The workload's sizes and settings, the same for rlrun and TRL: the tiny model's, else the experiment's."""
     if model == "tiny":
         return dict(prompts=PROMPTS_PER_STEP, group=GROUP, micro=MICRO, lr=LR, temperature=1.0, lora=None,
                     new_tokens=cfg.rollout.max_new_tokens)
@@ -85,8 +81,7 @@ def sizes(cfg, model: str) -> dict:
 
 
 def warm_policy(cfg, seed: int):
-    """(policy, tokenizer, task) of `cfg`: the model as a run starts from it (the embedded one after its warm
-    start)."""
+    """(policy, tokenizer, task) of `cfg`: the model as a run starts from it (the embedded one warm-started)."""
     from .. import models, tasks, warmstart
 
     policy, tokenizer = models.build(cfg.model, seed)
@@ -175,7 +170,7 @@ def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, imp
 
     cfg = work(a.task, seed, a.model)
     size = sizes(cfg, a.model)
-    reward = trl_reward(cfg, seed, AutoTokenizer.from_pretrained(model_dir))
+    reward = trl_rewards(cfg, seed, AutoTokenizer.from_pretrained(model_dir))
 
     class Record(TrainerCallback):
         def __init__(self):
@@ -206,22 +201,27 @@ def trl_child(a, model_dir: str, rows: list[dict], seed: int, log_path: str, imp
                               peft_config=lora_config(cfg) if size["lora"] else None)
         trainer.train()
     torch.save({"step_s": [b - e for e, b in zip(record.ends, record.ends[1:])],
-                "reward": [x["reward"] for x in record.logs],
+                "reward": [x["rewards/reward/mean"] for x in record.logs],  # the task's, as rlrun's reward_mean
                 "length": [x["completions/mean_length"] for x in record.logs], "phases": {}, "rss": peak_rss()},
                out_path)
 
 
-def trl_reward(cfg, seed: int, tokenizer):
-    """rlrun's reward of `cfg`'s task as TRL calls a reward function (completions and the dataset's `answer`
-    column). The task is loaded with the model's tokenizer: a chat-template task (a real model's) needs it."""
+def trl_rewards(cfg, seed: int, tokenizer) -> list:
+    """rlrun's reward as TRL's reward functions: the task's score (loaded with the model's tokenizer, which a chat
+    template needs; TRL logs it as rewards/reward/mean) and train.overlong=penalty's shaping where trained with."""
     from .. import tasks
+    from ..recipes.sampling import overlong_of
 
-    task = tasks.load(cfg.task, seed, tokenizer)
+    task, t, new = tasks.load(cfg.task, seed, tokenizer), cfg.train, cfg.rollout.max_new_tokens
 
     def reward(completions, answer, **_):
         return task.score(completions, [{"answer": x} for x in answer])[0]
 
-    return reward
+    def overlong_penalty(completions, completion_ids, **_):  # TRL's ids end with EOS where it was generated
+        length = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float32)
+        return overlong_of(length, new, t.overlong_buffer, t.overlong_penalty_factor).tolist()
+
+    return [reward, overlong_penalty] if t.overlong == "penalty" else [reward]
 
 
 def lora_config(cfg):
