@@ -36,8 +36,7 @@ EXACTNESS = {
     "approximate": "close to the baseline's, not equal (lower precision, staleness); compared by what it learns",
     "objective": "a different objective: compared by what it learns, not by its numbers",
 }
-# config key -> registry group of each axis that is not a whole config group
-KEYS = {"precision": "train.precision", "pipeline": "rollout.pipeline"}
+SAME = ("bitwise", "fp_tolerance")  # the exactness of an option that trains its baseline's numbers
 
 
 @dataclass(frozen=True)
@@ -105,6 +104,11 @@ def exactness(group: str, name: str) -> str:
     """What `group=name`'s numbers are against its axis's baseline (a key of EXACTNESS)."""
     obj = registry.get(group, name)
     return getattr(obj, "exactness", None) or obj.EXACTNESS
+
+
+def trains_same(group: str, name: str) -> bool:
+    """Whether `group=name` trains its baseline's numbers (bit for bit or up to summation order)."""
+    return exactness(group, name) in SAME
 
 
 baseline = registry.baseline  # the option of an axis the others are compared with

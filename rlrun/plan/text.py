@@ -170,7 +170,7 @@ def trains_same(label: str) -> bool:
     """Whether a switch keeps what trains (LoRA and bf16 change it): a registered option by its exactness."""
     axis, _, name = label.partition("=")
     if axis in SWITCHED:
-        return axes.exactness(axis, name) in ("bitwise", "fp_tolerance")
+        return axes.trains_same(axis, name)
     return label.startswith(RESHAPES)
 
 
@@ -236,7 +236,7 @@ def head_lines(cfg, base: Base, cpu: pr.Plan, world: int) -> list[str]:
         if after <= 0.75 * now:
             exact = axes.exactness("head", head)
             found.append(f"  head={head:<10} {name} growth {after / MIB:,.0f} MiB ({exact}: "
-                         f"{'trains the same' if exact in ('bitwise', 'fp_tolerance') else 'changes the numbers'})")
+                         f"{'trains the same' if exact in axes.SAME else 'changes the numbers'})")
     if not found:
         return []
     return [f"\nanother head would cut {name}, the largest phase ({now / MIB:,.0f} MiB; its largest part: "

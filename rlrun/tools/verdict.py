@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import statistics
 
-from .. import registry
+from .. import axes, registry
 from ..meters import time_key
 from . import equivalence as eq
 
 WARMUP = 2  # first steps left out of the timings: the process's and the job's warm-up
 FP_TOL = 1e-4  # relative to the baseline's largest |loss|: an exact option's loss before the runs part
 PARAM = {g: registry.key_of(g) for g in registry.AXES}  # each axis's MLflow param
-EXACT = ("baseline", "bitwise", "fp_tolerance")
+EXACT = ("baseline", *axes.SAME)
 REPEAT = "report.repeat="  # a repeated job's name part (report.repeats; sweep.expand_repeats)
 MIN_TIMED = 5  # timed steps an option needs (after WARMUP, over its repeats) before its cost is compared at all
 PACE_SLACK = 1.5  # a step is timed where generation ran within this of its full pace (idle: ~80% of steps are)
