@@ -14,6 +14,8 @@ never compare an option's name (tests/test_axes.py checks the source). A new opt
     activations     activations           what a pass with a gradient keeps (activations.Keep | ...)
     precision       train.precision       the arithmetic of every copy of the policy (precision.Fp32 | Bf16)
     pipeline        rollout.pipeline      where GRPO's rollouts come from (recipes/sources.Sync | Async)
+    (decode)        rollout.decode        how rollout=hf runs its decode loop (rollout/decoding.Eager | Compiled):
+                                          asked by the rollout and evaluation (decoding.of), not held here
     objective       loss (GRPO)           the loss bound to its aggregation and correction (losses.bound)
 """
 

@@ -259,7 +259,13 @@ def test_generate_bench_draws_the_same_tokens_and_computes_fewer_rows(tmp_path):
                            rlrun_args=["train.rollout_batch=32", "train.group_size=8",
                                        "train.batch_size=32", "train.micro_batch=32"])
     logged = []
-    every, leave, once = bench_generate.bench(a, lambda a, rows, text, kind: logged.append((rows, text, kind)))
+    from rlrun.tools.bench import log_mlflow
+
+    def log(*args):  # kept, and logged as the command logs it (every row's name must be a valid metric name)
+        logged.append(args[1:])
+        log_mlflow(*args)
+
+    every, leave, once, compiled, bound = bench_generate.bench(a, log)
     assert every["same_tokens"] and leave["same_tokens"] and once["same_tokens"] and logged[0][2] == "generate"
     assert leave["length_mean"] == every["length_mean"] and leave["longest_mean"] == every["longest_mean"]
     # every row to the end: rows x (longest - 1) after the prompt pass; leaving: fewer, at least the tokens past 1
@@ -269,6 +275,11 @@ def test_generate_bench_draws_the_same_tokens_and_computes_fewer_rows(tmp_path):
     # the prompt pass: every row, or each of the 4 prompts once (8 completions each)
     assert every["prefill_rows"] == leave["prefill_rows"] == 32 and once["prefill_rows"] == 4
     assert "ended rows leave" in logged[0][1] and "prefilled once" in logged[0][1] and "same tokens" in logged[0][1]
+    # rollout.decode=compiled: the same tokens, its logprobs within fp32 tolerance of eager's; its compiles reported
+    assert compiled["same_tokens"] and 0 <= compiled["logprob_diff"] < 1e-4 and compiled["rows_computed"] is None
+    # the bound: timed at the forwards rlrun's eager decode ran (its ratios are times: printed, not asserted)
+    assert bound["rows_computed"] == once["rows_computed"] and bound["of_bound"] == 1.0 and bound["tokens_per_s"] > 0
+    assert "GEMM bound" in logged[0][1] and "x of the bound" in logged[0][1]
 
 
 def test_trl_bench_varied_lengths_gives_both_the_same_work_and_rlrun_its_best_exact_settings():

@@ -672,3 +672,14 @@ def test_the_plan_keeps_this_machine_and_the_cuda_verdict_apart_and_names_the_he
     assert lines[cuda - 1] == "" and cuda > cut  # its own paragraph, after this machine's
     small = plan.report(validate(make_cfg()))  # the embedded default: the logits are nothing, no suggestion
     assert "another head would cut" not in small
+
+
+def test_rollout_decode_compiled_plans_the_smaller_bucket_held_beside_the_static_cache():
+    """rollout.decode's memory term (rollout/decoding.py), asked of its object: eager adds nothing to generate;
+    compiled holds the smaller bucket's cache (half the rows) while the running rows move into it."""
+    _, eager = planned()
+    _, compiled = planned("rollout.decode=compiled")
+    gen, base = compiled.phases["generate"].parts, eager.phases["generate"].parts
+    extra = {k: v for k, v in gen.items() if k not in base}
+    assert list(extra.values()) == [base["KV cache"] // 2] and "static KV cache" in next(iter(extra))
+    assert {k: v for k, v in gen.items() if k in base} == base

@@ -32,6 +32,7 @@ class HFRollout:
     worker_device: Device | None
     worker_timeout_s: Positive  # async: the trainer gives up on a generator without a heartbeat this long
     record: str | None = None  # a folder: every rollout trained on is written there (rlrun/rollout/record.py)
+    decode: Literal["eager", "compiled"] = "eager"  # compiled: static KV cache, compiled step (rollout/decoding.py)
 
 
 @dataclass

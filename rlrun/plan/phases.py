@@ -156,6 +156,8 @@ def generate_parts(cfg, s, seq_len: int, world: int, weights: dict) -> dict[str,
     gen = {"KV cache": 2 * s.layers * rows * seq_len * s.kv_dim * b,
            sampler: SAMPLER_COPIES * rows * s.vocab * FP32,
            "prefill activations (one layer)": rows * (seq_len - cfg.rollout.max_new_tokens) * live_bytes(s, kind)}
+    decode = registry.option_of(cfg, "decode")  # rollout.decode's term (rollout/decoding.py); vllm, replay: none
+    gen.update(registry.get("decode", decode or registry.baseline("decode")).memory(gen["KV cache"]))
     if cfg.engine.name == "deepspeed" and cfg.engine.zero_stage == 3:  # whole weights gathered for generate
         gen["weights gathered for generate (ZeRO-3)"] = s.params * b - sum(weights.values())
     t = cfg.train

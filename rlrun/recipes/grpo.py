@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import axes, evaluate, logprobs, losses, models, plan, ranks, tasks
+from .. import axes, evaluate, logprobs, losses, models, plan, ranks, registry, tasks
 from .. import batching as packing
 from ..meters import MIB
 from ..rollout import record
@@ -245,7 +245,8 @@ def held_out(cfg, frame, s):
                                      greedy=cfg.eval.greedy, samples=cfg.eval.samples, temperature=r.temperature,
                                      top_p=r.top_p, top_k=r.top_k, seed=cfg.seed, show=cfg.log.samples,
                                      accuracy_reward=cfg.eval.accuracy_reward,
-                                     accuracy_threshold=cfg.eval.accuracy_threshold)
+                                     accuracy_threshold=cfg.eval.accuracy_threshold,
+                                     decode=registry.option_of(cfg, "decode") or registry.baseline("decode"))
 
     return run
 

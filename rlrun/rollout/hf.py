@@ -205,8 +205,10 @@ def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int]
     """`seeds`: one sampling seed per prompt (see the module docstring); `drop_ended`, `prefill_once`: see
     `decode`."""
     input_ids, attention_mask = encode(tokenizer, prompts, device)
+    from .decoding import of
+
     sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p, cfg.max_new_tokens, getattr(cfg, "top_k", 0))
-    response = decode(model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
+    response = of(cfg).decode(model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, processor=sampler,
                       drop_ended=drop_ended, prefill_once=prefill_once)
     sampler.collect(response[sampler.rows.to(response.device), -1])  # the last draw of the rows still running

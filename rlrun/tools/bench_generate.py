@@ -12,6 +12,12 @@ the rows of the prompt pass (the prefill), the rows the model computes per rollo
 longest lengths, and whether every rollout's tokens are the same in every mode (each row draws with its own
 generator; a shared prefill may differ from a row's own in the last bits, not in the tokens drawn here).
 `--rlrun-args experiment=varied_lengths` runs the variable-length work.
+
+`rollout.decode compiled` (rlrun/rollout/decoding.py) is timed without its compiles, which are reported as "compile
+s" (rollout 0 compiles most buckets; a later rollout may meet a new one); its tokens are compared with eager's and
+its sampler logprobs' largest distance from eager's is "logprobs vs eager". The last row is the bound: the decode's
+matmuls alone (`gemm_seconds`) at the forwards rlrun's eager decode ran; "x of the bound" is each row's seconds over
+the bound's.
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ import os
 import statistics
 import time
 
-MODES = {"every row to the end": {"drop_ended": False, "prefill_once": False},  # as transformers' generate
-         "ended rows leave": {"drop_ended": True, "prefill_once": False},
-         "and each prompt prefilled once": {"drop_ended": True, "prefill_once": True}}  # rollout=hf's decode
+# as transformers' generate; then rlrun's eager steps one by one; then rollout.decode=compiled
+MODES: dict[str, dict] = {"every row to the end": {"drop_ended": False, "prefill_once": False},
+                          "ended rows leave": {"drop_ended": True, "prefill_once": False},
+                          "and each prompt prefilled once": {"drop_ended": True, "prefill_once": True},
+                          "rollout.decode compiled": {"drop_ended": True, "prefill_once": True, "decode": "compiled"}}
+EAGER = [m for m, kw in MODES.items() if kw.get("decode", "eager") == "eager"]  # these draw the same tokens
 
 
 def model_and_rollouts(a):
@@ -45,47 +54,101 @@ def model_and_rollouts(a):
 
 
 def measure(a) -> list[dict]:
-    """Each rollout in both modes (order alternating); one row per mode."""
+    """Each rollout in every mode (order rotating); one row per mode, then the GEMM bound's."""
+    import dataclasses
+
     import torch
 
-    from ..rollout import hf
+    from ..rollout import decoding, hf
 
     if a.threads:
         torch.set_num_threads(a.threads)
     policy, tokenizer, rollout_cfg, rollouts = model_and_rollouts(a)
     got: dict[str, list] = {m: [] for m in MODES}
-    same = True
+    same, apart, forwards = True, 0.0, []
     for i, (texts, seeds) in enumerate(rollouts):
         modes = list(MODES)[i % len(MODES):] + list(MODES)[:i % len(MODES)]  # each mode first in turn
-        tokens = {}
+        rolls = {}
         for mode in modes:
-            rows: list[int] = []
-            hook = policy.register_forward_pre_hook(
-                lambda m, args, kw, rows=rows: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
-            start = time.perf_counter()
-            roll = hf.generate(policy, tokenizer, texts, rollout_cfg, "cpu", seeds, **MODES[mode])
-            seconds = time.perf_counter() - start
-            hook.remove()
-            tokens[mode] = roll.input_ids
-            if i:  # rollout 0 warms up
-                got[mode].append({"seconds": seconds, "tokens": int(roll.response_mask.sum()),
-                                  "prefill": rows[0], "rows": sum(rows) - rows[0],
+            kw = dict(MODES[mode])
+            cfg = dataclasses.replace(rollout_cfg, decode=kw.pop("decode", "eager"))
+            shapes: list = []  # (rows, tokens a row) of each forward; inside a compiled graph no hook runs
+            hook = None if cfg.decode != "eager" else policy.register_forward_pre_hook(
+                lambda m, args, kw, shapes=shapes: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+            compiled, start = decoding.COMPILES.seconds, time.perf_counter()
+            roll = hf.generate(policy, tokenizer, texts, cfg, "cpu", seeds, **kw)
+            compile_s = decoding.COMPILES.seconds - compiled
+            seconds = time.perf_counter() - start - compile_s  # a compile is reported, not timed as decoding
+            if hook is not None:
+                hook.remove()
+            rolls[mode] = roll
+            rows = [r for r, _ in shapes]
+            if i:  # rollout 0 warms up (and compiles the buckets it meets)
+                if mode == EAGER[-1]:
+                    forwards.append([r * n for r, n in shapes])
+                got[mode].append({"seconds": seconds, "tokens": int(roll.response_mask.sum()), "compile_s": compile_s,
+                                  "prefill": rows[0] if rows else None, "rows": sum(rows[1:]) if rows else None,
                                   "length": float(roll.response_mask.sum(1).float().mean()),
                                   "longest": int(roll.response_mask.sum(1).max())})
-        first, *others = tokens.values()
-        same &= all(torch.equal(first, ids) for ids in others)
-    out = []
-    for mode, runs in got.items():
-        out.append({"impl": mode, "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
-                    "ms": statistics.median(r["seconds"] for r in runs) * 1000,
-                    "rows_computed": statistics.mean(r["rows"] for r in runs),
-                    "prefill_rows": statistics.mean(r["prefill"] for r in runs),
-                    "length_mean": statistics.mean(r["length"] for r in runs),
-                    "longest_mean": statistics.mean(r["longest"] for r in runs), "same_tokens": same})
+        first = rolls[EAGER[0]]
+        same &= all(torch.equal(first.input_ids, rolls[m].input_ids) for m in EAGER)
+        for m in set(MODES) - set(EAGER):  # compiled: its tokens and its logprobs' distance from eager's
+            if torch.equal(first.input_ids, rolls[m].input_ids):
+                apart = max(apart, float((first.gen_logprobs - rolls[m].gen_logprobs).abs().max()))
+            else:
+                apart = float("inf")
+    out = summary(got, same, apart)
+    tokens = sum(r["tokens"] for r in got[EAGER[-1]])
+    out.append({"impl": "GEMM bound: the matmuls alone", "tokens_per_s": tokens / gemm_seconds(policy, forwards),
+                "ms": None, "compile_s": 0.0, "rows_computed": out[len(EAGER) - 1]["rows_computed"],
+                "prefill_rows": out[len(EAGER) - 1]["prefill_rows"], "length_mean": None, "longest_mean": None,
+                "same_tokens": None, "logprob_diff": None})
     base = out[0]["tokens_per_s"]
     for r in out:
         r["speedup"] = r["tokens_per_s"] / base
+        r["of_bound"] = out[-1]["tokens_per_s"] / r["tokens_per_s"]
     return out
+
+
+def summary(got: dict[str, list], same: bool, apart: float) -> list[dict]:
+    """One row per mode from its timed rollouts; `same`: the eager modes drew the same tokens; `apart`: the
+    compiled mode's largest logprob distance from eager's (inf: other tokens)."""
+    out = []
+    for mode, runs in got.items():
+        rows_known = runs[0]["rows"] is not None
+        out.append({"impl": mode, "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
+                    "ms": statistics.median(r["seconds"] for r in runs) * 1000,
+                    "compile_s": sum(r["compile_s"] for r in runs),
+                    "rows_computed": statistics.mean(r["rows"] for r in runs) if rows_known else None,
+                    "prefill_rows": statistics.mean(r["prefill"] for r in runs) if rows_known else None,
+                    "length_mean": statistics.mean(r["length"] for r in runs),
+                    "longest_mean": statistics.mean(r["longest"] for r in runs),
+                    "same_tokens": same if mode in EAGER else apart < float("inf"),
+                    "logprob_diff": 0.0 if mode in EAGER else apart})
+    return out
+
+
+def gemm_seconds(policy, forwards: list[list[int]], repeats: int = 5) -> float:
+    """The seconds the decode's matmuls alone take: every Linear weight of the model (the lm head included) times
+    a [tokens, in] input, at the tokens of each forward rlrun's decode ran (`forwards`: per rollout, the prefill's
+    rows x prompt length, then each step's rows), each size timed once (the median of `repeats`) and summed over the
+    forwards. Attention's own products, norms, activations and the sampler are left out: the floor a decode
+    cannot go under on these weights and this machine."""
+    import torch
+
+    weights = [m.weight for m in policy.modules() if isinstance(m, torch.nn.Linear)]
+    per: dict[int, float] = {}
+    with torch.no_grad():
+        for n in sorted({n for rows in forwards for n in rows}):
+            xs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=w.dtype) for w in weights}
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for w in weights:
+                    torch.nn.functional.linear(xs[w.shape[1]], w)
+                times.append(time.perf_counter() - start)
+            per[n] = statistics.median(times)
+    return sum(per[n] for rows in forwards for n in rows)
 
 
 def table(rows: list[dict], a) -> str:
@@ -97,12 +160,19 @@ def table(rows: list[dict], a) -> str:
     head = (f"rollout=hf decode, {a.rollouts} rollouts, args: {' '.join(a.rlrun_args) or '(default run)'}, "
             f"{torch.get_num_threads()} thread(s); load average {os.getloadavg()[0]:.1f} at the end on "
             f"{os.cpu_count()} cores")
-    cells = [[r["impl"], num(r["tokens_per_s"], ".0f"), num(r["speedup"], ".2f") + "x", num(r["ms"], ".1f"),
-              num(r["prefill_rows"], ".0f"), num(r["rows_computed"], ".0f"), num(r["length_mean"], ".1f"),
-              num(r["longest_mean"], ".1f"), "yes" if r["same_tokens"] else "NO"] for r in rows]
+    def cell(v, fmt):
+        return "-" if v is None else num(v, fmt)
+
+    cells = [[r["impl"], num(r["tokens_per_s"], ".0f"), num(r["speedup"], ".2f") + "x",
+              num(r["of_bound"], ".2f") + "x", cell(r["ms"], ".1f"), num(r["compile_s"], ".1f"),
+              cell(r["prefill_rows"], ".0f"), cell(r["rows_computed"], ".0f"), cell(r["length_mean"], ".1f"),
+              cell(r["longest_mean"], ".1f"),
+              "-" if r["same_tokens"] is None else "yes" if r["same_tokens"] else "NO",
+              cell(r["logprob_diff"], ".1e")] for r in rows]
     return head + "\n" + render_table(
-        ["decode", "generated tokens/s", "vs every row", "ms / rollout", "prefill rows", "rows computed after",
-         "mean length", "longest (mean)", "same tokens"], cells)
+        ["decode", "generated tokens/s", "vs every row", "x of the bound", "ms / rollout", "compile s",
+         "prefill rows", "rows computed after", "mean length", "longest (mean)", "same tokens",
+         "logprobs vs eager"], cells)
 
 
 def bench(a, log_mlflow) -> list[dict]:
@@ -111,18 +181,19 @@ def bench(a, log_mlflow) -> list[dict]:
     print(text)
     log_mlflow(a, [{k: (float(v) if isinstance(v, bool) else v) for k, v in r.items()} for r in rows], text,
                "generate")
-    if not all(r["same_tokens"] for r in rows):
-        raise SystemExit("the modes drew different tokens: dropping ended rows or sharing a prompt's prefill changed "
-                         "the samples")
+    if not all(r["same_tokens"] for r in rows if r["impl"] in EAGER):
+        raise SystemExit("the eager modes drew different tokens: dropping ended rows or sharing a prompt's prefill "
+                         "changed the samples")
     return rows
 
 
 def add_parser(sub, log_mlflow) -> None:
     import argparse
 
-    p = sub.add_parser("generate", help="rollout=hf decode: ended rows leave the batch vs every row to the end",
+    p = sub.add_parser("generate", help="rollout=hf decode: ended rows leave, prompts prefilled "
+                       "once, compiled; against the GEMM bound",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rollouts", type=int, default=20, help="timed rollouts (each in both modes)")
+    p.add_argument("--rollouts", type=int, default=20, help="timed rollouts (each in every mode)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, as a run's)")
     p.add_argument("--rlrun-args", nargs="*", default=[], help="rlrun overrides for the model, task and rollout, "
