@@ -99,10 +99,12 @@ def test_bench_generate_has_a_vllm_row_beside_rlruns_decodes(tmp_path):
     from rlrun.tools import bench_generate
     from rlrun.tools.bench import log_mlflow
 
-    a = argparse.Namespace(rollouts=1, seed=0, threads=1, tracking_uri=f"sqlite:///{tmp_path}/b.db", vllm=True,
+    a = argparse.Namespace(rollouts=1, seed=0, threads=None, tracking_uri=f"sqlite:///{tmp_path}/b.db", vllm=True,
                            rlrun_args=["train.rollout_batch=16", "train.group_size=4", "train.batch_size=16",
                                        "train.micro_batch=16"])
+    threads = torch.get_num_threads()
     rows = bench_generate.bench(a, log_mlflow)
+    assert torch.get_num_threads() == threads  # vLLM lowers them; the bound is timed at the decodes' threads
     names = [r["impl"] for r in rows]
     assert names[-2:] == ["rollout vllm", "GEMM bound: the matmuls alone"], names
     vllm_row = rows[-2]

