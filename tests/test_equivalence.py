@@ -20,7 +20,7 @@ SWEEPS = Path(__file__).resolve().parent.parent / "sweeps"
 def params(**axes) -> dict[str, str]:
     base = {"loss.name": "dapo", "seed": "0", "head.name": "dense", "logprob_policy.name": "window",
             "offload.name": "off", "tracking.uri": "sqlite:///x.db", "run_name": "r"}
-    return base | {f"{k}.name" if k in eq.REFERENCE else k: v for k, v in axes.items()}
+    return base | {eq.KEY.get(k, k): v for k, v in axes.items()}
 
 
 def test_a_head_sweep_under_the_default_policy_compares_with_dense():
@@ -39,6 +39,19 @@ def test_product_sweeps_take_the_reference_of_every_varying_axis_within_each_gro
     assert problems == [] and len(pairs) == 10  # 2 losses x (6 jobs - their baseline)
     assert {names[b] for b in pairs.values()} == {"dapo/dense/always", "cispo/dense/always"}
     assert all(names[i].split("/")[0] == names[b].split("/")[0] for i, b in pairs.items())  # never across losses
+
+
+def test_rollout_decode_is_compared_with_eager_and_a_run_without_the_key_decodes_eagerly():
+    """rollout.decode=compiled trains eager's numbers to fp32 tolerance: its runs are grouped with eager's and
+    compared; a run that logged no rollout.decode (rollout=vllm, or a run before the key) counts as eager."""
+    runs = [params(decode="compiled"), params(decode="eager"), params(decode="compiled", head="tiled"), params()]
+    pairs, problems = eq.baselines(runs, ["compiled", "eager", "compiled/tiled", "keyless"])
+    assert problems == [] and pairs[0] in (1, 3) and pairs[2] in (1, 3)
+    _, problems = eq.baselines([params(decode="compiled", head="tiled"), params(decode="compiled", head="chunked")],
+                               ["a", "b"])
+    assert "add a job with head=dense" in problems[0]  # decode does not vary there: only the head is asked for
+    _, problems = eq.baselines([params(decode="compiled", head="tiled"), params(head="chunked")], ["a", "b"])
+    assert "head=dense,rollout.decode=eager" in problems[0]
 
 
 def test_runs_that_train_different_things_are_never_compared():

@@ -1,10 +1,10 @@
 """Does the cheap way train the same? The baseline of each group of runs, chosen from the runs themselves.
 
-Runs that differ only in efficiency axes (head, logprob_policy, offload, batching, activations) should train the
-same. Within each such group, the baseline is the run with the reference setting of every axis that varies in the
-group (dense, always, off, padded, keep), or the run the user names (`--baseline`, `report.baseline=`). A group
-whose runs vary in efficiency axes but hold no baseline is reported as such, with the job to add: a silent "no
-result" is what this module exists to prevent.
+Runs that differ only in efficiency axes (head, logprob_policy, offload, batching, activations) and rollout.decode
+should train the same. Within each such group, the baseline is the run with the reference setting of every axis that
+varies in the group (dense, always, off, padded, keep, eager), or the run the user names (`--baseline`,
+`report.baseline=`). A group whose runs vary in these axes but hold no baseline is reported as such, with the job to
+add: a silent "no result" is what this module exists to prevent.
 
 Pure functions of run parameters (MLflow's flattened `params`) and curves: no torch, no MLflow.
 """
@@ -15,9 +15,11 @@ import numpy as np
 
 from .. import registry
 
-# Efficiency axes -> their reference (exact baseline) option, from the registry; the config key of each is
-# "<axis>.name".
-REFERENCE = {axis: registry.baseline(axis) for axis in registry.EFFICIENCY}
+# The axes whose options train their baseline's numbers (the efficiency axes, and rollout.decode: to fp32 tolerance)
+# -> their reference option, from the registry; precision and the pipeline are approximate, compared by what they
+# learn. KEY: each axis's config key ("<axis>.name", or the key it is keyed by: rollout.decode).
+REFERENCE = {axis: registry.baseline(axis) for axis in (*registry.EFFICIENCY, "decode")}
+KEY = {axis: registry.key_of(axis) for axis in REFERENCE}
 # Parameters that say nothing about what is trained: never a reason to put two runs in different groups.
 IGNORED = ("run_name", "tracking.", "progress", "report.", "log.", "checkpoint.", "export.", "plan.")
 COMPARED = ("loss", "reward_mean")  # the curves compared step by step
@@ -35,16 +37,20 @@ def group_key(params: dict[str, str]) -> tuple:
     """What a run trains apart from its efficiency axes: runs with equal keys should train the same. Runs on one
     record (a paired sweep: the run that wrote it, the runs that replayed it) share their rollouts, whatever their
     rollout option says (hf and replay; the record checked their sampler's settings equal)."""
-    skip = tuple(f"{axis}." for axis in REFERENCE) + IGNORED
+    skip = tuple(f"{axis}." for axis, key in KEY.items() if key == f"{axis}.name") + IGNORED  # a group's own keys
+    keyed = {key for axis, key in KEY.items() if key != f"{axis}.name"}
     rec = record_of(params)
     if rec is not None:
         skip += ("rollout.",)
-    own = [(k, v) for k, v in params.items() if not k.startswith(skip)]
+    own = [(k, v) for k, v in params.items() if not k.startswith(skip) and k not in keyed]
     return tuple(sorted(own + ([("rollouts of the record", rec)] if rec is not None else [])))
 
 
 def axis_values(params: dict[str, str]) -> dict[str, str | None]:
-    return {axis: params.get(f"{axis}.name") for axis in REFERENCE}
+    """{axis: its option}; a keyed axis a run has no key for (rollout.decode: rollout=vllm, a run before it) at its
+    reference."""
+    return {axis: params.get(KEY[axis], None if KEY[axis] == f"{axis}.name" else REFERENCE[axis])
+            for axis in REFERENCE}
 
 
 def baselines(params: list[dict[str, str]], names: list[str], prefer: str | None = None):
@@ -63,7 +69,7 @@ def baselines(params: list[dict[str, str]], names: list[str], prefer: str | None
         chosen = [i for i in idx if names[i] == prefer] or \
                  [i for i in idx if all(axis_values(params[i])[a] == REFERENCE[a] for a in varying)]
         if not chosen:
-            want = ",".join(f"{a}={REFERENCE[a]}" for a in varying)
+            want = ",".join(f"{KEY[a].removesuffix('.name')}={REFERENCE[a]}" for a in varying)
             problems.append(f"runs {', '.join(names[i] for i in idx)} differ only in {', '.join(varying)} but none "
                             f"has the reference setting ({want}): add a job with {want} to compare them with, or "
                             "name one as the baseline (report.baseline=NAME, rlrun-report --baseline NAME).")
