@@ -22,21 +22,20 @@ from typing import Protocol
 
 import torch
 
-from . import models
+from . import models, registry
 from .errors import ModelError
 
 
 def resolved(cfg) -> str:
     """fp32 | bf16: train.precision, or engine.dtype where DeepSpeed's is set (the validator made them agree)."""
-    e = cfg.engine
-    return e.dtype if e.name == "deepspeed" and e.dtype != "auto" else cfg.train.precision
+    return registry.get("engine", cfg.engine.name).dtype(cfg.engine, cfg.train.precision)
 
 
 def path(cfg) -> str:
     """The run tag rlrun.precision: fp32, bf16-autocast (engine=single) or bf16-deepspeed."""
     if resolved(cfg) == "fp32":
         return "fp32"
-    return "bf16-deepspeed" if cfg.engine.name == "deepspeed" else "bf16-autocast"
+    return registry.get("engine", cfg.engine.name).BF16_PATH
 
 
 def autocasts(cfg) -> bool:

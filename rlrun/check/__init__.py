@@ -80,7 +80,7 @@ def build(cfg) -> Context:
     """Every object the probes need, built as a run builds them."""
     torch.manual_seed(cfg.seed)
     base_model, tokenizer = models.build(cfg.model, cfg.seed)
-    device = registry.get("engine", "single").device(cfg.engine) if cfg.engine.name == "single" else "cpu"
+    device = registry.get("engine", cfg.engine.name).check_device(cfg.engine)
     task = tasks.load(cfg.task, cfg.seed, tokenizer)
     # the run refuses prompts that with max_new_tokens overflow the model's context: so does its check (a check
     # that passed a configuration its run refuses said less than the run)

@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from .. import pipeline, plan
+from .. import pipeline, plan, registry
 from ..engine import single
 from .probes import FP_TOL, GEN_TOL, Row, copy_model, grad_diff, logprob_tol, old_logprobs, train_step
 
@@ -61,7 +61,7 @@ def master_weights(ctx) -> Row:
 def master_step(ctx, trainer, gradients) -> Row:
     """master_weights for any recipe: `gradients(model)` runs the recipe's train step on `model` (its gradients
     left on the parameters)."""
-    if ctx.cfg.engine.name != "single":
+    if registry.get("engine", ctx.cfg.engine.name).OWN_MASTER:
         return Row("master weights", "n/a: engine=deepspeed keeps its master copy in its ZeRO optimizer "
                    "(tests/test_distributed.py)", "-", None, MASTER_SOURCE)
     model = copy_model(trainer)

@@ -35,6 +35,40 @@ DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.u
                      "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")
 
 
+# What is true of engine=deepspeed, asked by the planner, rlrun.precision and the check (never its name):
+BF16_PATH = "bf16-deepspeed"  # train.precision=bf16: bf16 weights, DeepSpeed's fp32 master copy in its optimizer
+OWN_MASTER = True  # its ZeRO optimizer keeps the master copy (tests/test_distributed.py checks it, not `rlrun check`)
+GRADIENTS_AS_BACKWARD = False  # gradients go to its reduce buckets; the planner keeps every one beside the activations
+ZERO_STAGES = (2, 3)  # the stages `rlrun plan` suggests (engine.zero_stage)
+
+
+def world_size() -> int:
+    """The ranks the launcher starts (WORLD_SIZE: set it to plan a multi-rank run)."""
+    return ranks.world_size()
+
+
+def zero_stage(e) -> int:
+    return e.zero_stage
+
+
+def dtype(e, precision: str) -> str:
+    """fp32 | bf16: engine.dtype where set (the validator made it agree with train.precision), else the latter."""
+    return e.dtype if e.dtype != "auto" else precision
+
+
+def offloads_optimizer(e) -> bool:
+    return e.offload_optimizer != "none"
+
+
+def offloads_params(e) -> bool:
+    return e.zero_stage == 3 and e.offload_param != "none"
+
+
+def check_device(e) -> str:
+    """`rlrun check` probes a DeepSpeed configuration in one process on CPU (its ranks: the `ranks` probe)."""
+    return "cpu"
+
+
 @contextlib.contextmanager
 def weights_only_loads(ds):
     """DeepSpeed's checkpoint engine loads with torch.load(weights_only=True), DEEPSPEED_GLOBALS allowed."""

@@ -47,6 +47,23 @@ class Engine(Protocol):
 
 
 class EngineModule(Protocol):
-    """What `registry.get("engine", name)` is: a module whose `Engine` class satisfies `Engine`."""
+    """What `registry.get("engine", name)` is: a module whose `Engine` class satisfies `Engine`, and what is true of
+    the engine, asked by the planner, rlrun.precision and the check instead of its name."""
 
     Engine: type[Engine]
+    BF16_PATH: str  # rlrun.precision's tag of train.precision=bf16 on this engine
+    OWN_MASTER: bool  # its optimizer keeps the master weights (the check's master-weights probe does not apply)
+    GRADIENTS_AS_BACKWARD: bool  # a layer's gradient is made as its saved tensors are freed (the planner's peak)
+    ZERO_STAGES: tuple[int, ...]  # the ZeRO stages it shards with, suggested by `rlrun plan`
+
+    def world_size(self) -> int: ...
+
+    def zero_stage(self, e) -> int: ...
+
+    def dtype(self, e, precision: str) -> str: ...
+
+    def offloads_optimizer(self, e) -> bool: ...
+
+    def offloads_params(self, e) -> bool: ...
+
+    def check_device(self, e): ...

@@ -16,6 +16,39 @@ import torch
 from .. import checkpoint
 from .. import offload as host_offload
 
+# What is true of engine=single, asked by the planner, rlrun.precision and the check (never its name):
+BF16_PATH = "bf16-autocast"  # train.precision=bf16: autocast over the fp32 weights, which are the master copy
+OWN_MASTER = False  # no optimizer of its own keeps a master copy: the check's master-weights probe runs
+GRADIENTS_AS_BACKWARD = True  # backward makes each layer's gradient as it frees that layer's saved tensors
+ZERO_STAGES: tuple[int, ...] = ()  # no state sharded over ranks (`rlrun plan` suggests an engine that has some)
+
+
+def world_size() -> int:
+    return 1
+
+
+def zero_stage(e) -> int:
+    """The ZeRO stage that shards its state: none."""
+    return 0
+
+
+def dtype(e, precision: str) -> str:
+    """fp32 | bf16 the run computes in: train.precision's."""
+    return precision
+
+
+def offloads_optimizer(e) -> bool:
+    return False
+
+
+def offloads_params(e) -> bool:
+    return False
+
+
+def check_device(e):
+    """Where `rlrun check` probes a configuration of this engine: its own device."""
+    return device(e)
+
 
 def device(cfg) -> torch.device:
     if cfg.device == "auto":

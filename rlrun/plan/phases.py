@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import activations, algorithms, logprobs, models, offload, precision, ranks, registry
+from .. import activations, algorithms, logprobs, models, offload, precision, registry
 from ..meters import plan_growth_key, plan_peak_key
 from . import terms
 from .shapes import Shapes
@@ -50,7 +50,7 @@ class Plan:
 def world_size(cfg) -> int:
     """Ranks the run will have: the launcher's WORLD_SIZE (set it to plan a multi-rank run: WORLD_SIZE=8 rlrun
     plan engine=deepspeed ...)."""
-    return ranks.world_size() if cfg.engine.name == "deepspeed" else 1
+    return registry.get("engine", cfg.engine.name).world_size()
 
 
 def grad_accum(cfg, world: int) -> int:
@@ -97,7 +97,7 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
     `forwards`: a step's forwards, each with its backward (padded: the micro-batches that accumulate; packed and
     shared_prompt: also the packs of each); `heap_tokens`: the positions of one, for the heap term;
     `mask_elements`: its attention mask's (terms.mask_copy: each layer that saves its internals keeps a copy)."""
-    zero = cfg.engine.zero_stage if cfg.engine.name == "deepspeed" else 0
+    zero = registry.get("engine", cfg.engine.name).zero_stage(cfg.engine)
     a = activations.option(cfg.activations)
     n = a.checkpointed_layers(s.layers)
     parts = {"gradients": s.trainable * s.param_bytes // (world if zero >= 2 else 1)}
@@ -120,7 +120,7 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
                             top_k=sampled_top_k(cfg))
     parts.update(head if sum(head.values()) >= sum(recompute.values()) else recompute)
     parts.update(terms.objective_parts(cfg, cfg.train.batch_size // world * cfg.rollout.max_new_tokens, tokens))
-    if forwards == 1 and cfg.engine.name == "single":
+    if forwards == 1 and registry.get("engine", cfg.engine.name).GRADIENTS_AS_BACKWARD:
         # one forward a step (no gradient made before it): backward makes each layer's gradient as it frees that
         # layer's saved tensors, so at the head's backward only the lm head's exists, and all of them only at the
         # end, the activations gone. The peak is the larger of the two (issue #53: skip_zero_advantage's few kept
@@ -158,7 +158,7 @@ def generate_parts(cfg, s, seq_len: int, world: int, weights: dict) -> dict[str,
            "prefill activations (one layer)": rows * (seq_len - cfg.rollout.max_new_tokens) * live_bytes(s, kind)}
     decode = registry.option_of(cfg, "decode")  # rollout.decode's term (rollout/decoding.py); vllm, replay: none
     gen.update(registry.get("decode", decode or registry.baseline("decode")).memory(gen["KV cache"]))
-    if cfg.engine.name == "deepspeed" and cfg.engine.zero_stage == 3:  # whole weights gathered for generate
+    if registry.get("engine", cfg.engine.name).zero_stage(cfg.engine) == 3:  # whole weights gathered for generate
         gen["weights gathered for generate (ZeRO-3)"] = s.params * b - sum(weights.values())
     t = cfg.train
     if t.dynamic_sampling and t.dynamic_sampling_max_rounds > 1:  # ids, masks (int64), response mask, logprobs

@@ -151,10 +151,11 @@ def resident(cfg, s, *, world: int, device_type: str, ref_copy: bool, path: str,
     DeepSpeed offloads and `offload=on` (logprob passes only, see predict) take them off a CUDA device; vLLM on
     CUDA reserves gpu_memory_utilization of the device."""
     b, e, cuda = s.param_bytes, cfg.engine, device_type != "cpu"
-    zero = e.zero_stage if e.name == "deepspeed" else 0
+    engine = registry.get("engine", e.name)
+    zero = engine.zero_stage(e)
     shard = (lambda n, stage: n // world if zero >= stage else n)  # noqa: E731
     weights = {}
-    if not (cuda and zero == 3 and e.offload_param != "none"):
+    if not (cuda and engine.offloads_params(e)):
         label = "weights (fp32, the master copy)" if path == "bf16-autocast" else "weights"
         weights[label] = shard(s.params * b, 3)
         if ref_copy:
@@ -166,7 +167,7 @@ def resident(cfg, s, *, world: int, device_type: str, ref_copy: bool, path: str,
     label = ("optimizer state (fp32 master + AdamW)" if master else
              "optimizer state (AdamW: 2 x trainable, fp32)" if path == "bf16-autocast" else
              "optimizer state (AdamW: 2 x trainable)")
-    offloaded = cuda and e.name == "deepspeed" and e.offload_optimizer != "none"
+    offloaded = cuda and engine.offloads_optimizer(e)
     optimizer = {} if offloaded else {label: shard(s.trainable * (3 * FP32 if master else 2 * b), 1)}
     return weights, optimizer
 

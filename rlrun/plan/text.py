@@ -108,12 +108,7 @@ def candidates(cfg, world: int) -> list[tuple[str, str, object, int]]:
         out.append(("lora", "model.lora.enabled=true", nested(cfg, "model.lora.enabled", True), world))
     if precision.resolved(cfg) == "fp32" and cfg.model.dtype == "float32":
         out.append(("precision", "train.precision=bf16", nested(cfg, "train.precision", "bf16"), world))
-    for stage in (2, 3):
-        for ranks in (8, 16):
-            if cfg.engine.name == "single" or (stage, ranks) != (cfg.engine.zero_stage, world):
-                engine = option("engine", "deepspeed", zero_stage=stage)
-                out.append(("zero", f"WORLD_SIZE={ranks} engine=deepspeed engine.zero_stage={stage}",
-                            nested(cfg, "engine", engine), ranks))
+    out += sharded(cfg, world)
     for div in (2, 4):  # fewer positions per forward: a smaller micro-batch, or a smaller token budget
         mb, budget = cfg.train.micro_batch // div, cfg.batching.max_tokens // div
         if mb >= 1 and cfg.batching.name == "padded":
@@ -131,9 +126,17 @@ def refused(candidate) -> str | None:
 
 def not_applicable(cfg, world: int) -> list[str]:
     """The ZeRO switches the batch sizes rule out here, with the rule (so a missing line is explained)."""
-    zero = [("zero", f"WORLD_SIZE={r} engine=deepspeed engine.zero_stage={z}",
-             nested(cfg, "engine", option("engine", "deepspeed", zero_stage=z)), r) for z in (2, 3) for r in (8, 16)]
-    return [f"  not listed: {c[1]}: {refused(c)}" for c in zero if refused(c)]
+    return [f"  not listed: {c[1]}: {refused(c)}" for c in sharded(cfg, world, every=True) if refused(c)]
+
+
+def sharded(cfg, world: int, every: bool = False) -> list[tuple[str, str, object, int]]:
+    """The switches to an engine that shards the run's state over ranks (each ZeRO stage it names, 8 and 16
+    ranks), but the run's own; `every`: the run's own too."""
+    own = registry.get("engine", cfg.engine.name).zero_stage(cfg.engine), world
+    return [("zero", f"WORLD_SIZE={ranks} engine={name} engine.zero_stage={stage}",
+             nested(cfg, "engine", option("engine", name, zero_stage=stage)), ranks)
+            for name in registry.REGISTRY["engine"] for stage in registry.get("engine", name).ZERO_STAGES
+            for ranks in (8, 16) if every or name != cfg.engine.name or (stage, ranks) != own]
 
 
 @dataclasses.dataclass
