@@ -224,3 +224,15 @@ def test_each_algorithm_says_what_is_true_of_it_once():
         assert callable(a.train) and a.loop.startswith("rlrun.recipes.")
     assert algorithms.title("cispo") == "GRPO-family RL (cispo loss)" and algorithms.title("dpo") == "DPO"
     assert (algorithms.of("dapo").curve, algorithms.of("dpo").curve) == ("reward_mean", "rewards/accuracy")
+
+
+def test_the_planner_precision_and_the_check_ask_the_engine_not_its_name():
+    """What is true of an engine (its ZeRO stage, bf16 path, master copy, ...) is said on its module
+    (rlrun/engine/protocol.py EngineModule): the planner, rlrun.precision and the check compare no engine's name."""
+    engines = {repr(name) for name in registry.REGISTRY["engine"]}
+    files = [*sorted((ROOT / "rlrun" / "plan").glob("*.py")), *sorted((ROOT / "rlrun" / "check").glob("*.py")),
+             ROOT / "rlrun" / "precision.py"]
+    found = [hit for path in files for hit in name_comparisons(path.read_text(), str(path.relative_to(ROOT)))
+             if any(e in hit for e in engines)]
+    assert found == [], "ask registry.get('engine', cfg.engine.name) what is true of it:\n" + "\n".join(found)
+    assert name_comparisons('if cfg.engine.name == "single": pass', "x")  # the check sees such a comparison
