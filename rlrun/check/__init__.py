@@ -57,8 +57,8 @@ def baseline_config(cfg):
     base = dataclasses.replace(cfg, **changes)
     for group in registry.AXES:
         node, _, key = registry.key_of(group).partition(".")
-        if key == "name":  # a config group's option: set above from its shipped YAML
-            continue
+        if key == "name" or not hasattr(getattr(base, node), key):  # set above from its YAML; or an option without
+            continue  # the key (rollout=replay has no rollout.decode)
         base = dataclasses.replace(base, **{node: dataclasses.replace(getattr(base, node),
                                                                       **{key: registry.baseline(group)})})
     return base
