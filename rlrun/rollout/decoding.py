@@ -192,17 +192,12 @@ def decode_compiled(model, input_ids, attention_mask, *, max_new_tokens: int, eo
             x[slots, 0] = next_tokens
             at = torch.tensor([prompt + step - 1], device=device)
             scores = _run(lm, x, last + step, at, mask, cache)[slots]
-        next_tokens = (processor(ids, scores) if processor else scores).argmax(-1)
-        next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
+        next_tokens, unfinished = hf.choose(processor, ids, scores, unfinished, eos_token_id, pad_token_id)
         response[rows, step], done = next_tokens, step + 1
-        if eos_token_id is not None:
-            unfinished &= next_tokens != eos_token_id
         if not unfinished.any():
             break
         if drop and not unfinished.all():
-            keep = unfinished.nonzero().squeeze(1)
-            if processor is not None:
-                processor.select(keep, next_tokens)
+            keep = hf.going_on(processor, unfinished, next_tokens)
             rows, next_tokens, ids, unfinished, slots = (rows[keep], next_tokens[keep], ids[keep], unfinished[keep],
                                                          slots[keep])
             if len(slots) <= size // 2:  # the running rows move to a smaller bucket

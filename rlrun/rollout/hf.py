@@ -127,6 +127,24 @@ def next_scores(lm, x, attention_mask, position_ids, cache, shared=None) -> torc
     return logits.to(dtype=torch.float32, copy=True)
 
 
+def choose(processor, ids, scores, unfinished, eos_token_id, pad_token_id):
+    """One decode step's tokens (the processor's pick, or greedy; pad where a row had ended) and the rows still
+    running after them: the step eager and compiled decoding share."""
+    next_tokens = (processor(ids, scores) if processor else scores).argmax(-1)
+    next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
+    if eos_token_id is not None:
+        unfinished = unfinished & (next_tokens != eos_token_id)
+    return next_tokens, unfinished
+
+
+def going_on(processor, unfinished, next_tokens) -> torch.Tensor:
+    """The indices of the rows that go on, told to a processor that keeps per-row state (SeededSampler.select)."""
+    keep = unfinished.nonzero().squeeze(1)
+    if processor is not None:
+        processor.select(keep, next_tokens)
+    return keep
+
+
 @torch.no_grad()
 def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: int, pad_token_id: int,
            processor=None, drop_ended: bool = True, prefill_once: bool = True) -> torch.Tensor:
@@ -161,17 +179,12 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     shared = distinct_rows(input_ids, attention_mask) if prefill_once else None
     for step in range(max_new_tokens):
         scores = next_scores(lm, x, attention_mask, position_ids, cache, shared if step == 0 else None)
-        next_tokens = (processor(ids, scores) if processor else scores).argmax(-1)
-        next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
+        next_tokens, unfinished = choose(processor, ids, scores, unfinished, eos_token_id, pad_token_id)
         response[rows, step], length = next_tokens, step + 1
-        if eos_token_id is not None:
-            unfinished &= next_tokens != eos_token_id
         if not unfinished.any():
             break
         if drop and not unfinished.all():
-            keep = unfinished.nonzero().squeeze(1)
-            if processor is not None:
-                processor.select(keep, next_tokens)
+            keep = going_on(processor, unfinished, next_tokens)
             cache.batch_select_indices(keep)
             rows, next_tokens, ids, unfinished = rows[keep], next_tokens[keep], ids[keep], unfinished[keep]
             attention_mask, position_ids = attention_mask[keep], position_ids[keep]
