@@ -136,6 +136,22 @@ def test_without_vllm_the_part_is_one_skipped_row(monkeypatch):
     assert row["skipped"].startswith("vLLM is not installed") and bench_gpu.verdict(row) == "skipped"
 
 
+def test_decode_rows_judge_rlruns_decodes_by_eagers_tokens_and_carry_the_bound():
+    def g(impl, tps, same, diff, compile_s=0.0):
+        return {"impl": impl, "tokens_per_s": tps, "speedup": tps / 100, "of_bound": 400 / tps, "compile_s": compile_s,
+                "same_tokens": same, "logprob_diff": diff}
+
+    rows = gpu_runs.decode_rows({"rows": [g("and each prompt prefilled once", 100.0, True, 0.0),
+                                          g("rollout.decode compiled", 250.0, True, 2e-5, 3.0),
+                                          g("rollout vllm", 300.0, None, None), g("GEMM bound", 400.0, None, None)]})
+    assert [r["ok"] for r in rows] == [True, True, None, None] and [r["speed"] for r in rows] == [100, 250, 300, 400]
+    assert "x1.60 of the GEMM bound" in rows[1]["check"] and "compiles 3.0 s" in rows[1]["check"]
+    other = gpu_runs.decode_rows({"rows": [g("rollout.decode compiled", 250.0, False, float("inf"))]})
+    assert other[0]["ok"] is False and bench_gpu.verdict(other[0]) == "FAIL"
+    [failed] = gpu_runs.decode_rows({"error": "exit code 1 (log: x)"})
+    assert bench_gpu.verdict(failed) == "failed" and "log: x" in failed["error"]
+
+
 def test_plan_rows_compare_peak_and_growth_per_phase():
     h = history(**{"plan/train_peak_mib": [1000.0] * 3, "mem/train_peak_mib": [990.0, 1010, 1300],
                    "plan/train_growth_mib": [400.0] * 3, "mem/train_growth_mib": [390.0, 410, 700],
@@ -411,6 +427,18 @@ def test_runs_and_plan_parts_run_rlrun_and_read_its_metrics_back(tmp_path):
     plan = gpu_runs.plan_part(a, TOY)
     assert [r["case"] for r in plan] == [f"tiled-keep-lora / {p}" for p in gpu_runs.PLAN_PHASES]
     assert all(r["plan_growth_mib"] > 0 and r["growth_mib"] >= 0 for r in plan)
+
+
+@pytest.mark.slow  # bench generate in a child process, compiling the decode step's buckets
+def test_decode_part_times_eager_compiled_and_the_bound_on_the_same_rollouts(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_runs, "vllm_available", lambda: False)
+    a = toy_args(tmp_path, "--rollout-batch", "8", "--group", "4", "--new-tokens", "4", "--decode-rollouts", "1")
+    rows = {r["case"]: r for r in gpu_runs.decode_part(a, TOY)}
+    assert not any("error" in r for r in rows.values()), rows
+    assert {"and each prompt prefilled once", "rollout.decode compiled", "GEMM bound: the matmuls alone"} <= set(rows)
+    assert rows["rollout.decode compiled"]["ok"] and rows["and each prompt prefilled once"]["ok"]
+    assert all(r["speed"] > 0 for r in rows.values())
+    assert (tmp_path / "logs" / "decode.log").exists()
 
 
 @pytest.mark.slow  # children

@@ -73,3 +73,26 @@ def test_bench_gpu_heads_end_to_end_at_a_small_size(tmp_path):
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "6 of 6 checks ok" in r.stdout and "tiled fp32" in docs.read_text()
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_replays_cuda_graphs_and_draws_eagers_tokens():
+    """rollout.decode=compiled on CUDA (inductor with its CUDA graph trees): the tokens of the eager decode, the
+    sampler's logprobs to fp32 tolerance, compiled once per bucket and not again for the same rollout."""
+    from test_decoding import grouped, rollout_cfg
+    from test_rollout import tiny
+
+    from rlrun.rollout import decoding, hf
+
+    model, tok = tiny("qwen2", True)
+    model.to(CUDA)
+    prompts, seeds = grouped()
+    eager = hf.generate(model, tok, prompts, rollout_cfg("eager"), CUDA, seeds)
+    before = decoding.COMPILES.count
+    got = hf.generate(model, tok, prompts, rollout_cfg("compiled"), CUDA, seeds)
+    assert decoding.COMPILES.count > before and not decoding.COMPILES.failed
+    assert torch.equal(got.input_ids, eager.input_ids)
+    torch.testing.assert_close(got.gen_logprobs, eager.gen_logprobs, rtol=0, atol=1e-4)
+    before = decoding.COMPILES.count
+    again = hf.generate(model, tok, prompts, rollout_cfg("compiled"), CUDA, seeds)
+    assert decoding.COMPILES.count == before and torch.equal(again.input_ids, got.input_ids)

@@ -44,7 +44,7 @@ def model_and_rollouts(a):
 
     cfg = validate(compose(["tracking=none", f"seed={a.seed}", *a.rlrun_args]))
     policy, tokenizer, task = warm_policy(cfg, a.seed)
-    policy.eval()
+    policy.to(device_of(a)).eval()
     stream, t = tasks.prompt_stream(task.train, a.seed), cfg.train
     rollouts = []
     for r in range(a.rollouts + 1):  # the first one warms both modes up, untimed
@@ -52,6 +52,19 @@ def model_and_rollouts(a):
         texts = [p for p in prompts for _ in range(t.group_size)]
         rollouts.append((texts, [sample_seed(a.seed, r, i, 0) for i in range(len(texts))]))  # a run's seeds
     return policy, tokenizer, cfg.rollout, rollouts
+
+
+def device_of(a) -> str:
+    return getattr(a, "device", None) or "cpu"
+
+
+def clock(device: str) -> float:
+    """perf_counter once the device's queued work is done (a CUDA decode returns before its kernels end)."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def measure(a) -> list[dict]:
@@ -65,6 +78,7 @@ def measure(a) -> list[dict]:
     if a.threads:
         torch.set_num_threads(a.threads)
     policy, tokenizer, rollout_cfg, rollouts = model_and_rollouts(a)
+    device = device_of(a)
     got: dict[str, list] = {m: [] for m in MODES}
     same, apart, forwards = True, 0.0, []
     for i, (texts, seeds) in enumerate(rollouts):
@@ -76,10 +90,10 @@ def measure(a) -> list[dict]:
             shapes: list = []  # (rows, tokens a row) of each forward; inside a compiled graph no hook runs
             hook = None if cfg.decode != "eager" else policy.register_forward_pre_hook(
                 lambda m, args, kw, shapes=shapes: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
-            compiled, start = decoding.COMPILES.seconds, time.perf_counter()
-            roll = hf.generate(policy, tokenizer, texts, cfg, "cpu", seeds, **kw)
+            compiled, start = decoding.COMPILES.seconds, clock(device)
+            roll = hf.generate(policy, tokenizer, texts, cfg, device, seeds, **kw)
             compile_s = decoding.COMPILES.seconds - compiled
-            seconds = time.perf_counter() - start - compile_s  # a compile is reported, not timed as decoding
+            seconds = clock(device) - start - compile_s  # a compile is reported, not timed as decoding
             if hook is not None:
                 hook.remove()
             rolls[mode] = roll
@@ -101,8 +115,8 @@ def measure(a) -> list[dict]:
     out = summary(got, same, apart)
     if getattr(a, "vllm", True):
         out += vllm_rows(a, policy, tokenizer, rollouts)
-    tokens = sum(r["tokens"] for r in got[EAGER[-1]])
-    out.append({"impl": "GEMM bound: the matmuls alone", "tokens_per_s": tokens / gemm_seconds(policy, forwards),
+    tokens, bound = sum(r["tokens"] for r in got[EAGER[-1]]), gemm_seconds(policy, forwards, device)
+    out.append({"impl": "GEMM bound: the matmuls alone", "tokens_per_s": tokens / bound,
                 "ms": None, "compile_s": 0.0, "rows_computed": out[len(EAGER) - 1]["rows_computed"],
                 "prefill_rows": out[len(EAGER) - 1]["prefill_rows"], "length_mean": None, "longest_mean": None,
                 "same_tokens": None, "logprob_diff": None})
@@ -149,17 +163,18 @@ def vllm_rows(a, policy, tokenizer, rollouts) -> list[dict]:
     # LoRA (experiment=smollm2): vLLM takes plain weights; untrained adapters change nothing (B = 0), so the model's
     # own weights draw what the policy draws
     run = validate(compose(["tracking=none", f"seed={a.seed}", *a.rlrun_args, "rollout=vllm",
-                            "model.lora.enabled=false"]))
+                            "model.lora.enabled=false", *getattr(a, "vllm_args", [])]))
     lora = models.unwrap(policy) is not policy or any("lora_" in n for n, _ in policy.named_parameters())
-    weights = models.build(run.model, a.seed)[0] if lora else policy
+    device = device_of(a)
+    weights = models.build(run.model, a.seed)[0].to(device) if lora else policy
     threads = torch.get_num_threads()  # vLLM's CPU worker lowers torch's threads in this process "for serving"
-    engine = registry.get("rollout", "vllm").build(run.rollout, weights, tokenizer, "cpu")
+    engine = registry.get("rollout", "vllm").build(run.rollout, weights, tokenizer, device)
     runs = []
     for i, (texts, seeds) in enumerate(rollouts):
-        start = time.perf_counter()
+        start = clock(device)
         roll = engine.generate(weights, texts, seeds)
         if i:
-            runs.append({"seconds": time.perf_counter() - start, "tokens": int(roll.response_mask.sum()),
+            runs.append({"seconds": clock(device) - start, "tokens": int(roll.response_mask.sum()),
                          "length": float(roll.response_mask.sum(1).float().mean()),
                          "longest": int(roll.response_mask.sum(1).max())})
     del engine
@@ -171,7 +186,7 @@ def vllm_rows(a, policy, tokenizer, rollouts) -> list[dict]:
              "logprob_diff": None}]
 
 
-def gemm_seconds(policy, forwards: list[list[int]], repeats: int = 5) -> float:
+def gemm_seconds(policy, forwards: list[list[int]], device: str = "cpu", repeats: int = 5) -> float:
     """The seconds the decode's matmuls alone take: every Linear weight of the model (the lm head included) times
     a [tokens, in] input, at the tokens of each forward rlrun's decode ran (`forwards`: per rollout, the prefill's
     rows x prompt length, then each step's rows), each size timed once (the median of `repeats`) and summed over the
@@ -183,13 +198,13 @@ def gemm_seconds(policy, forwards: list[list[int]], repeats: int = 5) -> float:
     per: dict[int, float] = {}
     with torch.no_grad():
         for n in sorted({n for rows in forwards for n in rows}):
-            xs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=w.dtype) for w in weights}
+            xs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
             times = []
             for _ in range(repeats):
-                start = time.perf_counter()
+                start = clock(device)
                 for w in weights:
                     torch.nn.functional.linear(xs[w.shape[1]], w)
-                times.append(time.perf_counter() - start)
+                times.append(clock(device) - start)
             per[n] = statistics.median(times)
     return sum(per[n] for rows in forwards for n in rows)
 
@@ -200,9 +215,11 @@ def table(rows: list[dict], a) -> str:
     from ..render import num
     from ..render import table as render_table
 
+    device = device_of(a)
+    where = (torch.cuda.get_device_name(device) if device.startswith("cuda") else
+             f"{torch.get_num_threads()} thread(s)")
     head = (f"rollout=hf decode, {a.rollouts} rollouts, args: {' '.join(a.rlrun_args) or '(default run)'}, "
-            f"{torch.get_num_threads()} thread(s); load average {os.getloadavg()[0]:.1f} at the end on "
-            f"{os.cpu_count()} cores")
+            f"{where}; load average {os.getloadavg()[0]:.1f} at the end on {os.cpu_count()} cores")
     def cell(v, fmt):
         return "-" if v is None else num(v, fmt)
 
@@ -241,6 +258,8 @@ def add_parser(sub, log_mlflow) -> None:
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="no rollout=vllm row even where vLLM is "
                    "installed (its row needs ~1 min to start the engine)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, as a run's)")
+    p.add_argument("--device", default="cpu", help="cuda: on a GPU, where the compiled step replays as a CUDA graph "
+                   "(python -m rlrun.bench gpu --only decode runs it on the Qwen2-0.5B shape)")
     p.add_argument("--rlrun-args", nargs="*", default=[], help="rlrun overrides for the model, task and rollout, "
                    "e.g. experiment=varied_lengths")
     p.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="'none' to skip MLflow")

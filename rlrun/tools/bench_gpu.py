@@ -1,6 +1,6 @@
 """`python -m rlrun.bench gpu`: rlrun on a CUDA device, checked and measured in one command (docs/gpu.md).
 
-Five parts, each runnable alone (`--only heads,plan`) and sized to finish within about 10 minutes on one GPU:
+Six parts, each runnable alone (`--only heads,plan`) and sized to finish within about 10 minutes on one GPU:
 
   heads    dense / tiled / chunked (and DeepSpeed's TiledFusedLogitsLoss, Liger's fused GRPO loss where installed),
            fp32 and bf16, 8192 tokens x vocab 151936 x hidden 896: time, CUDA memory growth, error of loss and both
@@ -9,6 +9,8 @@ Five parts, each runnable alone (`--only heads,plan`) and sized to finish within
   offload  offload=on vs off on the Qwen2-1.5B shape: prep seconds per step, optimizer-state bytes moved
   runs     logprob policies, batching and rollout.pipeline on a short GRPO run: steps/s, peak, exactness at step 0
   vllm     rollout=vllm with weight sync vs rollout=hf: generated tokens/s, syncs, mismatch (needs vLLM's GPU build)
+  decode   rollout.decode=eager vs compiled (a CUDA graph a step) vs rollout=vllm on the same rollouts, against the
+           GEMM bound (`python -m rlrun.bench generate --device cuda` on the 0.5B shape)
 
 The runs are rlrun's own loop on random-init Qwen2-shaped models built from transformers configs (nothing is
 downloaded; rlrun/tools/gpu_runs.py). It prints one table (part, case, speed, memory, check, verdict), logs it to
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from .. import render
 
-PARTS = ("heads", "plan", "offload", "runs", "vllm")
+PARTS = ("heads", "plan", "offload", "runs", "vllm", "decode")
 REPO_DOCS = Path(__file__).resolve().parents[2] / "docs"  # a checkout (editable install); else the working folder
 DOCS = REPO_DOCS / "benchmarks-gpu.md" if (REPO_DOCS / "gpu.md").is_file() else Path("benchmarks-gpu.md")
 HEAD = ["part", "case", "speed", "memory", "check", "verdict"]
@@ -223,7 +225,7 @@ def bench(a, log_mlflow) -> list[dict]:
 def add_parser(sub, log_mlflow) -> None:
     from . import gpu_heads, gpu_runs
 
-    p = sub.add_parser("gpu", help="rlrun on a CUDA device: heads, plan, offload, runs, vLLM (one table)",
+    p = sub.add_parser("gpu", help="rlrun on a CUDA device: heads, plan, offload, runs, vLLM, decode (one table)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", type=csv_of(PARTS), default=list(PARTS), help=f"parts to run, of {','.join(PARTS)}")
     g = p.add_argument_group("heads")
@@ -249,6 +251,8 @@ def add_parser(sub, log_mlflow) -> None:
     r.add_argument("--variants", type=csv_of(list(gpu_runs.VARIANTS)), default=list(gpu_runs.VARIANTS))
     r.add_argument("--warmup", type=int, default=2, help="first steps left out of steps/s")
     r.add_argument("--vllm-steps", type=int, default=8)
+    r.add_argument("--decode-rollouts", type=int, default=5, help="timed rollouts of the decode part (after one "
+                   "untimed, which compiles)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="start no run or head after this many seconds; their rows say 'not run' (a lease's minutes)")

@@ -327,3 +327,54 @@ def vllm_overrides(a, model: list[str], rollout: str) -> list[str]:
     """logprob_policy=always: the old pass measures the generation-vs-trainer mismatch at every step."""
     own = [f"rollout.max_model_len={a.new_tokens + 128}"] if rollout == "vllm" else []
     return merged(model, common(a, a.vllm_steps), ["logprob_policy=always", f"rollout={rollout}", *own])
+
+
+def decode_child(args: dict, log_path: str, out_path: str) -> None:
+    """`python -m rlrun.bench generate --device cuda` in this fresh process; saves its rows, or {"error"}."""
+    import argparse
+
+    import torch
+
+    from . import bench_generate
+
+    render.quiet(log_path)
+    try:
+        out: dict = {"rows": bench_generate.measure(argparse.Namespace(**args))}
+    except BaseException as e:  # noqa: BLE001 - the row says why, the log has the traceback
+        traceback.print_exc()
+        out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    torch.save(out, out_path)
+
+
+def decode_rows(r: dict) -> list[dict]:
+    """bench generate's rows as the table's: tokens/s, x of the GEMM bound, the compiled step's tokens and logprobs
+    against eager's (ok: the same tokens, within EXACT's order of logprob distance)."""
+    if missing(r):
+        return [error_row("decode", "rollout.decode", r)]
+    rows = []
+    for g in r["rows"]:
+        check = f"x{render.num(g['of_bound'], '.2f')} of the GEMM bound; x{render.num(g['speedup'], '.2f')} every row"
+        ok = None
+        if g["logprob_diff"] is not None:  # rlrun's own decodes, compared with eager's tokens
+            ok = bool(g["same_tokens"]) and g["logprob_diff"] <= 1e-3
+            check += f"; logprobs vs eager {render.num(g['logprob_diff'], '.1e')}"
+        if g["compile_s"]:
+            check += f"; compiles {render.num(g['compile_s'], '.1f')} s"
+        rows.append({"part": "decode", "case": g["impl"], "speed": g["tokens_per_s"], "speed_unit": "gen tok/s",
+                     "of_bound": g["of_bound"], "check": check, "ok": ok})
+    return rows
+
+
+def decode_part(a, model: list[str]) -> list[dict]:
+    """rollout=hf's eager and compiled decode (CUDA graphs), rollout=vllm where installed, and the GEMM bound, on
+    the same rollouts of the 0.5B shape (random init: every row runs to --new-tokens)."""
+    args = [*model, f"train.rollout_batch={a.rollout_batch}", f"train.batch_size={a.rollout_batch}",
+            f"train.micro_batch={min(a.micro_batch, a.rollout_batch)}", f"train.group_size={a.group}",
+            f"rollout.max_new_tokens={a.new_tokens}", "warm_start.enabled=false"]
+    os.makedirs(a.log_dir, exist_ok=True)
+    log = os.path.join(a.log_dir, "decode.log")
+    print(f"decode: python -m rlrun.bench generate --device {a.device} --rlrun-args {' '.join(args)}", flush=True)
+    r = child(a, decode_child, {"rollouts": a.decode_rollouts, "seed": a.seed, "device": a.device, "threads": None,
+                                "vllm": vllm_available(), "vllm_args": ["rollout.enforce_eager=false"],
+                                "rlrun_args": args}, log)
+    return decode_rows({**r, "error": f"{r['error']} (log: {log})"} if "error" in r else r)
