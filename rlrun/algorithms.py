@@ -14,7 +14,11 @@ class Algorithm:
     title: str  # the run description's first words; {loss}: the loss's name
     curve: str  # the learning curve: the metric the run's summary, the sweep and MLflow's views lead with
     pairs: bool  # trains on preference pairs (a chosen and a rejected completion of one prompt), not sampled groups
-    samples: bool  # generates: its logprobs are of the sampler's distribution (rollout.temperature, top_p, top_k)
+    samples: bool  # generates: its logprobs are of the sampler's distribution (rollout.temperature, top_p, top_k);
+    # so a rollout to generate (and to record), an old policy that drew it, and a per-token objective over it
+    reference: bool = False  # its loss always reads the reference policy's logprobs (DPO's implicit reward)
+    probes: str | None = None  # the module of its own `rlrun check` probes (rows(cfg, baseline_config, exactness));
+    # None: the probes of sampled rollouts (rlrun/check/__init__.py)
 
     def train(self, cfg, raw, tracker, resume=None) -> dict[str, float]:
         return importlib.import_module(self.loop).train(cfg, raw, tracker, resume)
@@ -25,7 +29,8 @@ class Algorithm:
 
 
 GRPO = Algorithm("rlrun.recipes.grpo", "GRPO-family RL ({loss} loss)", "reward_mean", pairs=False, samples=True)
-DPO = Algorithm("rlrun.recipes.dpo", "DPO", "rewards/accuracy", pairs=True, samples=False)
+DPO = Algorithm("rlrun.recipes.dpo", "DPO", "rewards/accuracy", pairs=True, samples=False, reference=True,
+                probes="rlrun.check.dpo")
 
 
 def of(cfg) -> Algorithm:

@@ -236,3 +236,15 @@ def test_the_planner_precision_and_the_check_ask_the_engine_not_its_name():
              if any(e in hit for e in engines)]
     assert found == [], "ask registry.get('engine', cfg.engine.name) what is true of it:\n" + "\n".join(found)
     assert name_comparisons('if cfg.engine.name == "single": pass', "x")  # the check sees such a comparison
+
+
+def test_the_planner_the_check_and_the_rollouts_ask_the_algorithm_not_the_loss_name():
+    """What is true of an algorithm (it samples, trains on pairs, always reads the reference, has probes of its own)
+    is said on rlrun/algorithms.py's objects: the planner, the check and the rollout package compare no loss name."""
+    losses = {repr(name) for name in registry.REGISTRY["recipe"]}
+    rlrun = ROOT / "rlrun"
+    files = [p for folder in ("plan", "check", "rollout") for p in sorted((rlrun / folder).glob("*.py"))]
+    found = [hit for path in files for hit in name_comparisons(path.read_text(), str(path.relative_to(ROOT)))
+             if any(x in hit for x in losses)]
+    assert found == [], "ask rlrun.algorithms.of(cfg) what is true of it:\n" + "\n".join(found)
+    assert name_comparisons('if cfg.loss.name == "dpo": pass', "x")  # the check sees such a comparison

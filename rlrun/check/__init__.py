@@ -13,6 +13,7 @@ fails. Nothing is trained or written; the rewards are not called (the probe's ad
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 import statistics
 import sys
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .. import axes, models, plan, policy, registry, render, tasks
+from .. import algorithms, axes, models, plan, policy, registry, render, tasks
 from ..axes import Axes
 from ..meters import MIB, Meter
 from ..recipes import grpo
@@ -183,10 +184,9 @@ def table(rows: list[Row]) -> str:
 def rows_of(cfg, progress: bool = False) -> list[Row]:
     """The probes of a validated config (DPO's: rlrun/check/dpo.py), the caller's random state untouched."""
     with torch.random.fork_rng():
-        if cfg.loss.name == "dpo":
-            from . import dpo
-
-            return dpo.rows(cfg, baseline_config, exactness_of(cfg))
+        own = algorithms.of(cfg).probes
+        if own:
+            return importlib.import_module(own).rows(cfg, baseline_config, exactness_of(cfg))
         return run_probes(build(cfg), progress)
 
 

@@ -59,13 +59,13 @@ def grad_accum(cfg, world: int) -> int:
 
 def passes(cfg, world: int) -> tuple[bool, bool, bool]:
     """(old-policy pass, reference pass, a reference copy in memory) of a run, as its logprob policy decides."""
-    t, dpo = cfg.train, cfg.loss.name == "dpo"
+    t, algo = cfg.train, algorithms.of(cfg)
     policy = logprobs.option(cfg.logprob_policy.name)
     tis = getattr(cfg.loss, "tis", None)  # sequence-level correction reads the old logprobs before the loss
     before_loss = bool(tis is not None and tis.enabled and tis.level == "sequence")
-    needs_old = not dpo and policy.ever_needs_old(t.rollout_batch // world // t.micro_batch * t.num_iterations,
+    needs_old = algo.samples and policy.ever_needs_old(t.rollout_batch // world // t.micro_batch * t.num_iterations,
                                                   grad_accum(cfg, world), before_loss)
-    needs_ref = dpo or policy.builds_reference(getattr(cfg.loss, "kl_coef", 0.0))
+    needs_ref = algo.reference or policy.builds_reference(getattr(cfg.loss, "kl_coef", 0.0))
     ref_copy = needs_ref and not models.adapters_off_reference(cfg.model.lora, getattr(cfg.loss, "reference_path",
                                                                                         None))
     return needs_old, needs_ref, ref_copy
@@ -250,7 +250,7 @@ def predict(cfg, s, rows: int, seq_len: int, tokens: int, *, world: int = 1, dev
         return Phase({**held, **peak_set}, {**weights, **({} if offloaded else adam)}, apart=freed)
 
     phases, trainer = {}, weights  # trainer: what the trainer's phases hold resident besides optimizer state
-    if cfg.loss.name != "dpo":
+    if algorithms.of(cfg).samples:
         gen = Phase(generate_parts(cfg, s, seq_len, world, weights), {**weights, **adam})
         phases["generate"], extra = asynchronous(cfg, s, gen, device_type)
         trainer = {**weights, **extra}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import activations, models, precision, registry
+from .. import activations, algorithms, models, precision, registry
 
 
 @dataclass
@@ -66,7 +66,7 @@ def lengths(cfg, tokenizer, rows: list[dict]) -> tuple[int, int, int]:
 
     mb = cfg.train.micro_batch
     prompts = token_lengths(tokenizer, [r["prompt"] for r in rows]) or [0]
-    if cfg.loss.name == "dpo":  # chosen and rejected of each pair, each with the EOS the pair encoder appends
+    if algorithms.of(cfg).pairs:  # chosen and rejected of each pair, each with the EOS the pair encoder appends
         sides = [token_lengths(tokenizer, [r[k] for r in rows]) for k in ("chosen", "rejected")]
         longest = max(max(c, r) + 1 for c, r in zip(*sides))
         return 2 * mb, max(p + max(c, r) + 1 for p, c, r in zip(prompts, *sides)), 2 * mb * longest
@@ -80,7 +80,7 @@ def task_rows(cfg, tokenizer) -> list[dict]:
     """The rows a run sizes its micro-batches from: the task's training rows, or its preference pairs (DPO)."""
     from .. import tasks
 
-    if cfg.loss.name == "dpo":
+    if algorithms.of(cfg).pairs:
         return tasks.load_pairs(cfg.task, cfg.seed, tokenizer)[0]
     return tasks.load(cfg.task, cfg.seed, tokenizer).train
 

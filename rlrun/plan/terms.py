@@ -6,7 +6,7 @@ at hidden 64-512, with and without GQA, for each precision path): they are what 
 
 from __future__ import annotations
 
-from .. import registry
+from .. import algorithms, registry
 from ..config import ConfigError
 from ..heads.common import ROWS  # rows of the heads' entropy block buffer
 from ..losses.bound import sequence_level
@@ -180,7 +180,7 @@ def objective_parts(cfg, step_tokens: int, tokens: int) -> dict[str, int]:
     (sequence-level) and what a head does with it (a sweep) is said on them (losses.bound, the head's facts)."""
     parts: dict[str, int] = {}
     name = cfg.loss.name
-    if name == "dpo":
+    if not algorithms.of(cfg).samples:  # a sequence-pair loss (DPO): no per-token objective over a rollout
         return parts
     if cfg.loss.agg != "token_mean":
         parts[f"loss.agg={cfg.loss.agg}: per-token weights of the step (fp32)"] = step_tokens * FP32

@@ -16,6 +16,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from .. import algorithms
 from ..config import ConfigError, validate
 from . import record, replay
 
@@ -53,9 +54,9 @@ def problems(configs: list[DictConfig], names: list[str], sweep_dir: str) -> lis
                    "hydra.sweep.dir to a new folder, or remove it")
     for cfg, name in zip(configs, names):
         r = cfg.rollout
-        if cfg.loss.name == "dpo":
-            out.append(f"job {name}: loss=dpo trains on preference pairs from its data and draws no rollouts to "
-                       "record; drop report.replay, or sweep GRPO objectives (loss=dapo, cispo, gspo)")
+        if not algorithms.of(cfg).samples:
+            out.append(f"job {name}: loss={cfg.loss.name} trains on preference pairs from its data and draws no "
+                       "rollouts to record; drop report.replay, or sweep GRPO objectives (loss=dapo, cispo, gspo)")
         elif r.name not in GENERATING:
             out.append(f"job {name}: report.replay records with the job's sampler, and rollout={r.name} has none "
                        f"(use rollout={' or rollout='.join(GENERATING)}; a replay sweep of an existing record: "
