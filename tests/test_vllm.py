@@ -34,7 +34,10 @@ def test_vllm_logprobs_equal_the_trainers_after_every_sync_and_drift_without_one
     cfg = make_cfg("rollout=vllm", "rollout.max_new_tokens=8", "rollout.temperature=0.8", f"model.arch={arch}",
                    f"model.tie_embeddings={tied}")
     policy, tok = models.build(cfg.model, 0)
+    setter, threads, cores = torch.set_num_threads, torch.get_num_threads(), os.sched_getaffinity(0)
     engine = vllm.build(cfg.rollout, policy, tok, "cpu")
+    # the trainer's threads as before, and torch's own setter (vLLM's CPU worker swaps in a no-op)
+    assert torch.set_num_threads is setter and (torch.get_num_threads(), os.sched_getaffinity(0)) == (threads, cores)
     prompts = ["3+4=", "12+1=", "0-2=", "4*4="] * 4
     opt = torch.optim.SGD(policy.parameters(), lr=0.5)
 

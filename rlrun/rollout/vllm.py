@@ -48,11 +48,21 @@ class VLLMRollout:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         else:
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
+        # vLLM's in-process worker changes the whole process for serving: on CPU it binds the threads to cores and
+        # swaps torch.set_num_threads for a no-op that warns; on GPU it lowers torch's threads to 1. The trainer
+        # in this process gets back what it had
+        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         try:
             self.llm = LLM(**kwargs)
         except Exception as e:  # noqa: BLE001 - name the setting, keep vLLM's reason
             raise RolloutError(f"vLLM could not start with {kwargs} (from the rollout.* keys, conf/rollout/vllm.yaml): "
                                f"{type(e).__name__}: {e}. Change the rollout.* key vLLM names.") from e
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+            if cores is not None:
+                os.sched_setaffinity(0, cores)
 
     def generate(self, model, prompts: list[str], seeds: list[int]) -> Rollout:
         from vllm import SamplingParams

