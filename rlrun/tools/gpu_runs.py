@@ -90,21 +90,28 @@ def missing(r: dict) -> bool:
     return "error" in r or "skipped" in r
 
 
-def run_child(overrides: list[str], name: str, log_path: str, out_path: str) -> None:
-    """`rlrun <overrides>` in this fresh process; saves {metric: [(step, value, seconds)]} of KEYS, or {"error"}."""
+def saved(measure, log_path: str, out_path: str) -> None:
+    """In a child process: its output to `log_path`; saves what `measure()` returns, or {"error": why}."""
     import torch
 
-    from .bench_trl import rlrun_run
-
     render.quiet(log_path)
-    out: dict[str, list | str]  # metric key -> (step, value, seconds) history; or "error" -> why
     try:
-        with rlrun_run(lambda uri: [*overrides, f"tracking.uri={uri}"], name) as history:
-            out = {k: [(m.step, m.value, m.timestamp / 1000) for m in history(k)] for k in KEYS}
+        out = measure()
     except BaseException as e:  # noqa: BLE001 - the row says why, the log has the traceback
         traceback.print_exc()
         out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     torch.save(out, out_path)
+
+
+def run_child(overrides: list[str], name: str, log_path: str, out_path: str) -> None:
+    """`rlrun <overrides>` in this fresh process; saves {metric: [(step, value, seconds)]} of KEYS, or {"error"}."""
+    from .bench_trl import rlrun_run
+
+    def histories() -> dict:
+        with rlrun_run(lambda uri: [*overrides, f"tracking.uri={uri}"], name) as history:
+            return {k: [(m.step, m.value, m.timestamp / 1000) for m in history(k)] for k in KEYS}
+
+    saved(histories, log_path, out_path)
 
 
 def merged(*groups: list[str]) -> list[str]:
@@ -117,10 +124,16 @@ def merged(*groups: list[str]) -> list[str]:
 
 def launch(a, name: str, overrides: list[str]) -> dict:
     """One run in a child process; its histories, or {"error": why (and where the log is)}."""
+    return logged_child(a, name, f"rlrun {' '.join(overrides)}", run_child, overrides, name)
+
+
+def logged_child(a, name: str, what: str, target, *args) -> dict:
+    """`target(*args, log, out)` in a child (gpu_runs.child) with its output in `<log-dir>/<name>.log`, named in
+    its error."""
     os.makedirs(a.log_dir, exist_ok=True)
     log = os.path.join(a.log_dir, f"{name}.log")
-    print(f"{name}: rlrun {' '.join(overrides)}", flush=True)
-    r = child(a, run_child, overrides, name, log)
+    print(f"{name}: {what}", flush=True)
+    r = child(a, target, *args, log)
     return {**r, "error": f"{r['error']} (log: {log})"} if "error" in r else r
 
 
@@ -333,22 +346,14 @@ def decode_child(args: dict, log_path: str, out_path: str) -> None:
     """`python -m rlrun.bench generate --device cuda` in this fresh process; saves its rows, or {"error"}."""
     import argparse
 
-    import torch
-
     from . import bench_generate
 
-    render.quiet(log_path)
-    try:
-        out: dict = {"rows": bench_generate.measure(argparse.Namespace(**args))}
-    except BaseException as e:  # noqa: BLE001 - the row says why, the log has the traceback
-        traceback.print_exc()
-        out = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    torch.save(out, out_path)
+    saved(lambda: {"rows": bench_generate.measure(argparse.Namespace(**args))}, log_path, out_path)
 
 
 def decode_rows(r: dict) -> list[dict]:
     """bench generate's rows as the table's: tokens/s, x of the GEMM bound, the compiled step's tokens and logprobs
-    against eager's (ok: the same tokens, within EXACT's order of logprob distance)."""
+    against eager's (ok: the same tokens, logprobs within MISMATCH of eager's)."""
     if missing(r):
         return [error_row("decode", "rollout.decode", r)]
     rows = []
@@ -356,7 +361,7 @@ def decode_rows(r: dict) -> list[dict]:
         check = f"x{render.num(g['of_bound'], '.2f')} of the GEMM bound; x{render.num(g['speedup'], '.2f')} every row"
         ok = None
         if g["logprob_diff"] is not None:  # rlrun's own decodes, compared with eager's tokens
-            ok = bool(g["same_tokens"]) and g["logprob_diff"] <= 1e-3
+            ok = bool(g["same_tokens"]) and g["logprob_diff"] <= MISMATCH
             check += f"; logprobs vs eager {render.num(g['logprob_diff'], '.1e')}"
         if g["compile_s"]:
             check += f"; compiles {render.num(g['compile_s'], '.1f')} s"
@@ -371,10 +376,7 @@ def decode_part(a, model: list[str]) -> list[dict]:
     args = [*model, f"train.rollout_batch={a.rollout_batch}", f"train.batch_size={a.rollout_batch}",
             f"train.micro_batch={min(a.micro_batch, a.rollout_batch)}", f"train.group_size={a.group}",
             f"rollout.max_new_tokens={a.new_tokens}", "warm_start.enabled=false"]
-    os.makedirs(a.log_dir, exist_ok=True)
-    log = os.path.join(a.log_dir, "decode.log")
-    print(f"decode: python -m rlrun.bench generate --device {a.device} --rlrun-args {' '.join(args)}", flush=True)
-    r = child(a, decode_child, {"rollouts": a.decode_rollouts, "seed": a.seed, "device": a.device, "threads": None,
-                                "vllm": vllm_available(), "vllm_args": ["rollout.enforce_eager=false"],
-                                "rlrun_args": args}, log)
-    return decode_rows({**r, "error": f"{r['error']} (log: {log})"} if "error" in r else r)
+    what = f"python -m rlrun.bench generate --device {a.device} --rlrun-args {' '.join(args)}"
+    return decode_rows(logged_child(a, "decode", what, decode_child, {
+        "rollouts": a.decode_rollouts, "seed": a.seed, "device": a.device, "threads": None, "vllm": vllm_available(),
+        "vllm_args": ["rollout.enforce_eager=false"], "rlrun_args": args}))
