@@ -391,6 +391,22 @@ def test_past_the_tolerance_ranks_is_decided_in_float64_and_a_per_rank_normalise
     assert row.ok is False and "float64" in row.measured, row
 
 
+def test_the_float64_arbiter_decides_under_activations_checkpoint(monkeypatch):
+    """SmolLM2, activations=checkpoint: the ranks probe's float64 arbiter raised CheckpointError (a checkpointed
+    layer's recompute runs in autograd's engine, outside the float64 mode, so it recomputed in float32). The
+    arbiter's copy keeps its activations (the same numbers); the configuration's own trainer still checkpoints."""
+    from rlrun import activations
+    from rlrun.check import float64, probes
+
+    monkeypatch.setattr(probes, "FP_TOL", -1.0)
+    ctx = check.build(validate(make_cfg("experiment=smoke", "activations=checkpoint")))
+    row = probes.ranks(ctx)
+    assert row.ok is True and "float64" in row.measured, row
+    assert float(row.measured.rsplit("float64 ", 1)[1]) < 1e-12, row.measured
+    assert activations.checkpointed(ctx.trainer)  # only the arbiter's copy was unwrapped
+    assert float64.in_float64(ctx.trainer, activations.checkpointed) == []
+
+
 @pytest.mark.slow  # two checks (~10 s each)
 def test_past_the_tolerance_accumulation_is_decided_in_float64_and_a_loss_normalised_twice_still_fails(monkeypatch):
     """SmolLM2 on an H200 splits a step 3.7e-5 off one micro-batch (CUDA's kernels, two batch shapes); the float64

@@ -10,10 +10,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from ..activations import keep_all
+
 
 def in_float64(model, fn):
     """fn(a float64 copy of `model`), computed in float64 throughout (`KeepFloat64`): the float64 arbiter."""
     exact = copy.deepcopy(model).double()
+    keep_all(exact)  # a checkpointed layer's recompute runs outside KeepFloat64 (in float32): keep its activations
     with KeepFloat64():
         return fn(exact)
 
