@@ -374,6 +374,38 @@ def test_check_bench_covers_every_pair_and_names_what_failed():
     assert bench_check.MODELS[a.model] == ["experiment=smollm2"]
 
 
+def test_check_bench_logs_every_configuration_and_probe_to_mlflow(tmp_path, monkeypatch):
+    """The covering array on SmolLM2 (33 minutes) ended in an MlflowException: its metrics were named by the
+    configuration's overrides (`failed/head=dense ...`), and `=` is no character of an MLflow name, so nothing of
+    the run was kept. Each configuration's failures and each probe's verdict are metrics, the table and what every
+    probe measured the run's text; the run is FINISHED, and the command still exits 1 for a failed probe."""
+    import mlflow
+
+    from rlrun import render
+    from rlrun.tools import bench_check
+
+    configs = bench_check.configurations()[:2]
+    results = iter([{"probes": {"vs baseline": (True, "loss 1e-8"), "no full logits": (None, "-")}, "seconds": 3.0},
+                    {"probes": {"vs baseline": (False, "loss 1e-1"), "ranks": (True, "0")}, "seconds": 4.0}])
+    monkeypatch.setattr(bench_check, "configurations", lambda: configs)
+    monkeypatch.setattr(render, "in_child", lambda *a, **k: next(results))
+    uri = f"sqlite:///{tmp_path}/m.db"
+    a = bench.parser().parse_args(["check", "--tracking-uri", uri])
+    with pytest.raises(SystemExit) as stop:
+        a.func(a)
+    assert stop.value.code == 1
+    client = mlflow.tracking.MlflowClient(uri)
+    run = client.search_runs([client.get_experiment_by_name(bench.BENCH_EXPERIMENT).experiment_id])[0]
+    assert run.info.status == "FINISHED"
+    names = [" ".join(f"{k}:{v}" for k, v in c.items()) for c in configs]
+    m = run.data.metrics
+    assert m[f"failed/{names[0]}"] == 0.0 and m[f"failed/{names[1]}"] == 1.0
+    assert m[f"pass/vs baseline/{names[0]}"] == 1.0 and m[f"pass/vs baseline/{names[1]}"] == 0.0
+    assert f"pass/no full logits/{names[0]}" not in m  # n/a: no verdict
+    text = open(client.download_artifacts(run.info.run_id, "check-tiny.txt", str(tmp_path))).read()
+    assert "1 of 2 configurations pass every probe" in text and "FAIL  vs baseline: loss 1e-1" in text
+
+
 @pytest.mark.slow  # one configuration's check in a child process (~10 s)
 def test_check_bench_child_runs_rlrun_check_on_a_configuration():
     from rlrun import render

@@ -60,6 +60,17 @@ def table(configs: list[dict], results: list[dict]) -> str:
             + f"\n{len(configs) - bad} of {len(configs)} configurations pass every probe")
 
 
+def details(configs: list[dict], results: list[dict]) -> str:
+    """What each probe of each configuration measured (the MLflow run's text; the console gets the table)."""
+    out = []
+    for row, res in zip(configs, results):
+        out.append(" ".join(f"{k}={v}" for k, v in row.items()))
+        out += [f"  {res['error']}"] if "error" in res else [
+            f"  {'pass' if ok else 'FAIL' if ok is False else '-':4}  {p}: {measured}"
+            for p, (ok, measured) in res["probes"].items()]
+    return "\n".join(out)
+
+
 def bench(a, log_mlflow) -> list[dict]:
     from tqdm import tqdm
 
@@ -73,9 +84,10 @@ def bench(a, log_mlflow) -> list[dict]:
     print(text)
     rows = [{"impl": " ".join(f"{k}={v}" for k, v in row.items()), **(
         {"error": res["error"]} if "error" in res else
-        {"failed": float(sum(ok is False for ok, _ in res["probes"].values())), "seconds": res["seconds"]})}
+        {"failed": float(sum(ok is False for ok, _ in res["probes"].values())), "seconds": res["seconds"],
+         **{f"pass/{p}": float(ok) for p, (ok, _) in res["probes"].items() if ok is not None}})}
         for row, res in zip(configs, results)]
-    log_mlflow(a, rows, text, f"check-{a.model}")
+    log_mlflow(a, rows, f"{text}\n\n{details(configs, results)}", f"check-{a.model}")
     if any("error" in r or r["failed"] for r in rows):
         raise SystemExit(1)
     return rows
