@@ -391,6 +391,71 @@ def test_past_the_tolerance_ranks_is_decided_in_float64_and_a_per_rank_normalise
     assert row.ok is False and "float64" in row.measured, row
 
 
+@pytest.mark.slow  # three checks (~10 s each)
+def test_under_bf16_past_the_tolerance_float64_decides_and_a_real_error_still_fails(monkeypatch):
+    """SmolLM2 in bf16 put two ranks' gradients 0.24 apart and a sequence's logprobs 0.22 apart in its batch and
+    alone, past bf16's tolerances, in a right configuration: 30 layers of bf16 rounding. Past them the float64
+    arbiter decides, and the bf16 side is held to bf16's own rounding. Forced here with tolerances below 0 on the
+    tiny model: right configurations pass, a per-rank normaliser, attended padding and a loss normalised twice fail."""
+    from rlrun.check import probes
+
+    monkeypatch.setattr(probes, "BF16_TOL", -1.0)
+    monkeypatch.setattr(probes, "BF16_LOGPROB_TOL", -1.0)
+    bf16 = ("train.precision=bf16", "task.max_terms=4", "train.micro_batch=2")
+    rows = rows_of(*bf16)
+    for name in ("accumulation", "ranks", "sequence alone"):
+        assert rows[name].ok is True and "reference way" in rows[name].measured, rows[name]
+        assert float(rows[name].measured.rsplit("float64 ", 1)[1]) < 1e-12, rows[name].measured
+    normalised_per_rank(monkeypatch)
+    padding_attended(monkeypatch)
+    rows = rows_of(*bf16)
+    assert rows["ranks"].ok is False and rows["sequence alone"].ok is False, (rows["ranks"], rows["sequence alone"])
+    monkeypatch.undo()
+    monkeypatch.setattr(probes, "BF16_TOL", -1.0)
+    normalised_twice(monkeypatch)
+    assert rows_of(*bf16)["accumulation"].ok is False
+
+
+@pytest.mark.slow  # two checks (~10 s each)
+def test_past_the_tolerance_generator_vs_trainer_is_judged_by_rounding_and_stale_weights_still_fail(monkeypatch):
+    """SmolLM2 in bf16: the generator's logprobs 0.19 off the trainer's at the same weights, each side that far
+    from the trainer's float64 logprobs (0.21 and 0.16): rounding. Past the tolerance the generator may be at most
+    4x the trainer's rounding from float64; a generator a step behind (trl#5312's class) is off by the step."""
+    from rlrun.check import probes
+
+    monkeypatch.setattr(probes, "BF16_LOGPROB_TOL", -1.0)  # the tiny model's two paths are bit-equal: force it
+    bf16 = ("train.precision=bf16", "rollout.pipeline=async")  # a generator of its own, synced
+    row = rows_of(*bf16)["generator = trainer"]
+    assert row.ok is True and "vs float64" in row.measured, row
+    generator_off_by_a_step(monkeypatch)
+    row = rows_of(*bf16)["generator = trainer"]
+    assert row.ok is False and "vs float64" in row.measured, row
+
+
+@pytest.mark.slow  # two checks (~10 s each)
+def test_under_bf16_vs_baseline_holds_an_option_to_bf16s_rounding_of_the_baseline(monkeypatch):
+    """vs baseline under bf16 (SmolLM2: gradients 0.25 of their largest entry off fp32's, the loss 3e-3): past
+    BF16_TOL the option's gradients may be no further from the baseline's float64 step than 4x the baseline's own
+    under bf16. An option whose bf16 path rounds 10x worse than that (its gradients scaled by 1 + 0.5 outside
+    float64) fails; the right one passes."""
+    from rlrun.check import probes
+
+    monkeypatch.setattr(probes, "BF16_TOL", 0.0)  # the tiny model's bf16 meets 5e-2: force the arbiter
+    row = rows_of("train.precision=bf16", "head=chunked")["vs baseline"]
+    assert row.ok is True and "baseline in bf16" in row.measured, row
+    step = probes.train_step
+
+    def worse(model, micros, ax, *a, **k):
+        loss, parts, grads = step(model, micros, ax, *a, **k)
+        if ax.head.impl.TILED and next(model.parameters()).dtype != torch.float64:
+            grads = {n: g * 1.5 for n, g in grads.items()}
+        return loss, parts, grads
+
+    monkeypatch.setattr(probes, "train_step", worse)
+    row = rows_of("train.precision=bf16", "head=chunked")["vs baseline"]
+    assert row.ok is False and "baseline in bf16" in row.measured, row
+
+
 def test_the_float64_arbiter_decides_under_activations_checkpoint(monkeypatch):
     """SmolLM2, activations=checkpoint: the ranks probe's float64 arbiter raised CheckpointError (a checkpointed
     layer's recompute runs in autograd's engine, outside the float64 mode, so it recomputed in float32). The
