@@ -109,8 +109,10 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
         parts[f"{MASK_COPIES} (saved by {s.layers - n} layers)"] = copy * (s.layers - n)
     if recompute:  # the layer rerun in backward makes its own
         recompute[f"{MASK_COPIES} (the layer rerun)"] = copy
-    if kind == "autocast":  # cast once per forward of a layer; a checkpointed layer's casts live while it reruns
-        copies = s.layer_matrices * 2 // s.layers
+    if kind == "autocast":  # cast once per forward of a layer; a checkpointed layer's casts live while it reruns.
+        # Every weight, frozen ones too: a frozen weight's cast is saved for its input's gradient (SmolLM2 with LoRA:
+        # 201 MiB of them, planned as the adapters' 9 MiB before)
+        copies = s.layer_weights * 2 // s.layers
         parts["bf16 weight copies (autocast, saved for backward)"] = copies * (s.layers - n)
         recompute = recompute and {**recompute, "its bf16 weight copies (autocast)": copies}
     parts.update(mask)

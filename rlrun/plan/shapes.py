@@ -22,6 +22,7 @@ class Shapes:
     head_trainable: bool  # the lm-head weight gets a gradient (not with LoRA)
     param_bytes: int  # bytes per weight as it lives on the device
     layer_matrices: int = 0  # trainable 2-D weights of the decoder layers (bf16 autocast caches a copy of each)
+    layer_weights: int = 0  # every 2-D weight of the decoder layers, frozen ones too (autocast casts each per call)
 
 
 def weight_dtype(cfg) -> str:
@@ -39,13 +40,13 @@ def shapes_of(model, dtype: str) -> Shapes:
     kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     params = list(model.parameters())  # whole: the runner plans before the engine partitions them (ZeRO-3)
     vocab, hidden = weight.shape
-    matrices = sum(p.numel() for p in activations.decoder_layers(model).parameters() if p.requires_grad
-                   and p.dim() == 2)
+    matrices = [p for p in activations.decoder_layers(model).parameters() if p.dim() == 2]
     return Shapes(vocab=vocab, hidden=hidden, intermediate=getattr(c, "intermediate_size", 0)
                   or 4 * c.hidden_size, layers=c.num_hidden_layers, kv_dim=kv * head_dim,
                   params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
                   head_trainable=bool(weight.requires_grad), param_bytes=models.DTYPES[dtype].itemsize,
-                  layer_matrices=matrices)
+                  layer_matrices=sum(p.numel() for p in matrices if p.requires_grad),
+                  layer_weights=sum(p.numel() for p in matrices))
 
 
 def meta_model(mcfg, seed: int):
