@@ -36,7 +36,7 @@ Modules: shapes.py (the model and the micro-batch), terms.py (each term), phases
 (`rlrun plan`: the text, the activations term per option, the switches that would make a run fit).
 """
 
-from .phases import Phase, Plan, grad_accum, metrics, predict, resolve_size, trained, within, world_size
+from .phases import HEAP, Phase, Plan, grad_accum, metrics, predict, resolve_size, trained, within, world_size
 from .shapes import Shapes, inputs, lengths, meta_model, shapes_of, weight_dtype
 from .terms import (
     FP32,
@@ -54,7 +54,7 @@ from .terms import (
 )
 from .text import activation_lines, detail, fit_lines, report, table
 
-__all__ = ["FP32", "MIB", "SAVED", "Phase", "Plan", "Shapes", "activation_kind", "activation_lines", "auto_size",
-           "default_budget", "detail", "first_call", "fit_lines", "grad_accum", "head_parts", "inputs",
+__all__ = ["FP32", "HEAP", "MIB", "SAVED", "Phase", "Plan", "Shapes", "activation_kind", "activation_lines",
+           "auto_size", "default_budget", "detail", "first_call", "fit_lines", "grad_accum", "head_parts", "inputs",
            "layer_bytes", "lengths", "meta_model", "metrics", "objective_parts", "predict", "report", "resident",
            "resolve_size", "saved_activations", "trained", "within", "shapes_of", "table", "weight_dtype", "world_size"]

@@ -84,6 +84,7 @@ def sampled_top_k(cfg) -> int:
 RECOMPUTED = "one layer recomputed in backward"
 # the train parts that are the saved-activation term (plan/train_activations_mib)
 MASK_COPIES = "attention mask as sdpa's additive copy"
+HEAP = "CPU heap: blocks under 1 MiB freed and kept (allocator)"  # the part that is the allocator's, not tensors
 ACTIVATIONS = ("activations saved", "layer inputs kept", RECOMPUTED, "one layer's saved tensors", "saved outside",
                MASK_COPIES)
 
@@ -132,7 +133,7 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
         parts["gradients"] = max(min(parts["gradients"], head_grad), parts["gradients"] - rest)
     # the blocks the forward before the peak's left; a step of one forward reuses the last step's heap
     if device_type == "cpu" and forwards > 1:
-        parts["CPU heap: blocks under 1 MiB freed and kept (allocator)"] = terms.heap_slack(
+        parts[HEAP] = terms.heap_slack(
             s, heap_tokens, s.layers - n + (n > 0), kind, recomputed=max(n - 1, 0), lora=cfg.model.lora.enabled)
     return parts
 
