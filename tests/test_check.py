@@ -199,7 +199,7 @@ def test_each_injected_failure_fails_its_probe(monkeypatch, inject, overrides, p
 
 
 def test_live_tensors_counts_the_peak_of_what_is_alive_once_per_storage_and_not_the_weights():
-    from rlrun.check.probes import LiveTensors
+    from rlrun.check.watch import LiveTensors
 
     weight = torch.zeros(1024, 256)  # 1 MiB
     with LiveTensors(ignore=[weight]) as live:

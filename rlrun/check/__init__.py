@@ -27,7 +27,7 @@ from .. import algorithms, axes, models, plan, policy, registry, render, tasks
 from ..axes import Axes
 from ..meters import MIB, Meter
 from ..recipes import grpo
-from . import probes, steps
+from . import probes, steps, watch
 from .probes import Row
 
 PROBE_ROWS = 16  # sequences of the probe rollout at most (whole groups): seconds on the embedded default
@@ -128,7 +128,7 @@ def plan_probe(ctx: Context) -> Row:
     On CUDA the growth is the allocator's tensors. On CPU RSS also holds the heap blocks glibc keeps, which the plan
     estimates (its heap term) but which at a probe's small tensors are most of RSS's growth and vary step to step
     (SmolLM2: 264-315 MiB over 135 of tensors): there the plan's tensors are judged against the step's live tensors
-    (`probes.LiveTensors`, exact), and RSS is shown beside."""
+    (`watch.LiveTensors`, exact), and RSS is shown beside."""
     rows, t = sum(m.input_ids.shape[0] for m in ctx.micros), ctx.cfg.train
     accumulates = plan.grad_accum(ctx.cfg, plan.world_size(ctx.cfg)) > 1
     cfg = dataclasses.replace(ctx.cfg, train=dataclasses.replace(
@@ -141,11 +141,11 @@ def plan_probe(ctx: Context) -> Row:
     # accumulating: the probe's micro-batches twice in one step, so its peak is where a run's is
     micros = ctx.micros * 2 if accumulates else ctx.micros
     cpu = ctx.meter.device.type == "cpu"
-    grown, tensors = [], probes.LiveTensors(ignore=[*ctx.trainer.parameters(), *ctx.trainer.buffers()])
+    grown, tensors = [], watch.LiveTensors(ignore=[*ctx.trainer.parameters(), *ctx.trainer.buffers()])
     for i in range(PLAN_STEPS):  # the median step, as bench plan measures (CPU RSS: one step can catch another's)
         ctx.meter.new_step()
-        watch = tensors if cpu and i == PLAN_STEPS - 1 else contextlib.nullcontext()
-        with ctx.meter.phase("train"), watch:
+        counting = tensors if cpu and i == PLAN_STEPS - 1 else contextlib.nullcontext()
+        with ctx.meter.phase("train"), counting:
             probes.train_step(ctx.trainer, micros, ctx.axes, ctx.meter)
         grown.append(ctx.meter.growth["train"])
     train = predicted.phases["train"]

@@ -1,6 +1,6 @@
-"""The float64 arbiter of `rlrun check`: a comparison that fp32's rounding leaves undecided is made again on a float64
-copy of the model, computed in float64 throughout (rlrun/check/probes.py: accumulation, ranks, sequence alone,
-vs baseline)."""
+"""The float64 arbiter of `rlrun check`: a comparison that rounding leaves undecided (fp32 past its tolerance, bf16
+past its own) is made again on a float64 copy of the model, computed in float64 throughout (rlrun/check/probes.py:
+generator = trainer, accumulation, ranks, sequence alone, vs baseline)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from ..activations import keep_all
+from .rows import Row, approximate
+
+# A computation may be up to this many times further from float64 than the reference computation's own rounding
+# is (an exact option against the baseline in fp32; under bf16, each side of a comparison; SmolLM2 measured
+# 1.0-1.4x), which a lost term, a stale weight or a wrong normaliser never is.
+ROUNDING_SLACK = 4.0
+
+F64_ALONE_TOL = 1e-9  # float64 rounds ~1e-16 a step: a 30-layer model stays far below this; any real difference
+# (a position, a mask) is of the order of the logprobs themselves
 
 
 def in_float64(model, fn):
@@ -45,3 +54,28 @@ class KeepFloat64(TorchFunctionMode):
             func = torch.Tensor.double
         wide = lambda x: torch.float64 if x is torch.float32 else x  # noqa: E731
         return func(*tree_map(wide, args), **tree_map(wide, kwargs or {}))
+
+
+def arbitrated(ctx, probe: str, sides, dist, tol: float, what: str, label: str, source: str) -> Row:
+    """A comparison of two computations of the same numbers: `sides(model)` gives (the configuration's way, the
+    reference way), `dist` their distance. Within `tol` it passes. Past it (a real model's rounding: 30 layers, a
+    49152-way softmax), both are computed again in float64 (`in_float64`), where rounding vanishes and a real
+    difference (a position, a mask, a normaliser) does not: they must agree to `F64_ALONE_TOL`. Under bf16 compute
+    the bf16 path is judged too: the configuration's way may be no further from the float64 reference than
+    `ROUNDING_SLACK` times the reference way's own bf16 rounding (SmolLM2 in bf16: gradients 0.24 apart on two
+    ranks, logprobs 0.22 apart in a batch and alone, each side that far from float64 alone)."""
+    mine, ref = sides(ctx.trainer)
+    d = dist(mine, ref)
+    expects = f"{what} within {tol:.0e}"
+    if d <= tol:
+        return Row(probe, expects, f"{label} {d:.1e}", True, source)
+    mine64, ref64 = in_float64(ctx.trainer, sides)
+    d64 = dist(mine64, ref64)
+    ok, measured = d64 <= F64_ALONE_TOL, f"{label} {d:.1e}"
+    expects += f", else {F64_ALONE_TOL:.0e} in float64"
+    if approximate(ctx):
+        off, own = dist(mine, ref64), dist(ref, ref64)
+        expects += f" and bf16 at most {ROUNDING_SLACK:g}x the reference way's rounding"
+        measured += f"; bf16 vs float64 {off:.1e}, reference way {own:.1e}"
+        ok = ok and off <= max(tol, ROUNDING_SLACK * own)
+    return Row(probe, expects, f"{measured}; float64 {d64:.1e}", ok, source)

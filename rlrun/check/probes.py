@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import weakref
-from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import models, precision
 from ..recipes import grpo
 from ..rollout import Rollout
-from .float64 import in_float64
+from .float64 import ROUNDING_SLACK, arbitrated, in_float64
+from .rows import Row, approximate, grad_diff, grads_of, guarded, max_abs, rel  # noqa: F401 - the probes' names
+from .watch import HeadProducts
 
 RATIO_TOL = 1e-5  # |ratio - 1| on-policy, and a logprob computed two ways, in fp32
 GEN_TOL = 1e-4  # generator vs trainer logprobs at the same weights (another kernel path: generate's KV cache)
@@ -29,88 +28,11 @@ BF16_TOL = 5e-2  # relative: bf16 vs fp32 loss and gradients (an approximate opt
 # A logprob computed two ways under bf16 compute (another batch layout, the generator's KV cache) differs by bf16's
 # rounding (8 bits of mantissa: a few 1e-3 in a logprob), not by a bug: the same probes, judged at that scale.
 BF16_LOGPROB_TOL = 2e-2
-# Past those, the float64 arbiter: a computation may be up to this many times further from float64 than the
-# reference computation's own rounding is (an exact option against the baseline in fp32; under bf16, each side of a
-# comparison; SmolLM2 measured 1.0-1.4x), which a lost term, a stale weight or a wrong normaliser never is.
-ROUNDING_SLACK = 4.0
 
 
 def logprob_tol(ctx, fp32: float) -> float:
     """`fp32`, or bf16's rounding where the policy computes in bf16."""
     return BF16_LOGPROB_TOL if approximate(ctx) else fp32
-
-
-def approximate(ctx) -> bool:
-    """Whether the configuration's policy computes in a lower precision (train.precision=bf16)."""
-    return ctx.axes.precision.exactness == "approximate"
-
-
-def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item()
-
-
-def arbitrated(ctx, probe: str, sides, dist, tol: float, what: str, label: str, source: str) -> Row:
-    """A comparison of two computations of the same numbers: `sides(model)` gives (the configuration's way, the
-    reference way), `dist` their distance. Within `tol` it passes. Past it (a real model's rounding: 30 layers, a
-    49152-way softmax), both are computed again in float64 (`in_float64`), where rounding vanishes and a real
-    difference (a position, a mask, a normaliser) does not: they must agree to `F64_ALONE_TOL`. Under bf16 compute
-    the bf16 path is judged too: the configuration's way may be no further from the float64 reference than
-    `ROUNDING_SLACK` times the reference way's own bf16 rounding (SmolLM2 in bf16: gradients 0.24 apart on two
-    ranks, logprobs 0.22 apart in a batch and alone, each side that far from float64 alone)."""
-    mine, ref = sides(ctx.trainer)
-    d = dist(mine, ref)
-    expects = f"{what} within {tol:.0e}"
-    if d <= tol:
-        return Row(probe, expects, f"{label} {d:.1e}", True, source)
-    mine64, ref64 = in_float64(ctx.trainer, sides)
-    d64 = dist(mine64, ref64)
-    ok, measured = d64 <= F64_ALONE_TOL, f"{label} {d:.1e}"
-    expects += f", else {F64_ALONE_TOL:.0e} in float64"
-    if approximate(ctx):
-        off, own = dist(mine, ref64), dist(ref, ref64)
-        expects += f" and bf16 at most {ROUNDING_SLACK:g}x the reference way's rounding"
-        measured += f"; bf16 vs float64 {off:.1e}, reference way {own:.1e}"
-        ok = ok and off <= max(tol, ROUNDING_SLACK * own)
-    return Row(probe, expects, f"{measured}; float64 {d64:.1e}", ok, source)
-
-
-@dataclass
-class Row:
-    probe: str
-    expects: str
-    measured: str
-    ok: bool | None  # None: does not apply to this configuration
-    source: str  # the public report of the failure class
-    # a failure stops a sweep's job before it trains: what it trains would be wrong. The memory plan's forecast is
-    # not (a miss is reported and logged; the job trains)
-    blocks: bool = True
-
-
-def guarded(probe, *args, names: tuple[str, ...], source: str = "") -> list[Row]:
-    """`probe(*args)`'s rows; where it raises, one FAIL row per probe it stands for, with the exception's message:
-    a head or layout that crashes on the probe (a dropped partial tile's IndexError) is that probe's failure, shown
-    in the table with the others, never a traceback that hides which probe met it."""
-    try:
-        out = probe(*args)
-    except Exception as e:  # noqa: BLE001 - any exception of a probe is its verdict, reported in its row
-        message = " ".join(f"{type(e).__name__}: {e}".split())
-        return [Row(name, "runs to its verdict", f"raised {message[:160]}", False, source) for name in names]
-    return out if isinstance(out, list) else [out]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
-
-
-def grads_of(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def grad_diff(got: dict, want: dict) -> float:
-    """The largest relative difference of any parameter's gradient (inf where the two differ in which exist)."""
-    if got.keys() != want.keys() or not want:
-        return float("inf")
-    return max(rel(got[n], want[n]) for n in want)
 
 
 # -- the probe batch ----------------------------------------------------------------------------------------------
@@ -300,10 +222,6 @@ def sequences_alone(ctx) -> Row:
                       "unslothai/unsloth-zoo#840 (left padding shifted RoPE positions)")
 
 
-F64_ALONE_TOL = 1e-9  # float64 rounds ~1e-16 a step: a 30-layer model stays far below this; any real difference
-# (a position, a mask) is of the order of the logprobs themselves
-
-
 def alone_sides(ctx, model) -> tuple[torch.Tensor, torch.Tensor]:
     """The probe's response logprobs in their batch or pack, and the same computed each sequence alone."""
     batched = torch.cat(old_logprobs(model, ctx.micros, ctx.axes))
@@ -332,68 +250,6 @@ def policy_copies(ctx) -> Row:
     return Row("policy copies", f"one precision path and adapters; logprobs within {tol:.0e}",
                f"{shown}; max diff {worst:.1e}", same and worst <= tol,
                "rlrun #36 (bf16 with async generated in fp32: a second policy builder)")
-
-
-MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
-           torch.ops.aten.matmul, torch.ops.aten.linear, torch.ops.aten.einsum}
-
-
-class HeadProducts(TorchDispatchMode):
-    """The most rows of any logits the lm head computes: a matmul output with the head weight (itself, a view, a
-    cast or a copy of it) as an operand and the vocabulary as a dim. Followed from the weight, not guessed from a
-    shape: a [4, 56, 56] attention mask or score of a pack as wide as a tiny vocabulary is no product of the
-    weight (issue #53: counting every tensor with a vocabulary-wide last dim failed a correct DPO check)."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.shape, self.vocab, self.rows = tuple(weight.shape), weight.shape[0], 0
-        # the live tensors holding the weight's values; weak, so that a freed copy's address, reused by another
-        # tensor, is not taken for the weight's
-        self.held: weakref.WeakSet = weakref.WeakSet([weight])
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        held = {t.untyped_storage().data_ptr() for t in self.held}
-        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if not any(a.untyped_storage().data_ptr() in held for a in inputs):
-            return out
-        for t in torch.utils._pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            if tuple(t.shape) in (self.shape, self.shape[::-1]):  # a copy, cast or transpose: still the weight
-                self.held.add(t)
-            elif func.overloadpacket in MATMULS and self.vocab in t.shape:
-                self.rows = max(self.rows, t.numel() // self.vocab)
-        return out
-
-
-class LiveTensors(TorchDispatchMode):
-    """The peak bytes of the tensors an operation under it made and that are still alive (storages counted once;
-    freed as their storage is): a step's growth in tensors, whatever the allocator keeps beside them. On CPU, RSS
-    also holds glibc's freed heap blocks, which at a probe's sizes are most of what RSS adds (SmolLM2, tiled,
-    packed, checkpoint: tensors 141 MiB against the plan's 135, RSS 264-315 from step to step)."""
-
-    def __init__(self, ignore=()):
-        super().__init__()
-        self.sizes: dict[int, int] = {}
-        self.ignore = {t.untyped_storage().data_ptr() for t in ignore}  # the weights: their views are not new
-        self.live = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr and ptr not in self.sizes and ptr not in self.ignore:
-                    self.sizes[ptr] = storage.nbytes()
-                    self.live += storage.nbytes()
-                    weakref.finalize(storage, self.freed, ptr)
-        self.peak = max(self.peak, self.live)
-        return out
-
-    def freed(self, ptr: int) -> None:
-        self.live -= self.sizes.pop(ptr, 0)
 
 
 def no_full_logits(ctx) -> Row:

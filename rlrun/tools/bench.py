@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 from typing import TypedDict
 
 import torch
@@ -215,22 +214,19 @@ def format_table(rows, a):
 
 
 def log_mlflow(a, rows, table, kind, curves=None, files=()):
-    """One run in experiment rlrun-bench, through the loop's tracker: arguments as params, each float of each row
-    as `{column}/{impl}` (`metric_name`), the table as `{kind}.txt` (first: nothing logged after it can lose it),
-    each of `curves` ({name: values}) as a metric over steps, and `files` as artifacts. A run whose logging fails
-    is marked FAILED, and the error raised."""
+    """One run in experiment rlrun-bench: arguments as params, the table as `{kind}.txt` (first: nothing logged after
+    can lose it), each float of each row as `{column}/{impl}` (no train/ or system/: a benchmark's columns), `curves`
+    ({name: values}) over steps, `files` as artifacts. A run whose logging fails is FAILED."""
     if a.tracking_uri == "none":
         return
     cfg = argparse.Namespace(uri=a.tracking_uri, experiment=BENCH_EXPERIMENT, parent_run_id=None)
     tracker = MLflow(cfg, {k: v for k, v in vars(a).items() if k != "func"}, f"bench-{kind}")
     try:
         tracker.text(table, f"{kind}.txt")
-        # A benchmark's columns, not a training run's metrics: logged under their own names (no train/ or system/).
         log_metrics(tracker.client, tracker.run_id,
-                    {metric_name(f"{k}/{r['impl']}"): v for r in rows for k, v in r.items() if isinstance(v, float)})
-        for name, values in (curves or {}).items():
-            for step, v in enumerate(values):
-                log_metrics(tracker.client, tracker.run_id, {metric_name(name): v}, step=step)
+                    {f"{k}/{r['impl']}": v for r in rows for k, v in r.items() if isinstance(v, float)})
+        for name, step, v in ((n, i, v) for n, values in (curves or {}).items() for i, v in enumerate(values)):
+            log_metrics(tracker.client, tracker.run_id, {name: v}, step=step)
         for path in files:
             tracker.client.log_artifact(tracker.run_id, path)
     except BaseException:
@@ -238,12 +234,6 @@ def log_mlflow(a, rows, table, kind, curves=None, files=()):
         raise
     tracker.finish("FINISHED")
     print(f"logged to MLflow run {tracker.run_id} ({a.tracking_uri}, experiment {BENCH_EXPERIMENT})")
-
-
-def metric_name(name: str) -> str:
-    """`name` as MLflow takes it (letters, digits, `_ - . space : /`): an impl named by its overrides
-    (`head=dense offload=on`, bench check) is logged as `head:dense offload:on`; any other character becomes `_`."""
-    return re.sub(r"[^\w\-. :/]", "_", name.replace("=", ":"))
 
 
 def dpo_child(head_name, length, a, out_path):

@@ -189,12 +189,19 @@ def metric_key(name: str) -> str:
     return "train/" + name
 
 
+def metric_name(name: str) -> str:
+    """`name` as MLflow takes it (letters, digits, `_ - . space : /`): a benchmark's row named by its overrides
+    (`head=dense offload=on`, bench check) is logged as `head:dense offload:on`; any other character becomes `_`."""
+    return re.sub(r"[^\w\-. :/]", "_", name.replace("=", ":"))
+
+
 def log_metrics(client, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-    """Metrics at one step, in batches of 500 (under MLflow's 1000 per request)."""
+    """Metrics at one step, in batches of 500 (under MLflow's 1000 per request), each name as MLflow takes it
+    (`metric_name`: a name MLflow refuses would lose the whole batch)."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+    batch = [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items()]
     for i in range(0, len(batch), 500):
         client.log_batch(run_id, metrics=batch[i : i + 500])
 
