@@ -11,7 +11,7 @@ import torch
 
 from rlrun import axes, registry
 from rlrun.config import validate
-from rlrun.tools import bench
+from rlrun.tools import bench, bench_heads
 
 TINY = ["--hidden", "8", "--vocab", "64", "--tile-size", "8"]
 
@@ -32,14 +32,14 @@ def test_heads_table_and_mlflow_run(tmp_path):
                                    "--device", "cpu", "--tracking-uri", uri, *TINY])
     results = {}
     for name in ("dense", "chunked"):
-        bench.child(name, a, tmp_path / f"{name}.pt")
+        bench_heads.child(name, a, tmp_path / f"{name}.pt")
         results[name] = torch.load(tmp_path / f"{name}.pt")
-    rows = bench.heads_rows(["dense", "chunked"], results)
+    rows = bench_heads.heads_rows(["dense", "chunked"], results)
     for name, row in zip(("dense", "chunked"), rows):  # the child's metered seconds and bytes, in s and MiB
         assert row["impl"] == name and row["time_s"] == results[name]["time"] > 0
         assert isinstance(results[name]["peak"], int) and row["peak_extra_mib"] == results[name]["peak"] / 2**20
     assert rows[1]["err_loss"] < 1e-5 and rows[1]["err_grad_w"] < 1e-4  # chunked agrees with dense
-    table = bench.format_table(rows, a)
+    table = bench_heads.format_table(rows, a)
     assert table.splitlines()[2].startswith("dense") and table.splitlines()[3].startswith("chunked")
     bench.log_mlflow(a, rows, table, "heads")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlrun import registry
-from rlrun.tools import bench, bench_gpu, gpu_heads, gpu_runs
+from rlrun.tools import bench, bench_gpu, bench_heads, gpu_heads, gpu_runs
 
 ENV = {"device": "NVIDIA Test (80 GiB)", "torch": "2.x", "cuda": "12.x", "date": "2026-01-01"}
 
@@ -330,11 +330,11 @@ def test_the_reference_is_dense_dapo_in_float64():
     from rlrun.losses import masked_total, objective
 
     a = argparse.Namespace(tokens=48, seqs=4, hidden=16, vocab=97, tile_size=16, dtype="float32", seed=3)
-    hidden, weight, targets, mask, adv, _, old = bench.make_inputs(a, torch.device("cpu"))
+    hidden, weight, targets, mask, adv, _, old = bench_heads.make_inputs(a, torch.device("cpu"))
     loss, grad_h, grad_w = gpu_heads.reference(hidden, weight, targets, mask, adv, old, rows=20)  # uneven blocks
     h, w = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     lp = torch.log_softmax(h @ w.T, -1).gather(-1, targets[:, None]).squeeze(-1)
-    plain = masked_total(objective("dapo", adv.double(), old.double(), **bench.CLIP)(lp)[0], mask, 48)
+    plain = masked_total(objective("dapo", adv.double(), old.double(), **bench_heads.CLIP)(lp)[0], mask, 48)
     plain.backward()
     assert loss.dtype == grad_w.dtype == torch.float64
     assert torch.allclose(loss, plain, rtol=1e-12, atol=0) and torch.allclose(grad_h, h.grad, rtol=1e-10, atol=1e-16)

@@ -104,6 +104,59 @@ def test_import_graph_is_acyclic():
         visit(node)
 
 
+def file_imports(rel: str, tree: ast.Module) -> set[str]:
+    """The rlrun module files (paths under rlrun/) that `rel` imports, lazy imports included; a package's
+    __init__.py is left out as a target (it hands its modules' names on: importing through it is no circle)."""
+    parts = rel.removesuffix(".py").split("/")[:-1]  # the package `rel` is in
+    out = set()
+
+    def resolve(dotted: list[str]) -> list[str]:
+        path = PKG.joinpath(*dotted)
+        return [f"{'/'.join(dotted)}.py"] if path.with_suffix(".py").exists() else []
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("rlrun."):
+                    out.update(resolve(a.name.split(".")[1:]))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and (node.module or "").split(".")[0] == "rlrun":
+                base = node.module.split(".")[1:]
+            elif node.level:
+                base = parts[: len(parts) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+            else:
+                continue
+            for a in node.names:  # `from x import y`: y a module of x, or a name in x
+                out.update(resolve(base + [a.name]) or resolve(base))
+    return out - {rel}
+
+
+def test_module_files_import_each_other_in_no_circle():
+    """No two files of rlrun import each other, directly or around a loop (farm-studio's circles: the bench's
+    bench.py -> bench_gpu.py -> gpu_heads.py -> bench.py and rollout's decoding.py <-> hf.py were two)."""
+    graph = {rel: file_imports(rel, tree) for rel, tree in modules().items()}
+    done: set[str] = set()
+    stack: list[str] = []
+
+    def visit(node):
+        if node in stack:
+            raise AssertionError("a circle of files: " + " -> ".join(stack[stack.index(node):] + [node]))
+        if node in done:
+            return
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            visit(dep)
+        stack.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+    # the resolver sees each form of import a circle could use
+    tree = ast.parse("from . import hf\nfrom .decoding import of\ndef f():\n    from ..tools import bench\n"
+                     "import rlrun.models\n")
+    assert file_imports("rollout/x.py", tree) == {"rollout/hf.py", "rollout/decoding.py", "tools/bench.py", "models.py"}
+
+
 def test_the_checks_see_imports():
     """The import parser finds relative, absolute and lazy imports (else the two tests above could not fail)."""
     tree = ast.parse("from . import models, tasks\nfrom .runner import Frame\ndef f():\n    from ..losses import kl\n"

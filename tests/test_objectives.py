@@ -179,18 +179,18 @@ def test_library_gspo_defaults_are_the_config_defaults():
 
 
 def test_the_heads_bench_runs_gspo_on_rlruns_heads_and_refuses_the_peers(tmp_path):
-    from rlrun.tools import bench
+    from rlrun.tools import bench, bench_heads
 
     a = bench.parser().parse_args(["heads", "--loss", "gspo", "--tokens", "32", "--seqs", "4", "--hidden", "8",
                                    "--vocab", "50", "--tile-size", "8", "--impls", "dense,tiled", "--device", "cpu",
                                    "--tracking-uri", "none"])
     results = {}
     for name in ("dense", "tiled"):
-        bench.child(name, a, tmp_path / f"{name}.pt")
+        bench_heads.child(name, a, tmp_path / f"{name}.pt")
         results[name] = torch.load(tmp_path / f"{name}.pt")
-    rows = bench.heads_rows(["dense", "tiled"], results)
+    rows = bench_heads.heads_rows(["dense", "tiled"], results)
     assert rows[1]["err_loss"] < 1e-5 and rows[1]["err_grad_w"] < 1e-4 and rows[1]["err_grad_h"] < 1e-4
-    assert bench.format_table(rows, a).startswith("GSPO fwd+bwd")
+    assert bench_heads.format_table(rows, a).startswith("GSPO fwd+bwd")
     with pytest.raises(SystemExit):
         bench.main(["heads", "--loss", "gspo", "--impls", "dense,deepspeed", "--tracking-uri", "none"])
 

@@ -237,8 +237,4 @@ class Compiled(Eager):
         return {"static KV cache: the smaller bucket while rows move (half)": kv_cache_bytes // 2}
 
 
-def of(rollout_cfg):
-    """The decode object of a rollout config (rollout=vllm and replay have no decode key: the baseline's)."""
-    from .. import registry
-
-    return registry.get("decode", getattr(rollout_cfg, "decode", None) or registry.baseline("decode"))
+of = hf.of  # the decode option of a rollout config: defined where hf.generate asks for it

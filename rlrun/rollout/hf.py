@@ -218,8 +218,6 @@ def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int]
     """`seeds`: one sampling seed per prompt (see the module docstring); `drop_ended`, `prefill_once`: see
     `decode`."""
     input_ids, attention_mask = encode(tokenizer, prompts, device)
-    from .decoding import of
-
     sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p, cfg.max_new_tokens, getattr(cfg, "top_k", 0))
     response = of(cfg).decode(model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, processor=sampler,
@@ -227,6 +225,13 @@ def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int]
     sampler.collect(response[sampler.rows.to(response.device), -1])  # the last draw of the rows still running
     gen_logprobs = torch.stack(sampler.logprobs, dim=1)
     return Rollout.from_response(input_ids, attention_mask, response, gen_logprobs, tokenizer)
+
+
+def of(rollout_cfg):
+    """The decode object of a rollout config (rollout=vllm and replay have no decode key: the baseline's)."""
+    from .. import registry
+
+    return registry.get("decode", getattr(rollout_cfg, "decode", None) or registry.baseline("decode"))
 
 
 class HFRollout:

@@ -1,7 +1,7 @@
 """Part `heads` of `python -m rlrun.bench gpu`: the loss heads at a real size, each against an fp64 reference.
 
 Per dtype (fp32, bf16) one DAPO forward+backward of the lm head and loss per implementation, each in its own
-process with `python -m rlrun.bench heads`'s machinery (rlrun/tools/bench.py): its seeded inputs (the old logprobs
+process with `python -m rlrun.bench heads`'s machinery (rlrun/tools/bench_heads.py): its seeded inputs (the old logprobs
 kept off the clip bounds: keep_off_the_clip), its implementations and its metering (the fastest call after a
 warm-up, `torch.cuda.max_memory_allocated` growth over what was allocated when the call began). The reference is
 computed in float64 from the same inputs as the dtype's run (the bf16 inputs upcast, so that it measures the error
@@ -20,7 +20,7 @@ import torch
 from ..heads.common import chunked_logprobs_nograd
 from ..losses import masked_total, objective
 from ..meters import MIB, Meter
-from . import bench, gpu_runs
+from . import bench_heads, gpu_runs
 
 IMPLS = ("dense", "tiled", "chunked", "deepspeed", "liger")
 DTYPES = ("float32", "bfloat16")
@@ -40,21 +40,21 @@ def keep_off_the_clip(current: torch.Tensor, old: torch.Tensor, margin: float = 
     rounding (a few 1e-3 in a logprob) carries across a bound changes its whole row of dL/dh: measured 0.95 relative
     error at 256 tokens with every head agreeing, which says nothing about the heads. Both branches stay exercised."""
     r = current - old
-    for bound in (math.log(1 - bench.CLIP["clip_low"]), math.log(1 + bench.CLIP["clip_high"])):
+    for bound in (math.log(1 - bench_heads.CLIP["clip_low"]), math.log(1 + bench_heads.CLIP["clip_high"])):
         pushed = torch.where(r >= bound, r.new_full((), bound + margin), r.new_full((), bound - margin))
         r = torch.where((r - bound).abs() < margin, pushed, r)
     return current - r
 
 
 def inputs(a, device):
-    """`python -m rlrun.bench heads`'s seeded inputs (bench.make_inputs), the old logprobs kept off the clip."""
-    hidden, weight, targets, mask, adv, seq_adv, old = bench.make_inputs(a, device)
+    """`python -m rlrun.bench heads`'s seeded inputs (bench_heads.make_inputs), the old logprobs kept off the clip."""
+    hidden, weight, targets, mask, adv, seq_adv, old = bench_heads.make_inputs(a, device)
     current = chunked_logprobs_nograd(hidden, weight, targets, 1.0, a.tile_size)
     return hidden, weight, targets, mask, adv, seq_adv, keep_off_the_clip(current, old)
 
 
 def bench_args(a, dtype: str) -> argparse.Namespace:
-    """The arguments `child`, `bench.make_inputs` and `bench.run_impl` read, from the gpu command's."""
+    """The arguments `child`, `bench_heads.make_inputs` and `bench_heads.run_impl` read, from the gpu command's."""
     return argparse.Namespace(tokens=a.tokens, seqs=a.seqs, hidden=a.hidden, vocab=a.vocab, tile_size=a.tile_size,
                               dtype=dtype, repeat=a.repeat, device=a.device, threads=0, seed=a.seed, objective="dapo")
 
@@ -71,7 +71,7 @@ def reference(hidden, weight, targets, mask, adv, old, rows: int = 1024):
     with torch.no_grad():
         lp = torch.cat([block_logprobs(h[sl], w, sl) for sl in blocks])
     lp.requires_grad_(True)
-    f = objective("dapo", adv.double(), old.double(), **bench.CLIP)
+    f = objective("dapo", adv.double(), old.double(), **bench_heads.CLIP)
     loss = masked_total(f(lp)[0], mask, n)
     (g,) = torch.autograd.grad(loss, lp)
     grad_h, grad_w = torch.empty_like(h), torch.zeros_like(w)
@@ -84,7 +84,7 @@ def reference(hidden, weight, targets, mask, adv, old, rows: int = 1024):
 
 
 def child(name: str, a, out_path) -> None:
-    """One implementation's forward+backward in this fresh process, metered as `bench.child` meters it (the first
+    """One implementation's forward+backward in this fresh process, metered as `bench_heads.child` meters it (the first
     call a warm-up; the fastest of the others, the largest growth), on `inputs`."""
     device = torch.device(a.device)
     hidden, weight, targets, mask, adv, seq_adv, old = inputs(a, device)
@@ -95,11 +95,11 @@ def child(name: str, a, out_path) -> None:
         hidden.grad = weight.grad = None
 
     def step():
-        loss = bench.run_impl(name, a, hidden, weight, targets, mask, adv, seq_adv, old)
+        loss = bench_heads.run_impl(name, a, hidden, weight, targets, mask, adv, seq_adv, old)
         loss.backward()
         return loss
 
-    loss, readings = bench.metered(Meter(device, phases=(bench.CALL,)), zero_grads, step, a.repeat + 1)
+    loss, readings = bench_heads.metered(Meter(device, phases=(bench_heads.CALL,)), zero_grads, step, a.repeat + 1)
     times, peaks = zip(*readings[1:])
     torch.save({"loss": loss.detach().double().cpu(), "grad_h": hidden.grad.double().cpu(),
                 "grad_w": weight.grad.double().cpu(), "time": min(times), "peak": max(peaks)}, out_path)
@@ -109,8 +109,8 @@ def reference_child(a, out_path) -> None:
     """The fp64 reference of `a.dtype`'s inputs in this fresh process, metered like a head."""
     device = torch.device(a.device)
     hidden, weight, targets, mask, adv, _, old = inputs(a, device)
-    meter = Meter(device, phases=(bench.CALL,))
-    (loss, grad_h, grad_w), readings = bench.metered(
+    meter = Meter(device, phases=(bench_heads.CALL,))
+    (loss, grad_h, grad_w), readings = bench_heads.metered(
         meter, lambda: None, lambda: reference(hidden, weight, targets, mask, adv, old), 1)
     torch.save({"loss": loss.cpu(), "grad_h": grad_h.cpu(), "grad_w": grad_w.cpu(),
                 "time": readings[0][0], "peak": readings[0][1]}, out_path)
@@ -125,10 +125,10 @@ def errors(impl: str, a) -> dict[str, float]:
     ref = dict(zip(("loss", "grad_h", "grad_w"), reference(hidden, weight, targets, mask, adv, old)))
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
-    loss = bench.run_impl(impl, a, hidden, weight, targets, mask, adv, seq_adv, old)
+    loss = bench_heads.run_impl(impl, a, hidden, weight, targets, mask, adv, seq_adv, old)
     loss.backward()
     got = {"loss": loss.detach(), "grad_h": hidden.grad, "grad_w": weight.grad}
-    return {k: bench.rel_err(got[k].double(), ref[k]) for k in ref}
+    return {k: bench_heads.rel_err(got[k].double(), ref[k]) for k in ref}
 
 
 def row_of(impl: str, dtype: str, r: dict, ref: dict | None) -> dict:
@@ -141,7 +141,7 @@ def row_of(impl: str, dtype: str, r: dict, ref: dict | None) -> dict:
         return {**row, "check": "float64, block by block", "ok": None}
     if ref is None or gpu_runs.missing(ref):
         return {**row, "check": "no reference", "ok": False}
-    errs = {k: bench.rel_err(r[k], ref[k]) for k in ("loss", "grad_h", "grad_w")}
+    errs = {k: bench_heads.rel_err(r[k], ref[k]) for k in ("loss", "grad_h", "grad_w")}
     tol = TOLERANCE[dtype]
     row.update(err_loss=errs["loss"], err_grad_h=errs["grad_h"], err_grad_w=errs["grad_w"],
                check=f"vs fp64: loss {errs['loss']:.1e}, dh {errs['grad_h']:.1e}, dW {errs['grad_w']:.1e} "
@@ -151,7 +151,7 @@ def row_of(impl: str, dtype: str, r: dict, ref: dict | None) -> dict:
 
 def run(a) -> tuple[list[dict], list[str]]:
     """Rows of every available implementation in each dtype of `a.dtypes`, and notes on those left out."""
-    impls = [i for i in a.impls if bench.available(i)]
+    impls = [i for i in a.impls if bench_heads.available(i)]
     notes = [f"heads: {i} not installed, left out" + (" (pip install liger-kernel)" if i == "liger" else "")
              for i in a.impls if i not in impls]
     rows = []
