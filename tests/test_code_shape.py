@@ -83,15 +83,14 @@ def test_every_module_has_a_layer_and_imports_only_its_layer_or_lower():
     assert not upward, upward
 
 
-def test_import_graph_is_acyclic():
-    graph: dict[str, set[str]] = {}
-    for rel, tree in modules().items():
-        graph.setdefault(top(rel), set()).update(imports(rel, tree))
-    done, stack = set(), []
+def assert_acyclic(graph: dict[str, set[str]], what: str) -> None:
+    """Depth first over `graph`; an AssertionError naming the loop (`what: a -> b -> a`) where there is one."""
+    done: set[str] = set()
+    stack: list[str] = []
 
     def visit(node):
         if node in stack:
-            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(node):] + [node]))
+            raise AssertionError(f"{what}: " + " -> ".join(stack[stack.index(node):] + [node]))
         if node in done:
             return
         stack.append(node)
@@ -102,6 +101,13 @@ def test_import_graph_is_acyclic():
 
     for node in sorted(graph):
         visit(node)
+
+
+def test_import_graph_is_acyclic():
+    graph: dict[str, set[str]] = {}
+    for rel, tree in modules().items():
+        graph.setdefault(top(rel), set()).update(imports(rel, tree))
+    assert_acyclic(graph, "import cycle")
 
 
 def file_imports(rel: str, tree: ast.Module) -> set[str]:
@@ -135,22 +141,7 @@ def test_module_files_import_each_other_in_no_circle():
     """No two files of rlrun import each other, directly or around a loop (farm-studio's circles: the bench's
     bench.py -> bench_gpu.py -> gpu_heads.py -> bench.py and rollout's decoding.py <-> hf.py were two)."""
     graph = {rel: file_imports(rel, tree) for rel, tree in modules().items()}
-    done: set[str] = set()
-    stack: list[str] = []
-
-    def visit(node):
-        if node in stack:
-            raise AssertionError("a circle of files: " + " -> ".join(stack[stack.index(node):] + [node]))
-        if node in done:
-            return
-        stack.append(node)
-        for dep in sorted(graph.get(node, ())):
-            visit(dep)
-        stack.pop()
-        done.add(node)
-
-    for node in sorted(graph):
-        visit(node)
+    assert_acyclic(graph, "a circle of files")
     # the resolver sees each form of import a circle could use
     tree = ast.parse("from . import hf\nfrom .decoding import of\ndef f():\n    from ..tools import bench\n"
                      "import rlrun.models\n")
