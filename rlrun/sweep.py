@@ -29,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
@@ -107,8 +108,8 @@ def refuse_outside(config) -> None:
 
 class SweepCallback(Callback):
     def __init__(self):
-        self.client = None
-        self.parent_id = None
+        self.client: Any = None  # the MlflowClient of a tracked sweep (tracking.connect's), set with parent_id
+        self.parent_id: Any = None  # the parent run's id (str) once on_multirun_start has created it
         self.ended = False
         self.figures_dir: str | None = None  # where the comparison is drawn (hydra.sweep.dir/figures)
         self.baseline = None  # report.baseline

@@ -379,3 +379,13 @@ def test_a_seeded_dpo_run_gives_paddeds_curves(tmp_path):
     assert all(s < p for s, p in zip(shared["train_positions"], padded["train_positions"]))
     assert len(shared["ref_positions"]) >= 1 and min(padded["padding_frac"]) > 0 == max(shared["padding_frac"])
     assert padded["train_seqs_per_forward"] == [8.0] * 4  # train.micro_batch=4 pairs: 8 sequences
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "padded"])
+def test_a_packing_layout_built_without_max_tokens_says_what_it_lacks(name):
+    # built from no config, max_tokens was None and the first pack failed deep inside `units` with a TypeError
+    from rlrun import registry
+
+    with pytest.raises(ValueError, match="batching.max_tokens"):
+        registry.get("batching", name)()
+    assert registry.get("batching", name)(SimpleNamespace(max_tokens=64)).max_tokens == 64

@@ -40,7 +40,7 @@ class Padded:
     shares_prompt = False
 
     def __init__(self, cfg=None, agree=None):
-        self.max_tokens = getattr(cfg, "max_tokens", None)  # positions per forward (packed, shared_prompt)
+        self.max_tokens: int = getattr(cfg, "max_tokens", None) or 0  # positions per forward (0: padded has none)
         self.agree = agree  # n -> the largest n over ranks (batching.agree(engine); None on one process)
 
     def logprobs(self, model, micros, head, counts: dict | None = None) -> list[torch.Tensor]:
@@ -73,6 +73,12 @@ class Packed(Padded):
 
     exactness = "fp_tolerance"
     exchanges = True  # with data parallel, groups move between ranks so that their token loads are even
+
+    def __init__(self, cfg=None, agree=None):
+        super().__init__(cfg, agree)
+        if not self.max_tokens:  # built without a batching config (a tool's or a test's): say what it lacks
+            raise ValueError(f"{type(self).__name__} lays out forwards of batching.max_tokens positions: build it "
+                             "from a batching config that sets max_tokens (conf/batching/)")
 
     def logprobs(self, model, micros, head, counts=None):
         """As padded's, computed in packs and put back in each micro-batch's layout (0 where masked)."""

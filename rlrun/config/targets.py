@@ -146,7 +146,7 @@ EXPLAINED = {("loss", "grpo"): "GRPO is the recipe that loss=dapo, loss=cispo an
                                "loss.agg=seq_mean_token_mean"}
 
 
-def unknown_option(error: Exception) -> str | None:
+def unknown_option(error: BaseException) -> str | None:
     """rlrun's message for a group option Hydra could not find (`head=foo`) or a group set to null (`head=null`):
     the options of that group and the fix; None for other composition errors."""
     from .. import registry

@@ -18,6 +18,7 @@ import importlib
 import logging
 import os
 import socket
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -148,12 +149,13 @@ def _no_shm_kernel():
     """DeepSpeed's CPU backend compiles (g++ through ninja: 30-110 s on this project's CI machine, again for each
     new venv) and loads a shared-memory all-reduce kernel when it starts. Only its inference all-reduce uses that
     kernel, never training, so it is not built; all-reduce goes through the process group (gloo)."""
-    ds_torch = importlib.import_module("deepspeed.comm.torch")  # by name: the attribute is torch
+    ds_torch: Any = importlib.import_module("deepspeed.comm.torch")  # by name: the attribute is torch
 
     if torch.cuda.is_available() or not hasattr(ds_torch, "build_shm_op"):
         yield
         return
-    built, ds_torch.build_shm_op = ds_torch.build_shm_op, lambda: None
+    built = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
     try:
         yield
     finally:

@@ -58,9 +58,9 @@ class ChunkedLogprobs(torch.autograd.Function):
                 _, sums = softmax_stats_(z, targets[sl])
                 g_ent, ent = (None, None) if grad_ent is None else (grad_ent[sl], entropy(z, sums))
                 dz = logit_grad_(z, sums, targets[sl], grad_lp[sl], ctx.temperature, g_ent, ent)
-                accumulate_grads(dz, hidden[sl], weight32, grad_h[sl] if need_h else None, grad_w)
+                accumulate_grads(dz, hidden[sl], weight32, None if grad_h is None else grad_h[sl], grad_w)
                 del z, dz
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
+        return grad_h, (None if grad_w is None else grad_w.to(weight.dtype)), None, None, None, None, None, None
 
 EXACTNESS = "fp_tolerance"  # dense's loss and gradients up to summation order (fp32: 1e-5)
 PHASES = ("old_logprobs", "ref_logprobs", "train")

@@ -50,12 +50,13 @@ class TiledLoss(torch.autograd.Function):
                 leaf, ent_leaf = lp.detach().requires_grad_(True), ent.detach().requires_grad_(need_ent)
                 loss_tokens, stats = objective(leaf, sl, ent_leaf)
                 part = masked_total(loss_tokens, mask[sl], num_tokens)
-                g, g_ent = (*torch.autograd.grad(part, [leaf, ent_leaf] if need_ent else [leaf]), None)[:2]
+                grads = torch.autograd.grad(part, [leaf, ent_leaf] if need_ent else [leaf])
+                g, g_ent = grads[0], (grads[1] if need_ent else None)
             total += part.detach()
             for k, v in stats.items():
                 parts.setdefault(k, []).append(v.detach())
             dz = logit_grad_(z, sums, targets[sl], g, temperature, g_ent, ent)
-            accumulate_grads(dz, hidden[sl], weight32, grad_h[sl] if need_h else None, grad_w)
+            accumulate_grads(dz, hidden[sl], weight32, None if grad_h is None else grad_h[sl], grad_w)
             del z, dz
         del weight32
         stats_out.update({k: torch.cat(v) for k, v in parts.items()})

@@ -69,14 +69,16 @@ def log_mlflow(a, rows, table, kind, curves=None, files=()):
         return
     cfg = argparse.Namespace(uri=a.tracking_uri, experiment=BENCH_EXPERIMENT, parent_run_id=None)
     tracker = MLflow(cfg, {k: v for k, v in vars(a).items() if k != "func"}, f"bench-{kind}")
+    run_id = tracker.run_id
+    assert run_id is not None  # MLflow() opened the run or raised
     try:
         tracker.text(table, f"{kind}.txt")
-        log_metrics(tracker.client, tracker.run_id,
+        log_metrics(tracker.client, run_id,
                     {f"{k}/{r['impl']}": v for r in rows for k, v in r.items() if isinstance(v, float)})
         for name, step, v in ((n, i, v) for n, values in (curves or {}).items() for i, v in enumerate(values)):
-            log_metrics(tracker.client, tracker.run_id, {name: v}, step=step)
+            log_metrics(tracker.client, run_id, {name: v}, step=step)
         for path in files:
-            tracker.client.log_artifact(tracker.run_id, path)
+            tracker.client.log_artifact(run_id, path)
     except BaseException:
         tracker.finish("FAILED")
         raise

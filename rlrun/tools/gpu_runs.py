@@ -23,6 +23,7 @@ import os
 import statistics
 import time
 import traceback
+from typing import Any
 
 from .. import registry, render
 from ..meters import PHASES, growth_key, peak_key, plan_growth_key, plan_peak_key, time_key
@@ -60,7 +61,7 @@ def common(a, steps: int) -> list[str]:
             "export.enabled=false", "progress=false"]
 
 
-STOP = {"why": None, "waiting": False}  # set by bench_gpu's SIGTERM handler
+STOP: dict[str, Any] = {"why": None, "waiting": False}  # set by bench_gpu's SIGTERM handler
 
 
 class Stopped(Exception):

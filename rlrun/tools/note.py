@@ -23,6 +23,7 @@ def comparison_note(rows: list[dict], specs: dict[str, str], answer=None) -> str
         return str(text).replace("\\", "\\\\").replace("_", "\\_").replace("*", "\\*")
 
     headline, verdicts = answer or (None, {})
+    verdicts = dict(verdicts)  # {run name: its verdict}
 
     def cost(r):
         v = verdicts.get(r["run"], {}).get("phase_s", r.get(STEP, float("nan")))

@@ -64,7 +64,7 @@ def histories(client, run, keys):
     (`metric_key`), or under the key itself for runs logged before the names were namespaced."""
     out = {}
     for key in keys:
-        hist = []
+        hist: list = []
         for name in dict.fromkeys((metric_key(key), key)):  # one read when both names are the same (eval/*)
             hist = hist or client.get_metric_history(run.info.run_id, name)
         hist = sorted(hist, key=lambda m: m.step)
@@ -103,7 +103,7 @@ def curves_figure(names, data):
     from matplotlib.ticker import MaxNLocator
 
     palette = colors(len(names))
-    handles = {}
+    handles: dict = {}
     for ax, (key, ylabel) in zip(axes, present):
         for i, h in enumerate(data):
             if key in h:  # line styles vary so that runs with identical curves stay visible on top of each other
