@@ -26,9 +26,14 @@ from typing import Any
 
 import torch
 
-from . import activations, algorithms, heads, logprobs, offload, precision, registry
-from .batching.layouts import Padded
+from . import algorithms, heads, precision, registry
+from .activations.protocol import Activations
+from .batching.protocol import Layout
+from .logprobs import LogprobPolicy
 from .losses.bound import Objective
+from .offload import Offload
+from .pipeline.protocol import Source
+from .precision import Precision
 
 # What an option's numbers are, relative to its axis's baseline (the option whose exactness is "baseline").
 EXACTNESS = {
@@ -43,13 +48,16 @@ SAME = ("bitwise", "fp_tolerance")  # the exactness of an option that trains its
 
 @dataclass(frozen=True)
 class Axes:
+    """Each field typed by its axis's contract (registry.PROTOCOLS), so a checker holds the recipes to it, not to
+    the baseline's class."""
+
     head: heads.Bound
-    logprobs: logprobs.Always
-    offload: offload.Off
-    layout: Padded
-    activations: activations.Keep
-    precision: precision.Fp32
-    pipeline: Any  # the source class of rollout.pipeline (recipes/sources.py); GRPO instantiates it
+    logprobs: LogprobPolicy
+    offload: Offload
+    layout: Layout
+    activations: Activations
+    precision: Precision
+    pipeline: type[Source]  # the source class of rollout.pipeline (recipes/sources.py); GRPO builds it
     objective: Objective | None  # GRPO's; None for DPO (its loss is a function of sequence logprobs)
 
 

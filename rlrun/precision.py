@@ -49,7 +49,7 @@ def _autocast_forward(self, *args, **kwargs):
         return type(self).forward(self, *args, **kwargs)
 
 
-PHASES = ("generate", "old_logprobs", "ref_logprobs", "train")  # every pass of the policy
+PHASES: tuple[str, ...] = ("generate", "old_logprobs", "ref_logprobs", "train")  # every pass of the policy
 NOTES = {"bf16-autocast": "fp32 master weights and AdamW state, backbone forward and backward under "
          "torch.autocast(bfloat16), logits and softmax in fp32 (engine=single)",
          "bf16-deepspeed": "DeepSpeed's bf16 mode: bf16 weights and compute, fp32 master weights and optimizer "

@@ -77,7 +77,7 @@ PROTOCOLS: dict[str, str] = {
     "batching": "rlrun.batching.protocol:Layout",
     "activations": "rlrun.activations.protocol:Activations",
     "precision": "rlrun.precision:Precision",
-    "pipeline": "rlrun.recipes.sources:Source",
+    "pipeline": "rlrun.pipeline.protocol:Source",
 }
 
 

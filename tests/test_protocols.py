@@ -178,3 +178,34 @@ def test_a_broken_implementation_is_caught():
 
     assert problems(read, TaskReader, "t") == ["t.__call__: parameter 2 must be 'fmt'",
                                                "t.__call__: parameter 3 must be 'pairs'"]
+
+
+LOSSES = list(registry.REGISTRY["loss"])
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_every_loss_satisfies_its_algorithms_loss_protocol(name):
+    # the loss group holds two kinds of loss: the algorithm that trains with it names its contract
+    from rlrun import algorithms
+    from rlrun.losses.protocol import SequenceTokenLoss
+
+    loss = registry.get("loss", name)
+    proto = SequenceTokenLoss if getattr(loss, "sequence_level", False) else registry.load(
+        algorithms.of(name).loss_protocol)
+    assert is_protocol(proto) and problems(loss, proto, f"loss={name}") == []
+
+
+def test_a_loss_with_the_wrong_arguments_is_caught():
+    from rlrun.losses.protocol import PairLoss, TokenLoss
+
+    def swapped(old_logprobs, logprobs, advantages, *, clip_low, clip_high, **_):
+        return None
+
+    assert problems(swapped, TokenLoss, "l") == ["l.__call__: parameter 0 must be 'logprobs'",
+                                                 "l.__call__: parameter 1 must be 'old_logprobs'"]
+
+    def no_defaults(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta, label_smoothing=0.0,
+                    chosen_nll=None, sft_coef=0.0, num_pairs=None):
+        return None
+
+    assert problems(no_defaults, PairLoss, "d") == ["d.__call__: 'beta' needs a default (callers may leave it out)"]

@@ -26,6 +26,7 @@ import torch
 from .. import registry
 from . import gspo
 from .kl import ESTIMATORS, kl
+from .protocol import TokenLoss
 
 
 def objective(name: str, advantages: torch.Tensor, old_logprobs: torch.Tensor | None = None,
@@ -46,7 +47,7 @@ def objective(name: str, advantages: torch.Tensor, old_logprobs: torch.Tensor | 
     the loss depends on the entropy (then they carry its gradient). `weights`, `seq`, `mask` and `f.fix`: loss.agg
     and the sequence-level losses (module docstring).
     """
-    token_loss = registry.get("loss", name)  # the per-token term of loss=name (dapo.py, cispo.py, gspo.py)
+    token_loss: TokenLoss = registry.get("loss", name)  # the per-token term of loss=name (dapo.py, cispo.py, gspo.py)
     sequence_level = getattr(token_loss, "sequence_level", False)
     fixed: dict[str, torch.Tensor] = {}
     fix: Callable[[torch.Tensor], None] | None = None

@@ -17,6 +17,7 @@ import torch
 from .. import batching as packing
 from .. import evaluate, logprobs, models, ranks, registry, tasks
 from ..losses.dpo import sequence_logprobs
+from ..losses.protocol import PairLoss
 from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, rank_slice, setup
 
 
@@ -186,6 +187,7 @@ def train_step(cfg, s, batch: list[dict], known: dict, step: int):
     """Forward and backward of this rank's micro-batches: [(pairs, metrics)] per micro-batch, the token count,
     [(entropy sum, tokens)] per micro-batch of the policy pass, and its layout (rlrun.batching.metrics)."""
     t, lcfg, engine = cfg.train, cfg.loss, s.engine
+    pair_loss: PairLoss = registry.get("loss", lcfg.name)
     parts, tokens, layout = [], 0, {"real": 0}
     entropy: list[tuple[float, int]] = []
     with s.meter.phase("train"), s.axes.activations.saving():
@@ -200,9 +202,9 @@ def train_step(cfg, s, batch: list[dict], known: dict, step: int):
             if lcfg.sft_coef:  # per-token NLL of the chosen response
                 summed = chosen if not lcfg.average_logprobs else chosen * mb.lengths[: len(mb.ids)]
                 nll = -summed / mb.lengths[: len(mb.ids)]
-            loss, metrics = registry.get("loss", lcfg.name)(chosen, rejected, ref[:, 0], ref[:, 1], beta=lcfg.beta,
-                                                            label_smoothing=lcfg.label_smoothing, chosen_nll=nll,
-                                                            sft_coef=lcfg.sft_coef, num_pairs=t.batch_size)
+            loss, metrics = pair_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta=lcfg.beta,
+                                      label_smoothing=lcfg.label_smoothing, chosen_nll=nll, sft_coef=lcfg.sft_coef,
+                                      num_pairs=t.batch_size)
             check_finite(loss, step, "lower train.lr.")
             engine.backward(loss)
             parts.append((len(chunk_pairs), metrics))

@@ -10,16 +10,16 @@ come from. The recipe asks `next(step, rollouts, got)` for the next one and neve
   from a record (rlrun/rollout/record.py); nothing is generated. `Recording` wraps any of them for
   rollout.record=DIR: each rollout is written as the recipe takes it.
 
-Each is built by the recipe as `Source(cfg, s, prompts, window=, grad_accum=, drawn=)`; `stateful()` is what it
-checkpoints, `open(cleanup, tracker, step)` starts it (after a checkpoint is restored), `ahead(step)` runs at the
-start of every optimizer step. `memory` is its term for the planner (rlrun/plan/phases.py).
+Each is built by the recipe as `Source(cfg, s, prompts, window=, grad_accum=, drawn=)` (the contract:
+rlrun/pipeline/protocol.py); `stateful()` is what it checkpoints, `open(cleanup, tracker, step)` starts it (after a
+checkpoint is restored), `ahead(step)` runs at the start of every optimizer step. `memory` is its term for the
+planner (rlrun/plan/phases.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Protocol
 
 from .. import pipeline
 from ..errors import RecordError
@@ -27,24 +27,6 @@ from ..plan.phases import Phase
 from ..rollout import Rollout, record
 from ..runner import timed
 from . import sampling
-
-
-class Source(Protocol):
-    exactness: str  # rlrun.axes.EXACTNESS
-    phases: tuple[str, ...]
-    generates_here: bool  # setup builds a rollout engine in this process (on the trainer's own copy)
-
-    def stateful(self) -> dict: ...
-
-    def open(self, cleanup, tracker, step: int) -> None: ...
-
-    def ahead(self, step: int) -> None: ...
-
-    def next(self, step: int, rollouts: int, got) -> tuple:
-        """(the next rollout, drawn and scored: sampling.Drawn; the optimizer steps of the weights that drew it)."""
-
-    def memory(self, cfg, s, gen, device_type: str) -> tuple:
-        """(the generate phase as this option runs it, what the trainer's phases carry besides: {part: bytes})."""
 
 
 class Sync:
