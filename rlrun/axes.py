@@ -97,7 +97,7 @@ def of(head="dense", size=16, temperature=1.0, batching="padded", max_tokens=64,
     run = NS(engine=NS(name="single", dtype="auto"), train=NS(precision=precision))  # what precision.path reads
     return Axes(head=heads.Bound(registry.get("head", head), size, temperature, top_p, top_k),
                 logprobs=registry.get("logprob_policy", policy)(None),
-                offload=registry.get("offload", offload)(NS(enabled=offload == "on")),
+                offload=registry.get("offload", offload)(None),
                 layout=registry.get("batching", batching)(NS(max_tokens=max_tokens), agree),
                 activations=registry.get("activations", activations)(NS(every=every)),
                 precision=registry.get("precision", precision)(run),

@@ -46,10 +46,11 @@ def restored(cfg: DictConfig) -> DictConfig:
     an override that changes what is trained (checkpoint.changed_keys)."""
     from omegaconf import OmegaConf
 
+    from . import tracking
     from .tracking.store import is_run_id, saved_config
 
     resume = str(cfg.resume)
-    if not (HydraConfig.initialized() and is_run_id(resume) and cfg.tracking.name == "mlflow"):
+    if not (HydraConfig.initialized() and is_run_id(resume) and tracking.stores(cfg.tracking)):
         return cfg
     saved = saved_config(cfg.tracking.uri, resume)
     if saved is None:
@@ -176,16 +177,16 @@ def sweep_job(cfg: DictConfig, run_name: str):
     except KeyboardInterrupt:
         # a SLURM job's signal is its own (requeued, preempted, cancelled), not the sweep's end: the parent goes on
         on_slurm = os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
-        if cfg.tracking.name == "mlflow" and cfg.tracking.parent_run_id and not on_slurm:
-            from . import tracking
+        from . import tracking
 
+        if tracking.stores(cfg.tracking) and cfg.tracking.parent_run_id and not on_slurm:
             tracking.mark(cfg.tracking.uri, cfg.tracking.parent_run_id, "KILLED")
         raise
     except Exception as e:  # noqa: BLE001 - every failure of a job is reported by the sweep
         log.error("job %s failed: %s: %s", run_name, type(e).__name__, e)
-        if cfg.tracking.name == "mlflow" and not getattr(e, "rlrun_run_id", None):
-            from . import tracking
+        from . import tracking
 
+        if tracking.stores(cfg.tracking) and not getattr(e, "rlrun_run_id", None):
             # refused before its run existed (a config, a check, a replay's missing record): still list it, named,
             # so the sweep counts it; a store that cannot take even that is the sweep's to report (it counts jobs)
             try:

@@ -3,14 +3,14 @@ config names that the machine lacks (checked before anything is built), and a lo
 
 from __future__ import annotations
 
-from . import algorithms, precision
+from . import algorithms, precision, registry
 from .config import ConfigError
 
 
 def diverged(cfg, error: Exception) -> str:
     """The message for a non-finite loss: where, and what to change (under bf16: try fp32 first)."""
     text = str(error)
-    if precision.resolved(cfg) == "bf16":
+    if precision.reduced(cfg):
         text += (" The run computes in bfloat16 (train.precision=bf16), whose 8-bit mantissa rounds away what fp32 "
                  "keeps: rerun with train.precision=fp32 to see whether these settings are stable there, then lower "
                  "train.lr (or raise train.warmup_steps) for bf16.")
@@ -23,7 +23,8 @@ def check_devices(cfg) -> None:
     import torch
 
     named = {"engine.device": getattr(cfg.engine, "device", None)}
-    if algorithms.of(cfg).samples and getattr(cfg.rollout, "pipeline", "sync") == "async":
+    pipeline = getattr(cfg.rollout, "pipeline", None) or registry.baseline("pipeline")
+    if algorithms.of(cfg).samples and not registry.get("pipeline", pipeline).generates_here:  # a generator process
         named["rollout.worker_device"] = cfg.rollout.worker_device
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     problems = []

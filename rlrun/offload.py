@@ -57,8 +57,10 @@ class Off:
     exactness = "baseline"
     phases = ("offload", "onload", "old_logprobs", "ref_logprobs")  # the prep phases and the passes between them
 
+    ENABLED = False  # `enabled` of an object built without a config (benchmarks, tests: axes.of)
+
     def __init__(self, cfg=None):
-        self.enabled = bool(getattr(cfg, "enabled", False))
+        self.enabled = bool(getattr(cfg, "enabled", self.ENABLED))
 
     def frees_state(self, device_type: str) -> bool:
         """Whether the logprob passes run without the optimizer state on a `device_type` device (the planner)."""
@@ -70,6 +72,7 @@ class On(Off):
     so it comes back bit for bit. Nothing moves on a CPU run."""
 
     exactness = "bitwise"
+    ENABLED = True
 
 
 def option(cfg) -> Off:

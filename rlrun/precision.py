@@ -31,9 +31,14 @@ def resolved(cfg) -> str:
     return registry.get("engine", cfg.engine.name).dtype(cfg.engine, cfg.train.precision)
 
 
+def reduced(cfg) -> bool:
+    """Whether the run computes below fp32 (its precision object's `reduced`)."""
+    return bool(registry.get("precision", resolved(cfg)).reduced)
+
+
 def path(cfg) -> str:
     """The run tag rlrun.precision: fp32, bf16-autocast (engine=single) or bf16-deepspeed."""
-    if resolved(cfg) == "fp32":
+    if not reduced(cfg):
         return "fp32"
     return registry.get("engine", cfg.engine.name).BF16_PATH
 
@@ -63,6 +68,7 @@ class Precision(Protocol):
     exactness: str
     phases: tuple[str, ...]
     path: str  # fp32 | bf16-autocast | bf16-deepspeed: the run tag rlrun.precision
+    reduced: bool  # computes below fp32 (a bf16 path): DeepSpeed's bf16 mode, the divergence hint, the planner
 
     @property
     def note(self) -> str | None: ...
@@ -75,6 +81,7 @@ class Fp32:
 
     exactness = "baseline"
     phases = PHASES
+    reduced = False
 
     def __init__(self, cfg):
         self.path = path(cfg)
@@ -98,6 +105,7 @@ class Bf16(Fp32):
     bf16 mode on engine=deepspeed). Not the baseline's numbers: close to them (docs/precision.md)."""
 
     exactness = "approximate"
+    reduced = True
 
 
 def option(cfg) -> Fp32:

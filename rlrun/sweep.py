@@ -136,7 +136,7 @@ class SweepCallback(Callback):
         if "BasicLauncher" in str(config.hydra.launcher.get("_target_", "")):  # other launchers: jobs elsewhere
             with contextlib.suppress(Exception):  # a sweeper that chooses its jobs as it goes: no count
                 self.total = len(jobs(config))
-        if config.tracking.name != "mlflow":
+        if not tracking.stores(config.tracking):
             return
         try:  # Hydra only warns about a callback's exception: a store that cannot be used would fail every job
             self.client, exp_id = tracking.connect(config.tracking.uri, config.tracking.experiment)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from . import nofollow
+from . import nofollow, registry
 from .config.warm_start import DEFAULTS, applies, options  # noqa: F401 - config-level: a record fixes them
 from .errors import LinkError
 
@@ -192,7 +192,7 @@ def warm_start(model, tokenizer, rows: list[dict], cfg, seed: int, cache: bool =
 def notice(cfg, rows: int) -> str | None:
     """What a warm start on the user's data does, said when it runs (None on the embedded task, where it is the
     default)."""
-    if cfg.task.name == "arith":
+    if cfg.task.name == registry.baseline("task"):  # the embedded task
         return None
     w = cfg.warm_start
     return (f"warm start: {w.steps} supervised steps on {rows} training rows, prompt -> answer (DPO: the chosen "

@@ -170,7 +170,7 @@ def test_a_broken_implementation_is_caught():
     def build(cfg, model, tokenizer, device) -> NoSync:
         return NoSync()
 
-    found = problems(types.SimpleNamespace(build=build), RolloutModule, "r")
+    found = problems(types.SimpleNamespace(build=build, reserved=lambda cfg, device_gib: {}), RolloutModule, "r")
     assert found == ["r.build().sync is missing or not callable"]
 
     def read(cfg, seed, pairs):

@@ -38,6 +38,7 @@ class Padded:
     phases = PHASES
     exchanges = False  # ranks keep their slice: every row costs the same
     shares_prompt = False
+    packs = False  # a forward is a micro-batch (train.micro_batch sizes it)
 
     def __init__(self, cfg=None, agree=None):
         self.max_tokens: int = getattr(cfg, "max_tokens", None) or 0  # positions per forward (0: padded has none)
@@ -73,6 +74,7 @@ class Packed(Padded):
 
     exactness = "fp_tolerance"
     exchanges = True  # with data parallel, groups move between ranks so that their token loads are even
+    packs = True  # a forward holds batching.max_tokens positions
 
     def __init__(self, cfg=None, agree=None):
         super().__init__(cfg, agree)

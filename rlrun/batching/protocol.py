@@ -10,6 +10,7 @@ class Layout(Protocol):
     phases: tuple[str, ...]
     exchanges: bool  # data parallel: ranks exchange whole groups to even their token loads
     shares_prompt: bool  # a group's prompt laid out once (its loads count it once)
+    packs: bool  # lays out forwards of max_tokens positions (else each micro-batch as it is: train.micro_batch)
     max_tokens: int
 
     def logprobs(self, model, micros, head, counts: dict | None = None) -> list:

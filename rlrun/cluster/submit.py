@@ -39,9 +39,11 @@ def launch(launcher, job_overrides, initial_job_idx: int):
     from hydra.core.utils import JobReturn, JobStatus, filter_overrides
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
+    from .. import tracking
+
     config = launcher.config
     parent = os.environ.get(sweep.ENV)
-    if parent is None and config.tracking.name == "mlflow":  # Hydra only warned that the sweep's callback failed
+    if parent is None and tracking.stores(config.tracking):  # Hydra only warned that the sweep's callback failed
         print("rlrun: error: the sweep's parent run could not be created (the warning above says why), so nothing "
               "would collect its jobs; nothing was submitted. Check tracking.uri and run the sweep again.",
               file=sys.stderr)

@@ -175,7 +175,7 @@ def ds_config(cfg, grad_accum: int) -> dict:
         "train_batch_size": t.micro_batch * grad_accum * ranks.world_size(),
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
-        "bf16": {"enabled": precision.resolved(cfg) == "bf16"},  # train.precision=bf16: fp32 master in ZeRO
+        "bf16": {"enabled": precision.reduced(cfg)},  # train.precision=bf16: fp32 master in ZeRO
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

@@ -25,6 +25,13 @@ def sequence_level(name: str) -> bool:
     return bool(getattr(registry.get("loss", name), "sequence_level", False))
 
 
+def old_before_loss(lcfg) -> bool:
+    """Whether the importance correction is sequence-level (loss.tis.level=sequence): the old-policy logprobs are
+    needed before the loss. loss.tis.level is read here and in `Objective`, nowhere else."""
+    tis = getattr(lcfg, "tis", None)
+    return bool(tis is not None and tis.enabled and tis.level == "sequence")
+
+
 def inert_reason(lcfg) -> str | None:
     """None where a token of advantage 0 adds nothing to the loss or its gradient; else the term that does."""
     if lcfg.kl_coef:
@@ -41,7 +48,7 @@ class Objective:
         self.agg_max_tokens = lcfg.agg_max_tokens or max_new_tokens  # loss.agg's L_max
         self.sequence_level = sequence_level(lcfg.name)
         self.token_correction = tis.enabled and tis.level == "token"
-        self.old_before_loss = tis.enabled and tis.level == "sequence"
+        self.old_before_loss = old_before_loss(lcfg)
         self.tis = tis
         self.kept_reason = inert_reason(lcfg) if skip_zero_advantage else "train.skip_zero_advantage=false"
         self.skip_zero_advantage = self.kept_reason is None

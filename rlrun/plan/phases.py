@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import activations, algorithms, logprobs, models, offload, precision, registry
+from ..losses import bound
 from ..meters import plan_growth_key, plan_peak_key
 from . import terms
 from .shapes import Shapes
@@ -61,8 +62,7 @@ def passes(cfg, world: int) -> tuple[bool, bool, bool]:
     """(old-policy pass, reference pass, a reference copy in memory) of a run, as its logprob policy decides."""
     t, algo = cfg.train, algorithms.of(cfg)
     policy = logprobs.option(cfg.logprob_policy.name)
-    tis = getattr(cfg.loss, "tis", None)  # sequence-level correction reads the old logprobs before the loss
-    before_loss = bool(tis is not None and tis.enabled and tis.level == "sequence")
+    before_loss = bound.old_before_loss(cfg.loss)  # sequence-level correction reads the old logprobs first
     needs_old = algo.samples and policy.ever_needs_old(t.rollout_batch // world // t.micro_batch * t.num_iterations,
                                                   grad_accum(cfg, world), before_loss)
     needs_ref = algo.reference or policy.builds_reference(getattr(cfg.loss, "kl_coef", 0.0))

@@ -160,9 +160,8 @@ def resident(cfg, s, *, world: int, device_type: str, ref_copy: bool, path: str,
         weights[label] = shard(s.params * b, 3)
         if ref_copy:
             weights["reference copy"] = shard(s.params * b, 3)
-    if cuda and cfg.rollout.name == "vllm" and device_gib:
-        weights["vLLM engine (gpu_memory_utilization x device)"] = int(cfg.rollout.gpu_memory_utilization
-                                                                      * device_gib * 2**30)
+    if cuda and device_gib:
+        weights.update(registry.get("rollout", cfg.rollout.name).reserved(cfg.rollout, device_gib))
     master = path == "bf16-deepspeed"  # fp32 master copy + two fp32 moments per parameter
     label = ("optimizer state (fp32 master + AdamW)" if master else
              "optimizer state (AdamW: 2 x trainable, fp32)" if path == "bf16-autocast" else

@@ -106,14 +106,16 @@ def candidates(cfg, world: int) -> list[tuple[str, str, object, int]]:
                 out.append((axis, f"{axis}={name}", nested(cfg, axis, option(axis, name)), world))
     if not cfg.model.lora.enabled and importlib.util.find_spec("peft") is not None:  # planned with peft's adapters
         out.append(("lora", "model.lora.enabled=true", nested(cfg, "model.lora.enabled", True), world))
-    if precision.resolved(cfg) == "fp32" and cfg.model.dtype == "float32":
-        out.append(("precision", "train.precision=bf16", nested(cfg, "train.precision", "bf16"), world))
+    if not precision.reduced(cfg) and cfg.model.dtype == "float32":
+        for name in (n for n in registry.REGISTRY["precision"] if registry.get("precision", n).reduced):
+            out.append(("precision", f"train.precision={name}", nested(cfg, "train.precision", name), world))
     out += sharded(cfg, world)
+    packs = registry.get("batching", cfg.batching.name).packs
     for div in (2, 4):  # fewer positions per forward: a smaller micro-batch, or a smaller token budget
         mb, budget = cfg.train.micro_batch // div, cfg.batching.max_tokens // div
-        if mb >= 1 and cfg.batching.name == "padded":
+        if mb >= 1 and not packs:
             out.append(("micro", f"train.micro_batch={mb}", nested(cfg, "train.micro_batch", mb), world))
-        elif cfg.batching.name != "padded":
+        elif packs:
             out.append(("micro", f"batching.max_tokens={budget}", nested(cfg, "batching.max_tokens", budget), world))
     return [c for c in out if not refused(c)]
 

@@ -249,5 +249,10 @@ class HFRollout:
         pass
 
 
+def reserved(cfg, device_gib: float) -> dict[str, int]:
+    """Nothing besides the policy: it samples from the trainer's own copy."""
+    return {}
+
+
 def build(cfg, model, tokenizer, device) -> HFRollout:
     return HFRollout(cfg, tokenizer, device)

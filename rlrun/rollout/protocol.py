@@ -23,3 +23,7 @@ class RolloutModule(Protocol):
     """What `registry.get("rollout", name)` is: a module whose `build` returns a `Sampler`."""
 
     def build(self, cfg, model, tokenizer, device) -> Sampler: ...
+
+    def reserved(self, cfg, device_gib: float) -> dict[str, int]:
+        """What the sampler takes of a CUDA device of `device_gib` GiB besides the policy ({part: bytes}; the
+        planner)."""

@@ -19,6 +19,11 @@ PROBE_SAMPLER = "hf"
 SOURCE = "rlrun.recipes.sources:Replay"
 
 
+def reserved(cfg, device_gib: float) -> dict[str, int]:
+    """Nothing: a replay samples nothing."""
+    return {}
+
+
 def build(cfg, model, tokenizer, device) -> NoReturn:
     """Never called: a replay samples nothing (Replay.generates_here is False, so setup builds no sampler)."""
     raise RecordError("rollout=replay reads its rollouts from rollout.path and has no sampler to build")

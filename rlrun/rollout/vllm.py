@@ -105,5 +105,10 @@ class VLLMRollout:
         shutil.rmtree(getattr(self, "folder", ""), ignore_errors=True)
 
 
+def reserved(cfg, device_gib: float) -> dict[str, int]:
+    """vLLM takes gpu_memory_utilization of the device up front (its weights, cache and graphs live in it)."""
+    return {"vLLM engine (gpu_memory_utilization x device)": int(cfg.gpu_memory_utilization * device_gib * 2**30)}
+
+
 def build(cfg, model, tokenizer, device) -> VLLMRollout:
     return VLLMRollout(cfg, model, tokenizer, device)

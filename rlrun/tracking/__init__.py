@@ -62,7 +62,13 @@ __all__ = ["EXPERIMENT_KIND", "MLflow", "Null", "SWEEP_KEYS_ENV", "SYSTEM_PREFIX
            "UI_PORT", "absolute_uri", "check_uri", "checkpoint_dir_of", "connect", "describe_run", "experiment_id",
            "flatten", "git_commit", "headline", "is_run_id", "job_overrides", "log_figures", "log_metrics",
            "log_params", "mark", "mark_experiment_kind", "metric_key", "open_client", "output_dir", "record_failure",
-           "short_name", "standard_tags", "start", "store_lock", "ui", "unusable"]
+           "short_name", "standard_tags", "start", "store_lock", "stores", "ui", "unusable"]
+
+
+def stores(cfg) -> bool:
+    """Whether `tracking=cfg.name` keeps runs in a store (its object's `stores`: a sweep's parent run, resume by run
+    id, a failed run's record)."""
+    return bool(registry.get("tracking", cfg.name).stores)
 
 
 def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | None = None,

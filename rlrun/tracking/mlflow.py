@@ -28,6 +28,8 @@ class MLflow:
     """The `Tracker` of tracking=mlflow: a new run, or the run `resume_run_id` continued (after sending what the
     interrupted process kept in `previous_spill`); `config` is the resolved config, logged as params."""
 
+    stores = True
+
     def __init__(self, cfg, config: dict, run_name: str | None, resume_run_id: str | None = None,
                  previous_spill: str | None = None):
         self.client, exp_id = connect(cfg.uri, cfg.experiment)

@@ -245,7 +245,9 @@ def mark(uri: str, run_id: str, status: str) -> None:
 
 def checkpoint_dir_of(cfg, run_id: str) -> str:
     """`checkpoint.dir` of an MLflow run, for `resume=<run id>`."""
-    if cfg.name != "mlflow":
+    from .. import registry
+
+    if not registry.get("tracking", cfg.name).stores:
         raise TrackingError(f"resume={run_id} looks up an MLflow run, but tracking=none; set tracking=mlflow and "
                             "tracking.uri to the store the run was logged to, or resume=CHECKPOINT_FOLDER.")
     try:
