@@ -31,6 +31,15 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
                                                      // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
+# RLRUN_TOY_OPTIONS=1: a toy option of every efficiency axis registered for the session (tests/toys.py), before
+# helpers.py lists the options its parametrized tests run; make_cfg composes with their YAMLs on the search path
+TOY_CONF = None
+if os.environ.get("RLRUN_TOY_OPTIONS"):
+    import toys
+
+    toys.register()
+    TOY_CONF = toys.session_folder()
+
 import helpers  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -126,6 +135,8 @@ def make_cfg(*overrides: str, tmp_path=None):
         extra.append(f"tracking.uri=sqlite:///{tmp_path}/mlflow.db")
     else:
         extra.append("tracking=none")
+    if TOY_CONF is not None:
+        extra.append(f"hydra.searchpath=[file://{TOY_CONF}]")
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         return compose("config", overrides=[*extra, *overrides])
 

@@ -15,6 +15,19 @@ from rlrun import registry
 
 TINY_YAML = Path(__file__).resolve().parent.parent / "conf" / "model" / "tiny.yaml"
 # The options tests parametrize over, from the registry (the one list of option names), the baseline first.
+def shipped(group: str) -> list[str]:
+    """The options of `group` the package ships (conf/ and the schema), not those registered from outside
+    (registry.register with a config dataclass: a plugin, RLRUN_TOY_OPTIONS=1)."""
+    return [n for n in registry.REGISTRY[group] if n not in registry.CONFIGS.get(group, {})]
+
+
+def pairs_bound(domains) -> int:
+    """The most rows an all-pairs covering array of these axes' option counts may take here: the product of the two
+    largest (the least any such array needs) plus one row per option of each (the greedy construction's slack)."""
+    a, b = sorted(domains, reverse=True)[:2]
+    return a * b + a + b
+
+
 HEADS = list(registry.REGISTRY["head"])
 HEAD_ALTERNATIVES = HEADS[1:]  # the heads compared with dense
 LAYOUTS = list(registry.REGISTRY["batching"])[1:]  # the batching options compared with padded

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import ast
 import sys
-import types
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import pytest
 import torch
@@ -102,51 +99,18 @@ def test_resolve_gives_every_axis_its_object(cfg_factory):
 
 # -- a new option in one place ------------------------------------------------------------------------------------
 
-def toy_head() -> types.ModuleType:
-    """A head module of this test only: dense's arithmetic under another name, with its own facts."""
-    from rlrun.heads import dense
-
-    toy = types.ModuleType("toy_head")
-    toy.logprobs, toy.loss = dense.logprobs, dense.loss
-    toy.EXACTNESS, toy.PHASES, toy.TILED, toy.SWEEPS_SEQUENCE_LEVEL = "fp_tolerance", dense.PHASES, False, False
-
-    def memory(size, tokens, vocab, *, grad, trainable, entropy_grad=False, top_p=1.0, top_k=0):
-        return {f"toy logits ({tokens} tokens)": 3 * tokens * vocab * 4}
-
-    toy.memory, toy.freed_before_weight_grad = memory, dense.freed_before_weight_grad
-    return toy
-
-
-@dataclass
-class ToyHeadConfig:
-    name: Literal["toy"]
-    size: int | None
-
-
-@dataclass
-class ToyLayoutConfig:
-    name: Literal["toy_layout"]
-    max_tokens: int
-
-
 @pytest.fixture
 def toys(tmp_path):
-    """head=toy and batching=toy_layout registered, their YAMLs in a config folder of this test on Hydra's search
-    path; unregistered after."""
-    from rlrun.batching.layouts import Packed
+    """head=toy and batching=toy_layout (tests/toys.py) registered, their YAMLs in a config folder of this test on
+    Hydra's search path; unregistered after (unless the session registered them: RLRUN_TOY_OPTIONS=1)."""
+    import toys as toy_options
 
-    class ToyLayout(Packed):  # packed's passes under another name
-        exactness = "fp_tolerance"
-
-    for group, name, text in (("head", "toy", "name: toy\nsize: null\n"),
-                              ("batching", "toy_layout", "name: toy_layout\nmax_tokens: 4096\n")):
-        (tmp_path / group).mkdir()
-        (tmp_path / group / f"{name}.yaml").write_text(text)
-    registry.register("head", "toy", toy_head(), ToyHeadConfig)
-    registry.register("batching", "toy_layout", ToyLayout, ToyLayoutConfig)
+    groups = ("head", "batching")
+    toy_options.write_yaml(tmp_path, groups)
+    mine = [g for g in groups if toy_options.TOYS[g][0] not in registry.REGISTRY[g]]
+    toy_options.register(mine)
     yield tmp_path
-    registry.unregister("head", "toy")
-    registry.unregister("batching", "toy_layout")
+    toy_options.unregister(mine)
 
 
 def compose_with(folder, *overrides):
@@ -163,7 +127,7 @@ def test_a_toy_head_and_layout_are_validated_planned_and_grouped_with_their_base
     with pytest.raises(Exception, match=r"head.name='toyy' is not supported; supported: \[.*'toy'"):
         validate(compose_with(toys, "experiment=smoke", "head.name=toyy"))
     planned = plan.predict(cfg, *plan.inputs(cfg))
-    assert any(k.startswith("toy logits") for k in planned.phases["train"].parts)  # its own memory term
+    assert any(k.startswith("toy ") for k in planned.phases["train"].parts)  # its own memory term
     assert any(k.startswith("attention mask") for k in planned.phases["train"].parts)  # packed's layout term
     a = axes.resolve(cfg)
     assert a.head.name == "toy_head" and a.layout.exchanges

@@ -694,7 +694,8 @@ def test_the_plan_keeps_this_machine_and_the_cuda_verdict_apart_and_names_the_he
     assert "dense logits" in lines[cut]
     offered = {line.split()[0]: float(line.split()[3].replace(",", "")) for line in lines[cut + 1:cut + 4]
                if line.startswith("  head=")}
-    assert set(offered) == {f"head={h}" for h in registry.REGISTRY["head"] if h != "dense"}  # from the registry
+    # from the registry: every head that holds a tile, not the [tokens, vocab] logits (TILED)
+    assert set(offered) == {f"head={h}" for h in registry.REGISTRY["head"] if registry.get("head", h).TILED}
     train = float(next(line.split()[1] for line in lines if line.startswith("train ")))
     assert all(v <= 0.25 * train for v in offered.values()), (offered, train)
     cuda = next(i for i, line in enumerate(lines) if line.startswith("on a CUDA device of 80 GiB (plan.device_gib)"))

@@ -82,11 +82,25 @@ def activation_lines(plan: pr.Plan) -> list[str]:
 
 
 # -- switches that would make a run fit ---------------------------------------------------------------------------
+def yaml_of(group: str, name: str) -> Path | None:
+    """The YAML of `group=name`: in conf/, or (an option registered from outside, registry.register) in a folder of
+    the run's Hydra search path; None where neither has it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    folders = [CONF]
+    if HydraConfig.initialized():
+        folders += [Path(s.path) for s in HydraConfig.get().runtime.config_sources if s.schema == "file"]
+    return next((f / group / f"{name}.yaml" for f in folders if (f / group / f"{name}.yaml").exists()), None)
+
+
 def option(group: str, name: str, **changes):
     """The option `group=name` as shipped (its YAML), with `changes`."""
     from omegaconf import OmegaConf
 
-    shipped = cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml")))  # a mapping
+    path = yaml_of(group, name)
+    if path is None:
+        raise FileNotFoundError(f"{group}={name}: no {group}/{name}.yaml in conf/ or on hydra.searchpath")
+    shipped = cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.load(path)))  # a mapping
     data = {**shipped, **changes}
     return {**OPTIONS[group], **registry.CONFIGS.get(group, {})}[name](**data)  # registered later too
 
@@ -102,7 +116,8 @@ def candidates(cfg, world: int) -> list[tuple[str, str, object, int]]:
     out = []
     for axis in SWITCHED:  # every registered option but this run's and the axis's baseline (which saves nothing)
         for name in registry.REGISTRY[axis]:
-            if name != getattr(cfg, axis).name and axes.exactness(axis, name) != "baseline":
+            if (name != getattr(cfg, axis).name and axes.exactness(axis, name) != "baseline"
+                    and yaml_of(axis, name) is not None):  # a plugin's option without its YAML here: not offered
                 out.append((axis, f"{axis}={name}", nested(cfg, axis, option(axis, name)), world))
     if not cfg.model.lora.enabled and importlib.util.find_spec("peft") is not None:  # planned with peft's adapters
         out.append(("lora", "model.lora.enabled=true", nested(cfg, "model.lora.enabled", True), world))
@@ -231,8 +246,10 @@ def head_lines(cfg, base: Base, cpu: pr.Plan, world: int) -> list[str]:
     now = cpu.phases[name].growth
     found = []
     for head in registry.REGISTRY["head"]:
+        if head == cfg.head.name or yaml_of("head", head) is None:
+            continue
         candidate = ("head", f"head={head}", nested(cfg, "head", option("head", head)), world)
-        if head == cfg.head.name or refused(candidate):
+        if refused(candidate):
             continue
         variant = candidate[2]
         size = pr.resolve_size(variant, base.shapes, base.tokens, "cpu", world)
