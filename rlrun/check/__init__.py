@@ -141,10 +141,11 @@ def plan_probe(ctx: Context) -> Row:
     # accumulating: the probe's micro-batches twice in one step, so its peak is where a run's is
     micros = ctx.micros * 2 if accumulates else ctx.micros
     cpu = ctx.meter.device.type == "cpu"
-    grown, tensors = [], watch.LiveTensors(ignore=[*ctx.trainer.parameters(), *ctx.trainer.buffers()])
+    grown = []  # on CPU the last step's live tensors are counted too (RSS counts the allocator's heap)
+    tensors = watch.LiveTensors(ignore=[*ctx.trainer.parameters(), *ctx.trainer.buffers()]) if cpu else None
     for i in range(PLAN_STEPS):  # the median step, as bench plan measures (CPU RSS: one step can catch another's)
         ctx.meter.new_step()
-        counting = tensors if cpu and i == PLAN_STEPS - 1 else contextlib.nullcontext()
+        counting = tensors if tensors is not None and i == PLAN_STEPS - 1 else contextlib.nullcontext()
         with ctx.meter.phase("train"), counting:
             probes.train_step(ctx.trainer, micros, ctx.axes, ctx.meter)
         grown.append(ctx.meter.growth["train"])
@@ -155,6 +156,7 @@ def plan_probe(ctx: Context) -> Row:
         return Row("memory plan", "train growth within 15% or 32 MiB of the plan", f"plan {want:.1f}, measured "
                    f"{got:.1f} MiB", plan.within(want, got), source, blocks=False)
     heap = train.parts.get(plan.HEAP, 0) / MIB
+    assert tensors is not None  # built on CPU, the only place this row reads it
     live = tensors.peak / MIB
     return Row("memory plan", "the train step's tensors within 15% or 32 MiB of the plan's",
                f"plan {want - heap:.1f}, live tensors {live:.1f} MiB; RSS {got:.1f} against the plan's "

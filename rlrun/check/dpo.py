@@ -20,6 +20,7 @@ from ..meters import Meter
 from ..recipes import dpo
 from . import probes, steps
 from .probes import BF16_TOL, FP_TOL, RANKS_SOURCE, RATIO_TOL, Row, grad_diff, grads_of, guarded, logprob_tol
+from .rows import rel_scalar
 
 PROBE_PAIRS = 8  # pairs of the probe batch at most: seconds on the embedded default
 NOT_DRAWN = "n/a: DPO draws nothing (its pairs are data)"
@@ -138,7 +139,7 @@ def against_baseline(ctx, known, exactness: set) -> Row:
     if "objective" in exactness:
         return Row("vs baseline", "n/a: an option changes the objective", "-", None, "")
     tol = BF16_TOL if "approximate" in exactness else FP_TOL
-    d_loss = abs(got_loss - want_loss) / max(abs(want_loss), 1e-12)
+    d_loss = rel_scalar(got_loss, want_loss)
     d_grad = grad_diff(got, want)
     return Row("vs baseline", f"loss and gradients within {tol:.0e} ({', '.join(sorted(exactness))})",
                f"loss {d_loss:.1e}, gradients {d_grad:.1e}", max(d_loss, d_grad) <= tol,

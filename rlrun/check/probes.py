@@ -18,7 +18,7 @@ from .. import models, precision
 from ..recipes import grpo
 from ..rollout import Rollout
 from .float64 import ROUNDING_SLACK, arbitrated, in_float64
-from .rows import Row, approximate, grad_diff, grads_of, guarded, max_abs, rel  # noqa: F401 - the probes' names
+from .rows import Row, approximate, grad_diff, grads_of, guarded, max_abs, rel, rel_scalar  # noqa: F401 - the probes' names
 from .watch import HeadProducts
 
 RATIO_TOL = 1e-5  # |ratio - 1| on-policy, and a logprob computed two ways, in fp32
@@ -295,7 +295,7 @@ def against_baseline(ctx) -> Row:
     if "objective" in ctx.exactness:
         return Row("vs baseline", "n/a: an option changes the objective", "-", None, "")
     source = "every exact option: its equivalence tests, here on your configuration"
-    d_loss = abs(got_loss - want_loss) / max(abs(want_loss), 1e-12)
+    d_loss = rel_scalar(got_loss, want_loss)
     d_grad = grad_diff(got, want)
     measured = f"loss {d_loss:.1e}, gradients {d_grad:.1e}"
     if "approximate" in ctx.exactness:
@@ -304,8 +304,8 @@ def against_baseline(ctx) -> Row:
     if max(d_loss, d_grad) <= FP_TOL:
         return Row("vs baseline", expects, measured, True, source)
     exact_loss, exact = float64_step(ctx, old)
-    base_err = max(abs(want_loss - exact_loss) / max(abs(exact_loss), 1e-12), grad_diff(want, exact))
-    opt_err = max(abs(got_loss - exact_loss) / max(abs(exact_loss), 1e-12), grad_diff(got, exact))
+    base_err = max(rel_scalar(want_loss, exact_loss), grad_diff(want, exact))
+    opt_err = max(rel_scalar(got_loss, exact_loss), grad_diff(got, exact))
     bound = max(FP_TOL, ROUNDING_SLACK * base_err)
     return Row("vs baseline", expects, f"{measured}; vs fp64: option {opt_err:.1e}, baseline {base_err:.1e}",
                opt_err <= bound, source)
@@ -327,8 +327,8 @@ def approximate_vs_baseline(ctx, old, got_loss: float, got: dict, d_loss: float,
     ctx.axes.precision.apply(rounded, "trainer")
     own_loss, _, own = train_step(rounded, ctx.micros,
                                   dataclasses.replace(ctx.base_axes, precision=ctx.axes.precision), ctx.meter, old)
-    off = max(abs(got_loss - exact_loss) / max(abs(exact_loss), 1e-12), grad_diff(got, exact))
-    base = max(abs(own_loss - exact_loss) / max(abs(exact_loss), 1e-12), grad_diff(own, exact))
+    off = max(rel_scalar(got_loss, exact_loss), grad_diff(got, exact))
+    base = max(rel_scalar(own_loss, exact_loss), grad_diff(own, exact))
     return Row("vs baseline", expects, f"{measured}; vs fp64: option {off:.1e}, baseline in bf16 {base:.1e}",
                off <= max(BF16_TOL, ROUNDING_SLACK * base), source)
 

@@ -35,6 +35,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
 
 
+def rel_scalar(got: float, want: float) -> float:
+    """|got - want| relative to |want| (a loss)."""
+    return abs(got - want) / max(abs(want), 1e-12)
+
+
 def grads_of(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
