@@ -2,9 +2,9 @@
 
 What is true of an option is said on its object, once: `exactness` (one of EXACTNESS, relative to its axis's
 baseline), `phases` (the phases of a step it changes: what a sweep should time it by), and its memory term, which
-rlrun/plan/ asks for instead of naming the option. The recipes, the runner and the planner read these objects and
-never compare an option's name (tests/test_axes.py checks the source). A new option is its module plus its YAML
-(docs/adding-an-option.md).
+rlrun/plan/ asks for instead of naming the option. No module of rlrun/ but config/ (validation) and tools/
+(benchmarks) compares an option's name: each reads these objects (tests/test_axes.py checks the source). A new
+option is its module plus its YAML (docs/adding-an-option.md).
 
     axis            config key            object (registry group)
     head            head                  the head module, bound to its size and temperature (heads.Bound)
@@ -48,8 +48,8 @@ SAME = ("bitwise", "fp_tolerance")  # the exactness of an option that trains its
 
 @dataclass(frozen=True)
 class Axes:
-    """Each field typed by its axis's contract (registry.PROTOCOLS), so a checker holds the recipes to it, not to
-    the baseline's class."""
+    """The option fields typed by their axis's contract (registry.PROTOCOLS), so a checker holds the recipes to it,
+    not to the baseline's class; the head is bound (heads.Bound) and the objective is GRPO's own object."""
 
     head: heads.Bound
     logprobs: LogprobPolicy

@@ -14,7 +14,8 @@ from pathlib import Path
 from rlrun import registry
 
 TINY_YAML = Path(__file__).resolve().parent.parent / "conf" / "model" / "tiny.yaml"
-# The options tests parametrize over, from the registry (the one list of option names), the baseline first.
+
+
 def shipped(group: str) -> list[str]:
     """The options of `group` the package ships (conf/ and the schema), not those registered from outside
     (registry.register with a config dataclass: a plugin, RLRUN_TOY_OPTIONS=1)."""
@@ -28,8 +29,14 @@ def pairs_bound(domains) -> int:
     return a * b + a + b
 
 
+# The options tests parametrize over, from the registry (the one list of option names), the baseline first.
 HEADS = list(registry.REGISTRY["head"])
 HEAD_ALTERNATIVES = HEADS[1:]  # the heads compared with dense
+
+
+def tiled_heads() -> list[str]:
+    """The heads that hold a tile, never [tokens, vocab] (their TILED fact; imports the heads, so torch)."""
+    return [h for h in HEADS if registry.get("head", h).TILED]
 LAYOUTS = list(registry.REGISTRY["batching"])[1:]  # the batching options compared with padded
 
 calls: Counter = Counter()  # completions scored so far by each counting reward, in this process

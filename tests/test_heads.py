@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import HEAD_ALTERNATIVES, HEADS
+from helpers import HEAD_ALTERNATIVES, HEADS, tiled_heads
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlrun import registry
@@ -222,7 +222,7 @@ def saved_bytes(fn):
     return sum(total), out
 
 
-@pytest.mark.parametrize("name", [h for h in HEAD_ALTERNATIVES if registry.get("head", h).TILED])
+@pytest.mark.parametrize("name", tiled_heads())
 def test_memory_is_one_tile_not_all_tokens(name):
     n, h, v, size = 512, 16, 2000, 64
     g = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_cfg, new_store
-from helpers import HEAD_ALTERNATIVES, HEADS, history, runs
+from helpers import HEAD_ALTERNATIVES, HEADS, history, runs, tiled_heads
 
 from rlrun import axes, models, plan, registry
 from rlrun.config import ConfigError, validate
@@ -288,7 +288,7 @@ def test_plan_predicts_what_runs_measure(point):
 
 
 @pytest.mark.slow  # four fresh processes importing torch
-@pytest.mark.parametrize("head", HEAD_ALTERNATIVES)
+@pytest.mark.parametrize("head", tiled_heads())
 def test_an_auto_tile_stays_within_its_budget_in_a_fresh_process(head):
     """head.size=auto within 24 MiB (vocab 32000, hidden 64, 512 tokens that accumulate): the first head call of a
     fresh process, its first-call buffers included, grows by no more than the budget, lm head trained or frozen."""
@@ -685,7 +685,6 @@ def test_a_step_of_one_forward_peaks_before_the_layers_gradients_exist():
 def test_the_plan_keeps_this_machine_and_the_cuda_verdict_apart_and_names_the_heads_that_cut_the_logits():
     """Dense logits at a 152k vocabulary are most of the train phase: every other head in the registry that the
     loss allows is planned and shown with what it leaves; the CPU plan comes first, the CUDA verdict on its own."""
-    from rlrun import registry
 
     text = plan.report(validate(make_cfg("model.vocab_size=151936", "train.micro_batch=128")))
     lines = text.splitlines()
@@ -695,7 +694,7 @@ def test_the_plan_keeps_this_machine_and_the_cuda_verdict_apart_and_names_the_he
     offered = {line.split()[0]: float(line.split()[3].replace(",", "")) for line in lines[cut + 1:cut + 4]
                if line.startswith("  head=")}
     # from the registry: every head that holds a tile, not the [tokens, vocab] logits (TILED)
-    assert set(offered) == {f"head={h}" for h in registry.REGISTRY["head"] if registry.get("head", h).TILED}
+    assert set(offered) == {f"head={h}" for h in tiled_heads()}
     train = float(next(line.split()[1] for line in lines if line.startswith("train ")))
     assert all(v <= 0.25 * train for v in offered.values()), (offered, train)
     cuda = next(i for i, line in enumerate(lines) if line.startswith("on a CUDA device of 80 GiB (plan.device_gib)"))

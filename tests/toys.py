@@ -6,6 +6,8 @@ with them assumes the shipped options instead of asking what an option declares.
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,5 +78,7 @@ def unregister(groups=tuple(TOYS)) -> None:
 
 
 def session_folder() -> Path:
-    """A config folder of this process holding every toy's YAML (RLRUN_TOY_OPTIONS=1)."""
-    return write_yaml(Path(tempfile.mkdtemp(prefix="rlrun-toys-")))
+    """A config folder of this process holding every toy's YAML (RLRUN_TOY_OPTIONS=1), removed at its exit."""
+    folder = Path(tempfile.mkdtemp(prefix="rlrun-toys-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return write_yaml(folder)

@@ -141,7 +141,8 @@ def plan_probe(ctx: Context) -> Row:
     # accumulating: the probe's micro-batches twice in one step, so its peak is where a run's is
     micros = ctx.micros * 2 if accumulates else ctx.micros
     cpu = ctx.meter.device.type == "cpu"
-    grown = []  # on CPU the last step's live tensors are counted too (RSS counts the allocator's heap)
+    grown = []
+    # on CPU the last step's live tensors are counted too (RSS counts the allocator's heap besides)
     tensors = watch.LiveTensors(ignore=[*ctx.trainer.parameters(), *ctx.trainer.buffers()]) if cpu else None
     for i in range(PLAN_STEPS):  # the median step, as bench plan measures (CPU RSS: one step can catch another's)
         ctx.meter.new_step()

@@ -1,6 +1,8 @@
 """Rollout engines. Each module has `build(cfg, model, tokenizer, device)` returning an object with
 `generate(model, prompts, seeds) -> Rollout` (one sampling seed per prompt) and `sync(model)`, which copies the
-current weights into the engine (`needs_sync` False: the engine samples from `model` itself, nothing to copy)."""
+current weights into the engine (`needs_sync` False: the engine samples from `model` itself, nothing to copy), and
+`reserved(cfg, device_gib)`, what it takes of a CUDA device besides the policy (the planner). The contract:
+rollout/protocol.py."""
 
 from __future__ import annotations
 

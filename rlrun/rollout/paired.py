@@ -64,7 +64,7 @@ def problems(configs: list[DictConfig], names: list[str], sweep_dir: str) -> lis
         elif r.get("record"):
             out.append(f"job {name}: rollout.record={r.record} and report.replay both choose where the rollouts are "
                        "recorded; drop rollout.record (the sweep records to hydra.sweep.dir/record)")
-        elif r.pipeline != registry.baseline("pipeline"):  # sync
+        elif registry.get("pipeline", r.pipeline).exactness != "baseline":  # only sync replays in step
             out.append(f"job {name}: rollout.pipeline={r.pipeline}: a paired sweep replays in step (sync), so an "
                        "async job would be compared with sync ones; set rollout.pipeline=sync or drop report.replay")
     if out:

@@ -66,9 +66,11 @@ __all__ = ["EXPERIMENT_KIND", "MLflow", "Null", "SWEEP_KEYS_ENV", "SYSTEM_PREFIX
 
 
 def stores(cfg) -> bool:
-    """Whether `tracking=cfg.name` keeps runs in a store (its object's `stores`: a sweep's parent run, resume by run
-    id, a failed run's record)."""
-    return bool(registry.get("tracking", cfg.name).stores)
+    """Whether `tracking=cfg.name` keeps runs in the MLflow store at tracking.uri (its object's `stores`: a sweep's
+    parent run, resume by run id, a failed run's record). False for a name the registry lacks: validation, not this
+    question, says what is wrong with it."""
+    found = registry.REGISTRY.get("tracking", {}).get(str(getattr(cfg, "name", "")))
+    return found is not None and bool(getattr(registry.load(found), "stores", False))
 
 
 def start(cfg, config_obj, run_name: str | None = None, resume_run_id: str | None = None,

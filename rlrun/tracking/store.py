@@ -248,8 +248,9 @@ def checkpoint_dir_of(cfg, run_id: str) -> str:
     from .. import registry
 
     if not registry.get("tracking", cfg.name).stores:
-        raise TrackingError(f"resume={run_id} looks up an MLflow run, but tracking=none; set tracking=mlflow and "
-                            "tracking.uri to the store the run was logged to, or resume=CHECKPOINT_FOLDER.")
+        raise TrackingError(f"resume={run_id} looks up an MLflow run, but tracking={cfg.name} keeps none; set "
+                            "tracking=mlflow and tracking.uri to the store the run was logged to, or "
+                            "resume=CHECKPOINT_FOLDER.")
     try:
         params = open_client(cfg.uri).get_run(run_id).data.params
     except Exception as e:  # noqa: BLE001 - not found, or the store is unreachable: one message either way

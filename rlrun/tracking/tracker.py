@@ -11,7 +11,7 @@ class Tracker(Protocol):
     `Factory(cfg, config, run_name, resume_run_id, previous_spill)` (the registry's `tracking` entry)."""
 
     run_id: str | None  # the store's id of the run; None where nothing is stored
-    stores: bool  # the option keeps runs in a store (tracking.uri): sweeps get a parent run, resume=<run id> works
+    stores: bool  # keeps runs in the MLflow store at tracking.uri: sweeps get a parent run, resume=<run id> works
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """The metrics of one step (the code's names: `loss`, `time/step_s`, `eval/accuracy`)."""
