@@ -104,3 +104,13 @@ def test_buckets_are_powers_of_two_and_the_option_is_found_from_the_config(cfg_f
     assert decoding.of(validate(cfg_factory()).rollout) is decoding.Eager
     assert decoding.of(SimpleNamespace(name="vllm")) is decoding.Eager  # rollout=vllm has no decode key
     assert decoding.Compiled.exactness == "fp_tolerance" and decoding.Eager.exactness == "baseline"
+
+
+def test_whether_a_model_decodes_with_a_static_cache_is_asked_once(monkeypatch):
+    # static_ok builds a small StaticCache to ask its layers' types: once per model, not once per rollout
+    from transformers import StaticCache
+
+    model, _ = tiny("llama", False)
+    built, init = [], StaticCache.__init__
+    monkeypatch.setattr(StaticCache, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k))
+    assert all(decoding.static_ok(model) for _ in range(3)) and len(built) == 1

@@ -86,14 +86,19 @@ def _step(lm, device_type: str):
     return _STEPS[device_type]
 
 
+_STATIC_OK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> static_ok's answer
+
+
 def static_ok(lm) -> bool:
     """Whether every layer's cache is a plain static one (no sliding window, no linear attention): the layouts
-    `_static_cache` copies."""
+    `_static_cache` copies. Asked once per model (a small StaticCache is built to ask its layers' types)."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
-    cache = StaticCache(config=lm.config.get_text_config(decoder=True), max_cache_len=1)
-    return all(type(layer) is StaticLayer for layer in cache.layers)
+    if lm not in _STATIC_OK:
+        cache = StaticCache(config=lm.config.get_text_config(decoder=True), max_cache_len=1)
+        _STATIC_OK[lm] = all(type(layer) is StaticLayer for layer in cache.layers)
+    return _STATIC_OK[lm]
 
 
 def _static_cache(lm, rows: int, length: int, like):
