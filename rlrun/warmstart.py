@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from . import nofollow, registry
-from .config.warm_start import DEFAULTS, applies, options  # noqa: F401 - config-level: a record fixes them
+from . import nofollow
+from .config.warm_start import DEFAULTS, applies, on_embedded_task, options  # noqa: F401 - config-level: a record fixes them
 from .errors import LinkError
 
 log = logging.getLogger("rlrun")
@@ -192,7 +192,7 @@ def warm_start(model, tokenizer, rows: list[dict], cfg, seed: int, cache: bool =
 def notice(cfg, rows: int) -> str | None:
     """What a warm start on the user's data does, said when it runs (None on the embedded task, where it is the
     default)."""
-    if cfg.task.name == registry.baseline("task"):  # the embedded task
+    if on_embedded_task(cfg):
         return None
     w = cfg.warm_start
     return (f"warm start: {w.steps} supervised steps on {rows} training rows, prompt -> answer (DPO: the chosen "

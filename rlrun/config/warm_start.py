@@ -16,8 +16,13 @@ def options(cfg) -> dict:
     return out
 
 
+def on_embedded_task(cfg) -> bool:
+    """Whether the run trains on the task built in code (task=arith), not on the user's data."""
+    return cfg.task.name == "arith"
+
+
 def applies(cfg) -> bool:
     """warm_start.enabled: true, or auto for the embedded random-init model on its own synthetic task (task=arith,
     whose answers the warm start's off-by-one labels are made for); never on the user's data unless asked."""
     enabled = cfg.warm_start.enabled
-    return enabled is True or (enabled == "auto" and cfg.model.name == "tiny" and cfg.task.name == "arith")
+    return enabled is True or (enabled == "auto" and cfg.model.name == "tiny" and on_embedded_task(cfg))
