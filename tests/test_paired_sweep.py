@@ -85,7 +85,8 @@ def test_a_paired_sweep_whose_recording_job_fails_counts_and_records_every_job(t
     _, all_runs = runs(tmp_path / "mlflow.db")
     children = [x for x in all_runs if x.data.tags.get("rlrun.kind") != "sweep"]
     assert sorted(x.info.status for x in children) == ["FAILED", "FAILED"]
-    assert any(x.data.tags.get("error", "").startswith("TaskError") for x in children)
+    errors = [x.data.tags.get("error", "") for x in children]
+    assert any(e.startswith("TaskError") for e in errors), errors
 
 
 @pytest.mark.slow  # composes every job of the sweep in a new process (~5 s)
