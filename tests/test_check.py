@@ -241,6 +241,24 @@ def test_on_cpu_the_memory_plan_probe_judges_the_plans_tensors_and_a_missing_ter
     assert row.ok is False and "live tensors" in row.measured, row
 
 
+@pytest.mark.slow  # two checks' memory probes at vocabulary 32000 (~30 s)
+def test_a_tied_embedding_trained_in_full_is_planned_at_the_end_of_backward(monkeypatch):
+    """A full fine-tune whose lm head is its input embedding: the lm head's gradient waits in autograd's buffer for
+    the embedding's, and the two are summed into a third, three [vocab, hidden] tensors beside the gradients once
+    the activations are gone (terms.end_of_backward). Planned so, the probe's live tensors meet it (286.2 against
+    286.3 MiB when measured); without the term the plan was 185 and the probe fails."""
+    from rlrun.plan import terms
+
+    tied = ("model.tie_embeddings=true", "model.vocab_size=32000", "model.hidden_size=512",
+            "model.intermediate_size=1376", "model.heads=8", "model.kv_heads=8")
+    ctx = check.build(validate(make_cfg(*tied)))
+    row = check.plan_probe(ctx)
+    assert row.ok is True and "live tensors" in row.measured, row
+    monkeypatch.setattr(terms, "end_of_backward", lambda s, forwards: 0)
+    row = check.plan_probe(ctx)
+    assert row.ok is False and "live tensors" in row.measured, row
+
+
 @pytest.mark.slow  # builds the configuration and draws a probe rollout
 def test_the_memory_plan_probe_measures_a_step_that_accumulates_as_the_run_does(monkeypatch):
     """Where the configuration's micro-batches accumulate, the probe's measured step does too (its peak, as a run's,

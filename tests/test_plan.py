@@ -712,3 +712,22 @@ def test_rollout_decode_compiled_plans_the_smaller_bucket_held_beside_the_static
     extra = {k: v for k, v in gen.items() if k not in base}
     assert list(extra.values()) == [base["KV cache"] // 2] and "static KV cache" in next(iter(extra))
     assert {k: v for k, v in gen.items() if k in base} == base
+
+
+@pytest.mark.parametrize("tie,frozen,copies", [(True, False, (2, 3)), (False, False, (0, 1)), (True, True, (0, 0))])
+def test_the_end_of_backward_holds_the_embeddings_gradients_as_it_is_tied_trained_or_frozen(tie, frozen, copies):
+    """terms.end_of_backward: a trained embedding tied to the lm head leaves three [vocab, hidden] gradients beside
+    .grad at the end of a backward after the step's first (two in its only one, whose sum becomes .grad); its own
+    weight, one (none in the only one); frozen (LoRA), none."""
+    from helpers import tiny_model
+
+    from rlrun.plan import shapes, terms
+
+    model, _ = tiny_model(tie_embeddings=tie, vocab_size=256)
+    if frozen:
+        model.get_input_embeddings().weight.requires_grad_(False)
+    s = shapes.shapes_of(model, "float32")
+    assert s.embedding == ("frozen" if frozen else "tied" if tie else "trained")
+    per = s.vocab * s.hidden * 4
+    got = (terms.end_of_backward(s, forwards=1), terms.end_of_backward(s, forwards=2))
+    assert got == tuple(c * per for c in copies)

@@ -131,6 +131,9 @@ def train_parts(cfg, s, layer_tokens: int, tokens: int, size, *, world: int, dev
         head_grad = s.vocab * s.hidden * s.param_bytes if s.head_trainable else 0
         rest = sum(v for k, v in parts.items() if k != "gradients")
         parts["gradients"] = max(min(parts["gradients"], head_grad), parts["gradients"] - rest)
+    end = terms.end_of_backward(s, forwards)
+    if end and parts["gradients"] + end > sum(parts.values()):  # the activations are gone by then
+        parts = {"gradients": parts["gradients"], terms.END_OF_BACKWARD: end}
     # the blocks the forward before the peak's left; a step of one forward reuses the last step's heap
     if device_type == "cpu" and forwards > 1:
         parts[HEAP] = terms.heap_slack(

@@ -23,6 +23,7 @@ class Shapes:
     param_bytes: int  # bytes per weight as it lives on the device
     layer_matrices: int = 0  # trainable 2-D weights of the decoder layers (bf16 autocast caches a copy of each)
     layer_weights: int = 0  # every 2-D weight of the decoder layers, frozen ones too (autocast casts each per call)
+    embedding: str = "frozen"  # the input embedding: "frozen", "trained" (its own) or "tied" (the lm head's, trained)
 
 
 def weight_dtype(cfg) -> str:
@@ -41,12 +42,14 @@ def shapes_of(model, dtype: str) -> Shapes:
     params = list(model.parameters())  # whole: the runner plans before the engine partitions them (ZeRO-3)
     vocab, hidden = weight.shape
     matrices = [p for p in activations.decoder_layers(model).parameters() if p.dim() == 2]
+    embedded = lm.get_input_embeddings().weight
+    embedding = "frozen" if not embedded.requires_grad else "tied" if embedded is weight else "trained"
     return Shapes(vocab=vocab, hidden=hidden, intermediate=getattr(c, "intermediate_size", 0)
                   or 4 * c.hidden_size, layers=c.num_hidden_layers, kv_dim=kv * head_dim,
                   params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
                   head_trainable=bool(weight.requires_grad), param_bytes=models.DTYPES[dtype].itemsize,
                   layer_matrices=sum(p.numel() for p in matrices if p.requires_grad),
-                  layer_weights=sum(p.numel() for p in matrices))
+                  layer_weights=sum(p.numel() for p in matrices), embedding=embedding)
 
 
 def meta_model(mcfg, seed: int):
