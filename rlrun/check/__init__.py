@@ -148,7 +148,7 @@ def plan_probe(ctx: Context) -> Row:
         ctx.meter.new_step()
         counting = tensors if tensors is not None and i == PLAN_STEPS - 1 else contextlib.nullcontext()
         with ctx.meter.phase("train"), counting:
-            probes.train_step(ctx.trainer, micros, ctx.axes, ctx.meter)
+            probes.train_step(ctx.trainer, micros, ctx.axes, ctx.meter, copy_grads=False)
         grown.append(ctx.meter.growth["train"])
     train = predicted.phases["train"]
     want, got = train.growth / MIB, statistics.median(grown) / MIB

@@ -66,10 +66,11 @@ def old_logprobs(model, micros, ax) -> list[torch.Tensor]:
         return ax.layout.logprobs(model, micros, ax.head)
 
 
-def train_step(model, micros, ax, meter, old=None, world: int = 1, gather=None):
+def train_step(model, micros, ax, meter, old=None, world: int = 1, gather=None, copy_grads: bool = True):
     """(loss, metric partials, gradients) of one optimizer step of `model` on copies of `micros` under axes `ax`;
     `old`: the old-policy logprobs the micro-batches carry (None: the pass skipped); `world`, `gather`: a rank's
-    share of a step over that many ranks (engine_of)."""
+    share of a step over that many ranks (engine_of); `copy_grads=False`: no copy of the gradients (None instead:
+    the memory plan probe counts the step's tensors, and a copy of every gradient is not the step's)."""
     from types import SimpleNamespace
 
     micros = [dataclasses.replace(m, old_logprobs=None if old is None else o.clone())
@@ -79,7 +80,7 @@ def train_step(model, micros, ax, meter, old=None, world: int = 1, gather=None):
     model.zero_grad(set_to_none=True)
     s = SimpleNamespace(engine=engine_of(model, next(model.parameters()).device, world, gather), meter=meter, axes=ax)
     loss, _, parts, _ = grpo.train_step(None, s, micros, 0)
-    return loss, parts, grads_of(model)
+    return loss, parts, grads_of(model) if copy_grads else None
 
 
 # -- the probes ---------------------------------------------------------------------------------------------------
