@@ -167,6 +167,8 @@ def _main(cfg: DictConfig):
 def sweep_job(cfg: DictConfig, run_name: str):
     """One job of a multirun: a failure is recorded (child run FAILED with its error) and the sweep goes on. With
     report.check_jobs (default), the job's configuration is checked first (`rlrun check`)."""
+    from . import tracking  # here, not at the top: the CLI validates a config without it
+
     try:
         if OmegaConf.select(cfg, "report.replay", default=False):  # a paired sweep: job 0 records, the rest replay
             from .rollout import paired
@@ -177,15 +179,11 @@ def sweep_job(cfg: DictConfig, run_name: str):
     except KeyboardInterrupt:
         # a SLURM job's signal is its own (requeued, preempted, cancelled), not the sweep's end: the parent goes on
         on_slurm = os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
-        from . import tracking
-
         if tracking.stores(cfg.tracking) and cfg.tracking.parent_run_id and not on_slurm:
             tracking.mark(cfg.tracking.uri, cfg.tracking.parent_run_id, "KILLED")
         raise
     except Exception as e:  # noqa: BLE001 - every failure of a job is reported by the sweep
         log.error("job %s failed: %s: %s", run_name, type(e).__name__, e)
-        from . import tracking
-
         if tracking.stores(cfg.tracking) and not getattr(e, "rlrun_run_id", None):
             # refused before its run existed (a config, a check, a replay's missing record): still list it, named,
             # so the sweep counts it; a store that cannot take even that is the sweep's to report (it counts jobs)

@@ -245,9 +245,9 @@ def mark(uri: str, run_id: str, status: str) -> None:
 
 def checkpoint_dir_of(cfg, run_id: str) -> str:
     """`checkpoint.dir` of an MLflow run, for `resume=<run id>`."""
-    from .. import registry
+    from . import stores  # the package's, defined after this module is imported
 
-    if not registry.get("tracking", cfg.name).stores:
+    if not stores(cfg):
         raise TrackingError(f"resume={run_id} looks up an MLflow run, but tracking={cfg.name} keeps none; set "
                             "tracking=mlflow and tracking.uri to the store the run was logged to, or "
                             "resume=CHECKPOINT_FOLDER.")
