@@ -69,6 +69,7 @@ class Precision(Protocol):
     phases: tuple[str, ...]
     path: str  # fp32 | bf16-autocast | bf16-deepspeed: the run tag rlrun.precision
     reduced: bool  # computes below fp32 (a bf16 path): DeepSpeed's bf16 mode, the divergence hint, the planner
+    dtype: str  # the torch dtype its passes compute in: a generator's copy elsewhere (vLLM's rollout.dtype) matches it
 
     @property
     def note(self) -> str | None: ...
@@ -82,6 +83,7 @@ class Fp32:
     exactness = "baseline"
     phases = PHASES
     reduced = False
+    dtype = "float32"
 
     def __init__(self, cfg):
         self.path = path(cfg)
@@ -106,6 +108,7 @@ class Bf16(Fp32):
 
     exactness = "approximate"
     reduced = True
+    dtype = "bfloat16"
 
 
 def option(cfg) -> Fp32:

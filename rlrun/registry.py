@@ -86,11 +86,18 @@ PROTOCOLS: dict[str, str] = {
 CONFIGS: dict[str, dict[str, type]] = {}
 
 
+# Group -> the options `register` added (from outside the package); the rest of REGISTRY is what rlrun ships.
+ADDED: dict[str, set[str]] = {}
+
+
 def register(group: str, name: str, target, config: type | None = None) -> None:
     """Add option `name` to `group`: `target` is its object (or an import string); `config`, the dataclass its
     config node is validated against (a config group's option: its `name: Literal[name]` and its keys), so that
-    `group=name` composes (with its YAML on Hydra's search path), validates, and is found by `get`."""
+    `group=name` composes (with its YAML on Hydra's search path), validates, and is found by `get`. An axis keyed
+    by a config key (precision, pipeline, decode: KEYED_BY) takes no config: `train.precision=name` validates once
+    `name` is registered."""
     REGISTRY.setdefault(group, {})[name] = target
+    ADDED.setdefault(group, set()).add(name)
     if config is not None:
         CONFIGS.setdefault(group, {})[name] = config
 
@@ -99,6 +106,12 @@ def unregister(group: str, name: str) -> None:
     """Undo `register` (tests)."""
     REGISTRY.get(group, {}).pop(name, None)
     CONFIGS.get(group, {}).pop(name, None)
+    ADDED.get(group, set()).discard(name)
+
+
+def shipped(group: str) -> list[str]:
+    """The options of `group` rlrun ships (conf/, the schema), in the registry's order: not those `register` added."""
+    return [n for n in REGISTRY[group] if n not in ADDED.get(group, ())]
 
 
 def load(path):

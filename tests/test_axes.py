@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF, ROOT
+from conftest import CONF, ROOT, make_cfg
 from hydra import compose, initialize_config_dir
 
 from rlrun import axes, registry
@@ -182,6 +182,53 @@ def test_a_toy_head_and_layout_compute_their_baselines_numbers(toys):
     laid = test_batching.step(model, micros, "toy", "toy_layout")
     assert laid[0] == pytest.approx(padded[0], rel=1e-5)
     assert all(torch.allclose(laid[2][n], g, rtol=1e-4, atol=1e-6) for n, g in padded[2].items())
+
+
+KEYED_TOYS = ("precision", "pipeline", "decode")
+
+
+@pytest.fixture
+def keyed_toys():
+    """train.precision=toy_precision, rollout.pipeline=toy_pipeline, rollout.decode=toy_decode (tests/toys.py)
+    registered: an axis keyed by a config key takes an object and no YAML."""
+    import toys as toy_options
+
+    mine = [g for g in KEYED_TOYS if toy_options.TOYS[g][0] not in registry.REGISTRY[g]]
+    toy_options.register(mine)
+    yield [f"{registry.KEYED_BY[g]}={toy_options.TOYS[g][0]}" for g in KEYED_TOYS]
+    toy_options.unregister(mine)
+
+
+def test_an_option_of_a_keyed_axis_added_from_outside_validates_once_registered(keyed_toys):
+    import toys as toy_options
+
+    cfg = validate(make_cfg("experiment=smoke", *keyed_toys))
+    assert [registry.option_of(cfg, g) for g in KEYED_TOYS] == ["toy_precision", "toy_pipeline", "toy_decode"]
+    a = axes.resolve(cfg)
+    assert type(a.precision).__name__ == "ToyPrecision" and a.pipeline.__name__ == "ToyPipeline"
+    assert choices("train.precision")[-1] == "toy_precision"
+    toy_options.unregister(KEYED_TOYS)
+    try:  # the same config, the options not registered: one problem each, naming what is supported
+        with pytest.raises(Exception) as e:
+            validate(make_cfg("experiment=smoke", *keyed_toys))
+        assert sorted(p.split(" is not supported")[0] for p in e.value.problems) == [
+            "rollout.decode='toy_decode'", "rollout.pipeline='toy_pipeline'", "train.precision='toy_precision'"]
+        assert "supported: ['fp32', 'bf16']" in str(e.value)
+    finally:
+        toy_options.register(KEYED_TOYS)
+
+
+def test_the_keyed_toys_train_their_baselines_numbers(keyed_toys, tmp_path):
+    """Each keyed toy says `bitwise`: a run with all three logs the baseline run's losses and rewards exactly."""
+    from helpers import history
+    from test_runs import run_in
+
+    got = {}
+    for what, overrides in (("base", []), ("toys", keyed_toys)):
+        _, client, r = run_in(tmp_path / what, "experiment=smoke", "eval.every=0", "export.enabled=false", *overrides)
+        assert r.data.params["train.precision"] == ("toy_precision" if overrides else "fp32")
+        got[what] = [history(client, r.info.run_id, k) for k in ("loss", "reward_mean", "grad_norm")]
+    assert got["toys"] == got["base"] and len(got["base"][0]) > 1
 
 
 def test_one_reader_gives_each_axis_option_from_a_config_or_a_dictconfig():

@@ -340,7 +340,7 @@ def test_the_covering_array_covers_every_pair():
     for i, a in enumerate(keys):
         for b in keys[i + 1:]:
             assert {(r[a], r[b]) for r in rows} == {(x, y) for x in AXES[a] for y in AXES[b]}, (a, b)
-    assert len(rows) <= pairs_bound(map(len, AXES.values()))  # a covering array, not the 972 combinations
+    assert len(rows) <= pairs_bound(map(len, AXES.values()))  # a covering array, not the product of the counts
 
 
 @pytest.mark.slow  # ~10 checks of ~10 s

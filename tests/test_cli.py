@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import shipped
 
 from rlrun import registry
 from rlrun.config import OPTIONS
@@ -94,8 +93,8 @@ def test_registry_names_are_the_options():
     keyed = {g: registry.KEYED_BY.get(g, g) for g in registry.REGISTRY}  # recipe: by the loss group's options
     groups = {k for k in keyed.values() if "." not in k}  # precision, pipeline: by a config key's values
     assert groups == set(OPTIONS) and set(keyed) - set(OPTIONS) == set(registry.KEYED_BY)
-    assert {g: set(shipped(g)) for g in registry.REGISTRY} == {
-        g: set(choices(k) if "." in k else OPTIONS[k]) for g, k in keyed.items()}
+    assert {g: set(registry.REGISTRY[g]) for g in registry.REGISTRY} == {  # those registered from outside too
+        g: set(choices(k) if "." in k else {**OPTIONS[k], **registry.CONFIGS.get(k, {})}) for g, k in keyed.items()}
     with pytest.raises(KeyError, match=re.escape(f"head='fancy' is not supported; supported: "
                                                  f"{sorted(registry.REGISTRY['head'])}")):
         registry.get("head", "fancy")

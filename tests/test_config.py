@@ -8,16 +8,17 @@ import itertools
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated, Literal, get_args, get_origin
+from typing import Annotated, get_args, get_origin
 
 import pytest
 from conftest import make_cfg
-from helpers import shipped
 from omegaconf import OmegaConf, open_dict
 
 from rlrun.config import OPTIONS, CheckpointConfig, ConfigError, RunConfig, TrainConfig, validate
 from rlrun.config.types import UNIONS
-from rlrun.registry import CONFIGS, KEYED_BY, REGISTRY
+from rlrun.config.validate import allowed as values_of
+from rlrun.config.validate import registered
+from rlrun.registry import CONFIGS, KEYED_BY, REGISTRY, shipped
 
 ROOT = Path(__file__).resolve().parent.parent
 AXES = {g: sorted(p.stem for p in (ROOT / "conf" / g).glob("*.yaml"))
@@ -184,10 +185,11 @@ def test_registry_options_and_files_are_one_list():
 
     groups = {p.name for p in (ROOT / "conf").iterdir() if p.is_dir()} - {"experiment", "hydra"}
     assert set(OPTIONS) == set(REGISTRY) - set(KEYED_BY) == groups
-    for group in REGISTRY:
+    for group in REGISTRY:  # the schema's options are the shipped ones; a keyed axis's values, every registered one
         key = KEYED_BY.get(group, group)
-        assert set(choices(key) if "." in key else OPTIONS[key]) == set(shipped(group)), group
-    assert choices("train.precision") == ["fp32", "bf16"] and choices("rollout.pipeline") == ["sync", "async"]
+        assert (choices(key) if "." in key else list(OPTIONS[key])) == (list(REGISTRY[group]) if "." in key
+                                                                        else shipped(group)), group
+    assert shipped("precision") == ["fp32", "bf16"] and shipped("pipeline") == ["sync", "async"]
 
 
 def test_cli_rejects_before_any_compute_with_exit_code(tmp_path):
@@ -309,10 +311,11 @@ def nodes():
 
 
 def choices(tp):
-    """The allowed values when `tp` is a choice (Literal, possibly optional, annotated or a list of them)."""
-    while get_origin(tp) in (Annotated, list, *UNIONS):
+    """The allowed values when `tp` is a choice (a Literal or an axis's registered options, possibly optional,
+    annotated or a list of them)."""
+    while get_origin(tp) in (Annotated, list, *UNIONS) and registered(tp) is None:
         tp = next(a for a in get_args(tp) if a is not type(None))
-    return get_args(tp) if get_origin(tp) is Literal else None
+    return values_of(tp)
 
 
 def is_list(tp) -> bool:

@@ -10,6 +10,9 @@ from rlrun.batching.layouts import Packed
 from rlrun.heads import dense
 from rlrun.logprobs import Always
 from rlrun.offload import On
+from rlrun.precision import Fp32
+from rlrun.recipes.sources import Sync
+from rlrun.rollout.decoding import Eager
 
 
 def _head() -> types.ModuleType:
@@ -43,4 +46,17 @@ class ToyPolicy(Always):  # always's passes under another name
 
 
 class ToyOffload(On):  # offload=on's copies under another name
+    exactness = "bitwise"
+
+
+# The axes keyed by a config key (train.precision, rollout.pipeline, rollout.decode): an object, no config node
+class ToyPrecision(Fp32):  # fp32's arithmetic under another name
+    exactness = "bitwise"
+
+
+class ToyPipeline(Sync):  # sync's rollouts under another name
+    exactness = "bitwise"
+
+
+class ToyDecode(Eager):  # eager's decode loop under another name
     exactness = "bitwise"

@@ -1,4 +1,4 @@
-"""A toy option of each efficiency axis, added as docs/adding-an-option.md adds one (an object with its facts, its
+"""A toy option of each axis, added as docs/adding-an-option.md adds one (an object with its facts, its
 config dataclass, its YAML), from outside the package: `RLRUN_TOY_OPTIONS=1 python -m pytest ...` registers them for
 the whole session (tests/conftest.py), so that every test parametrized from the registry runs them too. Each is a
 shipped option's arithmetic under another name, with its own facts (tests/toy_options.py): a test that fails only
@@ -54,12 +54,16 @@ TOYS = {
                     "name: toy_activations\nevery: 1\n"),
     "logprob_policy": ("toy_policy", "toy_options:ToyPolicy", ToyPolicyConfig, "name: toy_policy\n"),
     "offload": ("toy_offload", "toy_options:ToyOffload", ToyOffloadConfig, "name: toy_offload\nenabled: true\n"),
+    # keyed by a config key's value (train.precision=toy_precision): no config dataclass, no YAML
+    "precision": ("toy_precision", "toy_options:ToyPrecision", None, None),
+    "pipeline": ("toy_pipeline", "toy_options:ToyPipeline", None, None),
+    "decode": ("toy_decode", "toy_options:ToyDecode", None, None),
 }
 
 
 def write_yaml(folder: Path, groups=tuple(TOYS)) -> Path:
     """The toys' YAMLs under `folder`/<group>/, a config folder for Hydra's search path."""
-    for group in groups:
+    for group in (g for g in groups if TOYS[g][3] is not None):
         name, _, _, text = TOYS[group]
         (folder / group).mkdir(parents=True, exist_ok=True)
         (folder / group / f"{name}.yaml").write_text(text)

@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from .types import Check, Dtype, NonNegInt, PosInt, Positive
+from .types import Check, Dtype, NonNegInt, PosInt, Positive, Registered
 
 # -- rollout ------------------------------------------------------------------------------------------------------
 Temperature = Annotated[float, Check(lambda v: v > 0, "> 0: the trainer's logprobs are taken at the sampling "
@@ -26,13 +26,13 @@ class HFRollout:
     top_k: TopK
     max_new_tokens: PosInt
     sync_weights: bool  # read by the GRPO recipe for every rollout; hf samples from the trainer's model itself
-    pipeline: Literal["sync", "async"]  # async: rlrun/pipeline
+    pipeline: Annotated[str, Registered("pipeline")]  # sync | async (rlrun/pipeline)
     max_staleness: NonNegInt
     worker_threads: PosInt | None
     worker_device: Device | None
     worker_timeout_s: Positive  # async: the trainer gives up on a generator without a heartbeat this long
     record: str | None = None  # a folder: every rollout trained on is written there (rlrun/rollout/record.py)
-    decode: Literal["eager", "compiled"] = "eager"  # compiled: static KV cache, compiled step (rollout/decoding.py)
+    decode: Annotated[str, Registered("decode")] = "eager"  # compiled: static KV cache, compiled step (decoding.py)
 
 
 @dataclass
@@ -51,7 +51,7 @@ class VLLMRollout:
     gpu_memory_utilization: Annotated[float, Check(lambda v: 0 < v <= 1, "in (0, 1]")]
     tensor_parallel_size: PosInt
     sleep: bool
-    pipeline: Literal["sync", "async"]
+    pipeline: Annotated[str, Registered("pipeline")]
     max_staleness: NonNegInt
     worker_threads: PosInt | None
     worker_device: Device | None

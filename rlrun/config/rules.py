@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util  # called as importlib.util.find_spec: tests replace it to play "installed or not"
 from collections.abc import Callable, Iterator
 
+from .. import registry
+
 RULES: list[tuple[tuple[str, ...], Callable]] = []
 FUSABLE = {"dapo", "cispo", "gspo"}  # the GRPO objectives: a tiled head can fuse them; `skip` can apply
 # Decided, with no rule: loss=gspo composes with every head (tiled fixes each sequence's ratio from a no-grad sweep
@@ -118,6 +120,12 @@ def one_optimizer_offload(c, world):
 
 
 # -- precision ----------------------------------------------------------------------------------------------------
+def reduced(precision: str) -> bool:
+    """Whether train.precision's option computes below fp32 (its object's fact; imports it, and torch: asked only
+    where the run imports them anyway)."""
+    return bool(registry.get("precision", precision).reduced)
+
+
 @rule("engine.name", "engine.dtype", "train.precision")
 def one_precision(c, world):
     e, p = c.engine, c.train.precision
@@ -130,9 +138,10 @@ def one_precision(c, world):
 @rule("engine.name", "engine.dtype", "train.precision", "model.dtype", "model.lora.enabled")
 def fp32_master_weights(c, world):
     m, e = c.model, c.engine
-    deepspeed_bf16 = e.name == "deepspeed" and "bf16" in (e.dtype, c.train.precision)
-    if m.dtype == "float32" or m.lora.enabled or deepspeed_bf16:  # LoRA: peft keeps the adapters in fp32
+    if m.dtype == "float32" or m.lora.enabled:  # LoRA: peft keeps the adapters in fp32
         return
+    if e.name == "deepspeed" and any(reduced(p) for p in (e.dtype, c.train.precision) if p != "auto"):
+        return  # DeepSpeed's bf16 mode keeps its own fp32 master copy (where the two disagree, one_precision says)
     fix = ("set model.dtype=float32 train.precision=bf16 (fp32 master weights and AdamW state, forward and "
            "backward in bf16 under autocast)" if e.name == "single" else
            "set train.precision=bf16 (DeepSpeed's bf16 mode keeps fp32 master weights and optimizer state)")
@@ -308,9 +317,11 @@ def vllm_single_engine(c, world):
 @rule("rollout.name", "rollout.dtype", "train.precision", "loss.tis")
 def vllm_generates_in_the_trainers_precision(c, world):
     """Every copy of the policy computes as the trainer does (rlrun/policy.py); vLLM's copy in rollout.dtype."""
-    want = {"fp32": "float32", "bf16": "bfloat16"}[c.train.precision]
+    if c.rollout.name != "vllm":
+        return
+    want = registry.get("precision", c.train.precision).dtype  # imports torch: a vLLM run does anyway
     tis = getattr(c.loss, "tis", None)
-    if c.rollout.name == "vllm" and c.rollout.dtype != want and not (tis and tis.enabled):
+    if c.rollout.dtype != want and not (tis and tis.enabled):
         yield (f"rollout=vllm generates in rollout.dtype={c.rollout.dtype} while the trainer computes in "
                f"train.precision={c.train.precision}: the ratios and the mismatch would measure the precision gap, "
                f"uncorrected. Set rollout.dtype={want}, or correct for the gap with loss.tis.enabled=true.")

@@ -1,9 +1,10 @@
 """The schema of conf/: one dataclass per option of each config group, plus train, checkpoint and the top level.
 
-Fields carry types, choices (`Literal`) and bounds (`Check` in `Annotated`), never default values: those live in
-the YAML files only, with their comments. A group field of `RunConfig` is the union of its options; `validate`
-picks the option by `name` (validate.OPTIONS: group -> option name -> dataclass, derived from `RunConfig`), so
-adding an option is adding its dataclass to the union (and its YAML file; a test checks the two agree).
+Fields carry types, choices (`Literal`; an axis's registered options: `Registered` in `Annotated`) and bounds
+(`Check` in `Annotated`), never default values: those live in the YAML files only, with their comments. A group
+field of `RunConfig` is the union of its options; `validate` picks the option by `name` (validate.OPTIONS: group ->
+option name -> dataclass, derived from `RunConfig`), so adding an option is adding its dataclass to the union (and
+its YAML file; a test checks the two agree).
 """
 
 import math
@@ -28,7 +29,7 @@ from .axes import (  # noqa: F401 (the efficiency axes' options, part of this sc
     WindowPolicy,
 )
 from .rollouts import HFRollout, ReplayRollout, VLLMRollout  # noqa: F401 (the rollout group's options)
-from .types import Beta, Check, Dtype, ImportPath, NonNeg, NonNegInt, PathStr, PosInt, Positive, Text, needs
+from .types import Beta, Check, Dtype, ImportPath, NonNeg, NonNegInt, PathStr, PosInt, Positive, Registered, Text, needs
 
 # -- loss ---------------------------------------------------------------------------------------------------------
 KlEstimator = Literal["k1", "k2", "k3"]
@@ -307,7 +308,7 @@ class TrainConfig:
     grad_clip: Positive
     warmup_steps: NonNegInt
     lr_schedule: Literal["constant", "cosine", "linear"]
-    precision: Literal["fp32", "bf16"]  # bf16: fp32 master weights and optimizer state, bf16 compute (precision.py)
+    precision: Annotated[str, Registered("precision")]  # fp32 | bf16 (fp32 master, bf16 compute): precision.py
 
 
 @dataclass

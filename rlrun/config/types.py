@@ -19,6 +19,15 @@ class Check:
     text: str
 
 
+@dataclass(frozen=True)
+class Registered:
+    """The values of a key are the options the registry lists for `group` (an axis keyed by a config key:
+    train.precision, rollout.pipeline, rollout.decode), those registered from outside included (registry.register);
+    the validator reads the registry when it checks the value, not the schema."""
+
+    group: str
+
+
 def needs(hint: str) -> dict[str, str]:
     """The metadata of a required field, `key: T = field(metadata=needs(hint))`, whose unset value (???, null or
     '') is reported as "<group>=<option> needs KEY=<hint>". The `field(...)` call is written at the field itself:

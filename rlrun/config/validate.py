@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from .. import ranks, registry
 from . import rules
 from .schema import RunConfig
-from .types import UNIONS, Check
+from .types import UNIONS, Check, Registered
 
 NoneType = type(None)
 SCALARS = {bool: ("true or false", "booleans"), int: ("an integer", "integers"), float: ("a number", "numbers"),
@@ -41,16 +41,30 @@ OPTIONS: dict[str, dict[str, type]] = {f.name: options for f in fields(RunConfig
                                        if (options := group_options(f.type)) is not None}
 
 
+def registered(tp) -> str | None:
+    """The axis whose registered options are `tp`'s values (types.Registered), or None."""
+    marks = tp.__metadata__ if get_origin(tp) is Annotated else ()
+    return next((m.group for m in marks if isinstance(m, Registered)), None)
+
+
+def allowed(tp) -> tuple | None:
+    """The values a choice type allows: a Literal's, or the registry's options of a Registered key, else None."""
+    group = registered(tp)
+    if group is not None:
+        return tuple(registry.REGISTRY[group])
+    return get_args(tp) if get_origin(tp) is Literal else None
+
+
 def choices(key: str) -> list:
-    """The values a dotted config key takes by the schema (`train.precision` -> ['fp32', 'bf16']); across a group's
-    options, every value one of them allows (`rollout.pipeline`)."""
+    """The values a dotted config key takes (`train.precision` -> ['fp32', 'bf16'] and any precision registered from
+    outside); across a group's options, every value one of them allows (`rollout.pipeline`)."""
     group, _, leaf = key.partition(".")
     tp = {f.name: f.type for f in fields(RunConfig)}[group]
     arms: list[Any] = list(OPTIONS[group].values()) if group in OPTIONS else [tp]  # dataclasses
     found: list = []
     for arm in arms:
-        field = {f.name: f.type for f in fields(arm)}.get(leaf)
-        found += [v for v in get_args(field) if v not in found] if get_origin(field) is Literal else []
+        field = get_type_hints(arm, include_extras=True).get(leaf)
+        found += [v for v in allowed(field) or () if v not in found]
     return found
 
 
@@ -101,10 +115,11 @@ def validate(cfg) -> RunConfig:
 def describe(tp, plural: bool = False) -> str:
     """`tp` in words, for "KEY=VALUE must be <describe>"."""
     origin, args = get_origin(tp), get_args(tp)
+    if registered(tp) is not None or origin is Literal:
+        values = list(allowed(tp) or ())
+        return f"values in {values}" if plural else f"one of {values}"
     if origin is Annotated:
         return describe(args[0], plural)
-    if origin is Literal:
-        return f"values in {list(args)}" if plural else f"one of {list(args)}"
     if origin in UNIONS:
         return " or ".join(describe(a, plural) for a in args)
     if origin is list:
@@ -175,6 +190,9 @@ class Walk:
     def value(self, raw, tp, key: str, or_null: str = ""):
         """`raw` checked and converted to `tp`; a problem is recorded and Bad returned when it does not fit."""
         origin, args = get_origin(tp), get_args(tp)
+        group = registered(tp)
+        if group is not None:  # an axis keyed by this key: the registry's options now, those added from outside too
+            return self.choice(raw, tuple(registry.REGISTRY[group]), key)
         if origin is Annotated:
             v = self.value(raw, args[0], key, or_null)
             for check in tp.__metadata__:
