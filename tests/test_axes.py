@@ -199,7 +199,7 @@ def keyed_toys():
     toy_options.unregister(mine)
 
 
-def test_an_option_of_a_keyed_axis_added_from_outside_validates_once_registered(keyed_toys):
+def test_an_option_of_a_keyed_axis_added_from_outside_validates_once_registered(keyed_toys, monkeypatch):
     import toys as toy_options
 
     cfg = validate(make_cfg("experiment=smoke", *keyed_toys))
@@ -207,6 +207,13 @@ def test_an_option_of_a_keyed_axis_added_from_outside_validates_once_registered(
     a = axes.resolve(cfg)
     assert type(a.precision).__name__ == "ToyPrecision" and a.pipeline.__name__ == "ToyPipeline"
     assert choices("train.precision")[-1] == "toy_precision"
+    import importlib.util  # the rules that ask the precision's facts (its dtype): vLLM's copy must compute in it
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    with pytest.raises(Exception, match=r"rollout.dtype=bfloat16 while .* train.precision=toy_precision.* Set "
+                                        r"rollout.dtype=float32"):
+        validate(make_cfg("experiment=smoke", "rollout=vllm", "rollout.dtype=bfloat16", *keyed_toys[:2]))
     toy_options.unregister(KEYED_TOYS)
     try:  # the same config, the options not registered: one problem each, naming what is supported
         with pytest.raises(Exception) as e:

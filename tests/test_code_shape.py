@@ -154,3 +154,40 @@ def test_the_checks_see_imports():
                      "import rlrun.heads\n")
     assert imports("recipes/grpo.py", tree) == {"losses", "heads"}
     assert imports("runner.py", tree) >= {"models", "tasks", "heads"}
+
+
+# -- the map: docs/development.md's Layout names every module, and nothing that is gone ----------------------------
+DOCS = PKG.parent / "docs" / "development.md"
+
+
+def layout_block() -> str:
+    text = DOCS.read_text()
+    after = text[text.index("## Layout"):]
+    return after[after.index("```\n") + 4:after.index("\n```", after.index("```\n") + 4)]
+
+
+def entries(block: str) -> set[str]:
+    """The top-level names the block lists: on its 2-space lines, the words before the description."""
+    out = set()
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            names = line[2:].split("  ")[0].split()
+            out.update(n for n in names if n.endswith((".py", "/")))
+    return out
+
+
+def test_the_layout_page_lists_every_module_and_only_those_that_exist():
+    block = layout_block()
+    here = {p.name + ("/" if p.is_dir() else "") for p in PKG.iterdir()
+            if (p.suffix == ".py" and p.stem not in ("__init__", "__main__")) or (p / "__init__.py").exists()}
+    listed = entries(block)
+    assert not here - listed, f"docs/development.md#layout does not list {sorted(here - listed)}: add a line"
+    assert not listed - here, f"docs/development.md#layout lists {sorted(listed - here)}, which rlrun/ has not"
+    tools = {p.name for p in (PKG / "tools").glob("*.py") if p.stem != "__init__"}
+    unnamed = sorted(t for t in tools if t not in block)
+    assert not unnamed, f"docs/development.md#layout's tools/ line does not name {unnamed}"
+
+
+def test_the_layout_check_finds_a_missing_and_a_stale_entry():
+    block = "  errors.py ranks.py   what they are\n                        a continuation: config/\n  gone/   was\n"
+    assert entries(block) == {"errors.py", "ranks.py", "gone/"}
