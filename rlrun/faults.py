@@ -24,7 +24,7 @@ def check_devices(cfg) -> None:
 
     named = {"engine.device": getattr(cfg.engine, "device", None)}
     pipeline = getattr(cfg.rollout, "pipeline", None) or registry.baseline("pipeline")
-    if algorithms.of(cfg).samples and not registry.get("pipeline", pipeline).generates_here:  # a generator process
+    if algorithms.of(cfg).samples and registry.get("pipeline", pipeline).generator_process:
         named["rollout.worker_device"] = cfg.rollout.worker_device
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     problems = []

@@ -162,9 +162,9 @@ def generator_process(ctx) -> Row:
     fresh interpreter), run through the run's own schedule with no staleness for two steps: weights v0 at start,
     then the trainer's weights after a real step published (v1). The rollout drawn for step 1 must carry v1 and the
     trainer's logprobs at v1."""
-    if registry.get("pipeline", ctx.cfg.rollout.pipeline).generates_here:
-        return Row("generator process", "n/a: rollout.pipeline=sync generates in the trainer's process", "-", None,
-                   PROCESS_SOURCE)
+    if not registry.get("pipeline", ctx.cfg.rollout.pipeline).generator_process:
+        return Row("generator process", f"n/a: rollout.pipeline={ctx.cfg.rollout.pipeline} starts no generator "
+                   "process", "-", None, PROCESS_SOURCE)
     cfg = dataclasses.replace(ctx.cfg, rollout=dataclasses.replace(ctx.cfg.rollout, max_staleness=0),
                               train=dataclasses.replace(ctx.cfg.train, steps=2))
     model = copy_model(ctx.trainer)

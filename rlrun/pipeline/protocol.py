@@ -10,6 +10,7 @@ class Source(Protocol):
     exactness: str  # rlrun.axes.EXACTNESS
     phases: tuple[str, ...]
     generates_here: bool  # setup builds a rollout engine in this process (on the trainer's own copy)
+    generator_process: bool  # a process of its own generates (rollout.worker_device; `rlrun check` probes it)
 
     def __init__(self, cfg, s, prompts, *, window: int, grad_accum: int, drawn=None) -> None:
         """Built by GRPO's loop: the run config, its setup, the prompt stream, the micro-steps a rollout lasts,

@@ -33,6 +33,7 @@ class Sync:
     exactness = "baseline"
     phases: tuple[str, ...] = ("generate", "sync")
     generates_here = True
+    generator_process = False
 
     def __init__(self, cfg, s, prompts, *, window: int, grad_accum: int, drawn=None):
         self.cfg, self.s, self.prompts, self.drawn = cfg, s, prompts, drawn  # drawn: dynamic sampling's totals
@@ -68,6 +69,7 @@ class Async(Sync):
     exactness = "approximate"
     phases = ("generate", "wait", "sync", "step")  # the whole step: generation overlaps training
     generates_here = False  # the generator process builds its own (rlrun/pipeline/worker.py)
+    generator_process = True  # on rollout.worker_device; `rlrun check` probes it
 
     def __init__(self, cfg, s, prompts, *, window: int, grad_accum: int, drawn=None):
         super().__init__(cfg, s, prompts, window=window, grad_accum=grad_accum, drawn=drawn)
@@ -118,6 +120,7 @@ class Replay:
     exactness = "baseline"  # the recording run's rollouts: with its config, its numbers bit for bit
     phases: tuple[str, ...] = ("wait",)
     generates_here = False  # no sampler is built
+    generator_process = False  # nothing generates
 
     def __init__(self, cfg, s, prompts, *, window: int, grad_accum: int, drawn=None):
         self.cfg, self.s = cfg, s
