@@ -19,7 +19,7 @@ class Algorithm:
     reference: bool = False  # its loss always reads the reference policy's logprobs (DPO's implicit reward)
     probes: str | None = None  # the module of its own `rlrun check` probes (rows(cfg, baseline_config, exactness));
     # None: the probes of sampled rollouts (rlrun/check/__init__.py)
-    loss_protocol: str = "rlrun.losses.protocol:TokenLoss"  # the contract of its losses (tests/test_protocols.py)
+    loss_protocol: str = "rlrun.losses.protocol:TokenLoss"  # the contract of its losses (tests/unit/test_protocols.py)
 
     def train(self, cfg, raw, tracker, resume=None) -> dict[str, float]:
         return importlib.import_module(self.loop).train(cfg, raw, tracker, resume)

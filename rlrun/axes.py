@@ -3,7 +3,7 @@
 What is true of an option is said on its object, once: `exactness` (one of EXACTNESS, relative to its axis's
 baseline), `phases` (the phases of a step it changes: what a sweep should time it by), and its memory term, which
 rlrun/plan/ asks for instead of naming the option. No module of rlrun/ but config/ (validation) and tools/
-(benchmarks) compares an option's name: each reads these objects (tests/test_axes.py checks the source). A new
+(benchmarks) compares an option's name: each reads these objects (tests/unit/test_axes.py checks the source). A new
 option is its module plus its YAML (docs/adding-an-option.md).
 
     axis            config key            object (registry group)

@@ -1,7 +1,7 @@
 """`rlrun`: compose the config (Hydra), validate it, hand it to the runner. Nothing else lives here.
 
 Only Hydra, OmegaConf and rlrun.config are imported before validation: `rlrun --help`, `--cfg job` and a refused
-config never import torch, transformers, deepspeed, vllm or mlflow (tests/test_cli.py checks it).
+config never import torch, transformers, deepspeed, vllm or mlflow (tests/unit/test_cli.py checks it).
 """
 
 from __future__ import annotations

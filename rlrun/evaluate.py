@@ -137,7 +137,7 @@ def evaluate_pairs(policy, reference, tokenizer, pairs: list[dict], *, encode_pa
 
     `encode_pairs(tokenizer, pairs, device)` and `pair_logprobs(model, batch, head, layout, average)` are the DPO
     recipe's own (rlrun.recipes.dpo passes them), so evaluation scores sequences exactly as training does; they
-    are arguments because this module sits below the recipes (tests/test_code_shape.py: no upward imports); the
+    are arguments because this module sits below the recipes (tests/unit/test_code_shape.py: no upward imports); the
     pairs are laid out padded. `head`: the run's bound head (heads.Bound; default dense). `reference`: a model, or
     a function returning a
     context that yields one (rlrun.models.reference: LoRA's adapters-off reference is the policy itself, so the

@@ -1,7 +1,7 @@
 """All-pairs covering arrays: a few configurations in which every pair of options of two axes appears at least once,
 where the full product would be hundreds (the exact axes' 3x3x3x3x2x2 options: 324). Used to check combinations,
-not just each option alone: `rlrun check` over the exact axes (tests/test_check.py) and the memory planner over the
-options that change its terms (`python -m rlrun.bench plan`, the `pairs` points)."""
+not just each option alone: `rlrun check` over the exact axes (tests/unit/check/test_check.py) and the memory planner
+over the options that change its terms (`python -m rlrun.bench plan`, the `pairs` points)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ trains on is not what it thinks (a generator outside bf16 while the trainer runs
   is synced from it): the model, LoRA adapters, the precision path, then the trainer's weights.
 
 The synchronous generator is the trainer's own copy (the engine's model), so it is on the same path by identity.
-tests/test_policy.py runs every copy on one probe batch for every precision x pipeline x LoRA.
+tests/unit/test_policy.py runs every copy on one probe batch for every precision x pipeline x LoRA.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def option_of(cfg, group: str) -> str | None:
         value = getattr(value, part, None)
     return None if value is None else str(value)
 
-# Group -> the typing.Protocol every option of the group satisfies (tests/test_protocols.py checks each one).
+# Group -> the typing.Protocol every option of the group satisfies (tests/unit/test_protocols.py checks each one).
 PROTOCOLS: dict[str, str] = {
     "head": "rlrun.heads.protocol:Head",
     "engine": "rlrun.engine.protocol:EngineModule",
@@ -126,7 +126,7 @@ def load(path):
 
 
 def baseline(group: str) -> str:
-    """The option of an axis the others are compared with: the first the registry lists (tests/test_axes.py checks
+    """The option of an axis the others are compared with: the first the registry lists (tests/unit/test_axes.py checks
     that its object says `exactness = "baseline"`)."""
     return next(iter(REGISTRY[group]))
 

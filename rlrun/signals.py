@@ -141,7 +141,7 @@ def stacks_on_sigusr1() -> None:
 
     A Python-level handler, not `faulthandler.register`: faulthandler's C handler walks the other threads' frames
     while they run, and a thread pushing or popping a frame (or ending) under it crashed the run with SIGSEGV
-    (CI saw it; tests/test_signals.py reproduces it). Run by the interpreter, the dump holds the GIL, so every
+    (CI saw it; tests/unit/test_signals.py reproduces it). Run by the interpreter, the dump holds the GIL, so every
     other thread's stack stands still while it is read. The cost: a main thread inside one long C call (a torch
     op) prints when that call returns; one blocked on a lock, a sleep or a system call prints at once (PEP 475).
     faulthandler writes straight to the file descriptor, so a dump that lands mid-print cannot trip over

@@ -1,6 +1,6 @@
-"""Faults injected into rollout.pipeline=async's generator process (tests/test_check.py). The worker runs in a fresh
-interpreter (spawn), where a monkeypatch of the test's process does not reach: the fault is a `build` function the
-worker imports by name from this module (tests/ is on the sys.path the spawned process inherits)."""
+"""Faults injected into rollout.pipeline=async's generator process (tests/unit/check/test_check.py). The worker
+runs in a fresh interpreter (spawn), where a monkeypatch of the test's process does not reach: the fault is a `build`
+function the worker imports by name from this module (tests/ is on the sys.path the spawned process inherits)."""
 
 import copy
 

@@ -21,11 +21,17 @@ from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = str(ROOT / "conf")
-sys.path.insert(0, str(ROOT / "tests"))  # helpers.py: reward functions used through task.reward
+# tests/ (helpers.py: reward functions used through task.reward) and each folder of test modules (unit/<package>,
+# e2e, distributed: a test module's own rewards, `task.reward=test_tasks:NAME`, and the few a test imports from
+# another), on this process's path and, as TEST_PATH, on the PYTHONPATH of the rlrun processes tests start
+TEST_DIRS = [str(ROOT / "tests"), *sorted(str(p.parent) for p in (ROOT / "tests").glob("*/**/test_*.py"))]
+TEST_DIRS = list(dict.fromkeys(TEST_DIRS))
+TEST_PATH = os.pathsep.join(TEST_DIRS)
+sys.path[:0] = [d for d in TEST_DIRS if d not in sys.path]
 
 # An xdist worker's tests, and the rlrun processes they start, use cores / workers threads (set before torch is
 # imported). torch's default, every core in each process, runs N workers' threads on N cores N times over, and its
-# OpenMP threads spin waiting on one another: tests/test_runs.py + test_pipeline.py with -n 2 on 2 cores took 278 s
+# OpenMP threads spin waiting on one another: tests/e2e/test_runs.py + test_pipeline.py with -n 2 on 2 cores took 278 s
 # that way and 119 s with one thread each (2026-11-26). An OMP_NUM_THREADS you set is kept.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
@@ -95,7 +101,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     with pytest 9.2 (pytest-dev/pytest-xdist#1386). The modules below are grouped whole."""
     if node.config.getoption("dist") != "loadgroup":
         return
-    whole = ("tests/test_distributed.py::", "tests/test_mlflow_ui.py::")
+    whole = ("tests/distributed/test_distributed.py::", "tests/e2e/test_mlflow_ui.py::")
     lost = [i for i in ids if i.startswith(whole) and "@" not in i]
     if lost:
         raise pytest.UsageError(f"pytest-xdist --dist loadgroup is not grouping under pytest {pytest.__version__} "

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import TEST_PATH
 from helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def torchrun(nproc: int, args: list[str], cwd, timeout: int = 600, wait: bool = True):
     """`torchrun --nproc_per_node N ARGS` (ARGS: `-m rlrun ...` or a script): the finished process, or with
     wait=False the running one, in a session of its own (os.killpg(p.pid, ...) reaches every rank)."""
-    path = f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    path = f"{TEST_PATH}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING="false",
                TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",

@@ -1,7 +1,8 @@
 """A reference for the GRPO objectives of docs/objectives.md, written from the formulas, not from rlrun's code: one
 sequence at a time, float64, autograd through everything (the GSPO sequence ratio included), then the step's
 aggregation over every sequence of every micro-batch and rank. And a seeded optimizer step to compare with:
-micro-batches of different shapes and token counts, split over ranks (tests/test_objectives.py, objectives_ranks.py).
+micro-batches of different shapes and token counts, split over ranks (tests/unit/losses/test_objectives.py,
+objectives_ranks.py).
 """
 
 from __future__ import annotations

@@ -153,8 +153,8 @@ def rows(cfg, baseline_config, exactness: set) -> list[Row]:
         ("on-policy ratio", "verl/TRL: old logprobs recomputed under another path than the loss's"),
         ("generator = trainer", "huggingface/trl#5312 (generator weights dropped: ratio mean 0.019)"),
         ("sampler filter", "huggingface/trl#6789 (top_p=0.8: every weight scaled by the kept mass)"))]
-    ranks = Row("ranks", "n/a: not probed for DPO (its 2-rank gradients: tests/test_distributed.py)", "-", None,
-                RANKS_SOURCE)
+    ranks = Row("ranks", "n/a: not probed for DPO (its 2-rank gradients: tests/distributed/test_distributed.py)", "-",
+                None, RANKS_SOURCE)
     return [*skipped, *guarded(accumulation, ctx, known, names=("accumulation",)), ranks,
             *guarded(pairs_alone, ctx, names=("sequence alone",)),
             *guarded(policy_copies, ctx, names=("policy copies",)),

@@ -63,7 +63,7 @@ def master_step(ctx, trainer, gradients) -> Row:
     left on the parameters)."""
     if registry.get("engine", ctx.cfg.engine.name).OWN_MASTER:
         return Row("master weights", "n/a: engine=deepspeed keeps its master copy in its ZeRO optimizer "
-                   "(tests/test_distributed.py)", "-", None, MASTER_SOURCE)
+                   "(tests/distributed/test_distributed.py)", "-", None, MASTER_SOURCE)
     model = copy_model(trainer)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     low = sorted({str(p.dtype).removeprefix("torch.") for p in trainable.values() if p.dtype != torch.float32})

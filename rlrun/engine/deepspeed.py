@@ -38,7 +38,7 @@ DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.u
 
 # What is true of engine=deepspeed, asked by the planner, rlrun.precision and the check (never its name):
 BF16_PATH = "bf16-deepspeed"  # train.precision=bf16: bf16 weights, DeepSpeed's fp32 master copy in its optimizer
-OWN_MASTER = True  # its ZeRO optimizer keeps the master copy (tests/test_distributed.py checks it, not `rlrun check`)
+OWN_MASTER = True  # its ZeRO optimizer keeps the master copy (checked by tests/distributed/test_distributed.py)
 GRADIENTS_AS_BACKWARD = False  # gradients go to its reduce buckets; the planner keeps every one beside the activations
 ZERO_STAGES = (2, 3)  # the stages `rlrun plan` suggests (engine.zero_stage)
 

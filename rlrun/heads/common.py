@@ -140,8 +140,8 @@ MASKED = -1e30
 def top_p_drop(z: torch.Tensor, targets: torch.Tensor | None, top_p: float, top_k: int = 0) -> torch.Tensor:
     """[rows, vocab] True where a tempered logit of `z` lies outside its row's top-p set: the smallest run of the
     distribution, most likely first, whose mass reaches `top_p`, as the sampler filters (rollout/hf.top_p_filter,
-    vLLM's processed logprobs; tests/test_heads.py checks they agree). The row's target stays in: the sampler drew
-    it, and a rounding difference at the set's edge must not make its logprob -inf here. With `top_k` > 0 the
+    vLLM's processed logprobs; tests/unit/heads/test_heads.py checks they agree). The row's target stays in: the sampler
+    drew it, and a rounding difference at the set's edge must not make its logprob -inf here. With `top_k` > 0 the
     set is first cut to the k most likely tokens, and top-p taken of them renormalised (the sampler's order)."""
     ordered, order = z.sort(-1, descending=True)
     cut = torch.zeros_like(ordered, dtype=torch.bool)

@@ -4,7 +4,7 @@ Every GRPO objective is a per-token function (see dapo.py, cispo.py, gspo.py) wr
 the KL term and the truncated importance-sampling weight and returns per-token losses and stats. Heads call the
 objective on slices of tokens (a tile, a chunk, or everything), so all heads compute the same numbers; `summarize`
 turns the per-token stats into metrics. `dapo_loss` / `cispo_loss` / `gspo_loss` are the one-call library form;
-their keyword defaults equal conf/loss/dapo.yaml, cispo.yaml and gspo.yaml (tests/test_losses.py checks it).
+their keyword defaults equal conf/loss/dapo.yaml, cispo.yaml and gspo.yaml (tests/unit/losses/test_losses.py checks it).
 
 Aggregation (`loss.agg`, agg.py): token_mean divides the sum over the step's valid tokens by their count (the heads'
 `num_tokens`); the per-sequence modes give each token a weight (`weights`: e.g. 1 / (S * L_s)), which the objective

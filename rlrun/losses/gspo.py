@@ -5,8 +5,8 @@ per sequence to [1 - clip_low, 1 + clip_high]. It is written in the paper's GSPO
 `compute_policy_loss_gspo` does: s_i,t = sg[s_i] * p_t / sg[p_t], whose value is s_i at every token of the sequence
 and whose gradient w.r.t. logprob_t is s_i. With one advantage per sequence and aggregation weights that are equal
 within a sequence (every `loss.agg`), the loss and its gradient are GSPO's sequence-level ones exactly:
-d/dlogprob_t [w_i |y_i| l(s_i)] = w_i l'(s_i) s_i, as in the token form (tests/test_objectives.py checks it against
-autograd through s_i). A per-token TIS weight multiplies each token's term, as verl applies rollout IS weights.
+d/dlogprob_t [w_i |y_i| l(s_i)] = w_i l'(s_i) s_i, as in the token form (tests/unit/losses/test_objectives.py checks it
+against autograd through s_i). A per-token TIS weight multiplies each token's term, as verl applies rollout IS weights.
 
 `seq_log_ratio` is each token's log s_i (detached), fixed by `rlrun.losses.objective` before the per-token calls
 (a sequence's tokens may lie in different tiles); that is the one thing this loss needs beyond DAPO's.

@@ -1,7 +1,7 @@
 """The terms of the plan, each a count of tensor bytes written next to what allocates it (see the package docstring).
 
-The per-token constants of a decoder layer were counted with saved-tensor hooks (tests/test_plan.py checks them
-at hidden 64-512, with and without GQA, for each precision path): they are what autograd keeps, exactly.
+The per-token constants of a decoder layer were counted with saved-tensor hooks (tests/unit/plan/test_plan.py checks
+them at hidden 64-512, with and without GQA, for each precision path): they are what autograd keeps, exactly.
 """
 
 from __future__ import annotations

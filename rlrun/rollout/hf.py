@@ -2,7 +2,7 @@
 
 `decode` is transformers' `generate` loop for decoder-only models (KV cache, left padding, pad after EOS) without
 its per-call and per-step overhead, which dominated the embedded model's step; it draws the same tokens bit for bit
-(tests/test_rollout.py). Models it does not cover still go through `generate`.
+(tests/unit/rollout/test_rollout.py). Models it does not cover still go through `generate`.
 
 Sampling is Gumbel-max with one seeded generator per sequence: token = argmax(logits/T (top-p filtered) + Gumbel
 noise), which is an exact draw from the tempered, filtered distribution. Because each sequence's noise depends
@@ -76,7 +76,7 @@ class SeededSampler(LogitsProcessor):
     def uniform(self, vocab: int) -> torch.Tensor:
         """[rows, vocab]: this step's uniform draws, row i's from its own generator. A row draws the next steps'
         numbers in one call (`AHEAD_FLOATS`), not one call a step: torch's CPU generator gives the same stream
-        either way (tests/test_rollout.py checks it), and a rollout's generators are used by it alone."""
+        either way (tests/unit/rollout/test_rollout.py checks it), and a rollout's generators are used by it alone."""
         if self.ahead is None or self.used == self.ahead.shape[1]:
             steps = max(1, min(AHEAD_FLOATS // vocab, self.max_steps or AHEAD_FLOATS))
             self.ahead = torch.stack([torch.rand(steps * vocab, generator=g) for g in self.generators])
@@ -151,7 +151,8 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     """The response tokens [B, <= max_new_tokens] of greedy decoding over `processor(ids, scores)` (None: raw
     scores): the steps of transformers' `generate` (left padding, dynamic KV cache, last-position logits in fp32,
     pad after EOS, stop when every row has ended), without its per-step configuration and validation work, which
-    dominates a small model's decode step. tests/test_rollout.py checks it token for token against `generate`.
+    dominates a small model's decode step. tests/unit/rollout/test_rollout.py checks it token for token against
+    `generate`.
 
     A row that ends leaves the running batch (its KV cache rows too), so the model and the sampler only work on
     the rows still going: on long-tailed lengths most rows end long before the longest. A processor with a
@@ -161,7 +162,7 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     `prefill_once`: each distinct prompt is prefilled once and its KV cache and first logits copied to the rows that
     repeat it (a group's completions share the prompt: group_size - 1 of every group_size prefills saved). A row's
     prefill is the same computation alone or among others; its numbers may differ in the last bits where the
-    matmul library blocks a smaller batch otherwise (tests/test_rollout.py compares)."""
+    matmul library blocks a smaller batch otherwise (tests/unit/rollout/test_rollout.py compares)."""
     lm = models.unwrap(model)
     if not fast_path(lm):
         out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,

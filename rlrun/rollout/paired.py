@@ -3,8 +3,8 @@
 every job trains on the same samples: exact options agree over the whole run instead of until a rounding flips a
 sampled token, and an inexact option's effect is not hidden in sampling noise (docs/replay.md).
 
-A replay of the recording job's own config reproduces its training bit for bit (tests/test_replay.py), so the first
-job, which generated, is paired with the others as if it had replayed too.
+A replay of the recording job's own config reproduces its training bit for bit (tests/unit/rollout/test_replay.py), so
+the first job, which generated, is paired with the others as if it had replayed too.
 
 `job_config` turns one job's composed config into its paired form (the sweep's callback validates those before any
 job runs; the job itself applies it); `problems` says why a sweep's jobs cannot share one record.

@@ -98,7 +98,7 @@ def overrides(point: dict, steps: int, uri: str) -> list[str]:
 def child(point: dict, steps: int, out_path: str) -> None:
     """One run of `point` in this fresh process; saves {phase: (predicted, measured, smallest)} growth in MiB: the
     plan, the median of the steps' measured growth (what the table judges) and the smallest step's (what
-    tests/test_plan.py judges: docs/plan.md, "Noise")."""
+    tests/unit/plan/test_plan.py judges: docs/plan.md, "Noise")."""
     from ..meters import growth_key, plan_growth_key
     from .bench_trl import rlrun_run
 

@@ -118,7 +118,7 @@ def reference_child(a, out_path) -> None:
 
 def errors(impl: str, a) -> dict[str, float]:
     """Max relative errors of `impl`'s loss, dL/dh and dL/dW against the fp64 reference, in this process and without
-    metering: the check a row makes, small enough for a test (tests/test_gpu.py on CUDA, test_bench_gpu on CPU).
+    metering: the check a row makes, small enough for a test (tests/e2e/test_gpu.py on CUDA, test_bench_gpu on CPU).
     `a`: `bench_args`'s namespace, so that a field the heads read is never missing here alone."""
     device = torch.device(a.device)
     hidden, weight, targets, mask, adv, seq_adv, old = inputs(a, device)
