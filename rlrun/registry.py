@@ -96,14 +96,17 @@ def register(group: str, name: str, target, config: type | None = None) -> None:
     `group=name` composes (with its YAML on Hydra's search path), validates, and is found by `get`. An axis keyed
     by a config key (precision, pipeline, decode: KEYED_BY) takes no config: `train.precision=name` validates once
     `name` is registered."""
+    if name not in REGISTRY.get(group, {}):  # replacing a shipped option's object keeps it shipped
+        ADDED.setdefault(group, set()).add(name)
     REGISTRY.setdefault(group, {})[name] = target
-    ADDED.setdefault(group, set()).add(name)
     if config is not None:
         CONFIGS.setdefault(group, {})[name] = config
 
 
 def unregister(group: str, name: str) -> None:
-    """Undo `register` (tests)."""
+    """Undo `register` of an option it added (tests); rlrun's own options stay."""
+    if name not in ADDED.get(group, ()):
+        return
     REGISTRY.get(group, {}).pop(name, None)
     CONFIGS.get(group, {}).pop(name, None)
     ADDED.get(group, set()).discard(name)

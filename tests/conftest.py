@@ -37,7 +37,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
                                                      // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
-# RLRUN_TOY_OPTIONS=1: a toy option of every efficiency axis registered for the session (tests/toys.py), before
+# RLRUN_TOY_OPTIONS=1: a toy option of every axis registered for the session (tests/toys.py), before
 # helpers.py lists the options its parametrized tests run; make_cfg composes with their YAMLs on the search path
 TOY_CONF = None
 if os.environ.get("RLRUN_TOY_OPTIONS"):

@@ -22,7 +22,7 @@ def pairs_bound(domains) -> int:
     density algorithm), v*w the two largest counts (the least any such array needs), k axes. Far below the product
     of all counts: a test that asserts it fails where every combination is listed."""
     counts = sorted(domains, reverse=True)
-    return math.floor(counts[0] * counts[1] * (1 + math.log(math.comb(len(counts), 2))))
+    return math.floor(counts[0] * counts[1] * (1 + math.log(max(1, math.comb(len(counts), 2)))))
 
 
 # The options tests parametrize over, from the registry (the one list of option names), the baseline first.

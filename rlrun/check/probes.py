@@ -189,10 +189,10 @@ def ranks(ctx) -> Row:
     """4b. Gradients do not depend on how a step's rows are shared over data-parallel ranks: two ranks, each half
     of the rows, as engine=deepspeed computes (each rank's step normalised by the counts gathered from both, its
     loss times the world size, the two gradients averaged as DeepSpeed's all-reduce averages), against one rank
-    holding them all. In one process: the recipe's arithmetic; DeepSpeed's own all-reduce is tests/test_distributed's.
-    The probe's advantages are given, so a share need not hold whole groups. Past the fp32 tolerance (SmolLM2 on 4
-    rows: 1.5e-5, the two halves summed in another order), the same comparison in float64 decides: rounding
-    vanishes there (< `F64_ALONE_TOL`), a per-rank normaliser does not."""
+    holding them all. In one process: the recipe's arithmetic; DeepSpeed's own all-reduce is
+    tests/distributed/test_distributed.py's. The probe's advantages are given, so a share need not hold whole groups.
+    Past the fp32 tolerance (SmolLM2 on 4 rows: 1.5e-5, the two halves summed in another order), the same comparison
+    in float64 decides: rounding vanishes there (< `F64_ALONE_TOL`), a per-rank normaliser does not."""
     rows = ctx.roll.input_ids.shape[0]
     if rows < 2:
         return Row("ranks", "n/a: one sequence in the probe", "-", None, RANKS_SOURCE)

@@ -13,8 +13,8 @@ its decode loop. Both draw with the same seeded sampler (rollout/hf.py) and end 
 Exactness: the prefill and the sampler are `Eager`'s; the compiled forward rounds in another order than eager's
 kernels (and computes a bucket's rows, not the running rows alone), so the sampler's logprobs agree to fp32
 tolerance and the tokens are the same except where a draw falls within rounding of a tie
-(tests/unit/rollout/test_decoding.py compares tokens and logprobs with `Eager` and transformers' `generate`; `rlrun
-check`'s `generator = trainer` probe bounds the logprobs per configuration).
+(tests/unit/rollout/test_decoding.py compares tokens and logprobs with `Eager` and transformers' `generate`;
+`rlrun check`'s `generator = trainer` probe bounds the logprobs per configuration).
 """
 
 from __future__ import annotations

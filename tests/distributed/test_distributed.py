@@ -7,8 +7,8 @@ curves of the same global batch up to float reduction order (tolerance below).
 
 import pytest
 from conftest import make_cfg, new_store
-from distributed import rlrun
 from helpers import HEADS, history, runs
+from torchrun import rlrun
 
 from rlrun import cli
 
@@ -151,7 +151,7 @@ def test_heads_under_zero3_match_dense_and_one_process(tmp_path, tied):
     import json
 
     import torch
-    from distributed import ROOT, torchrun
+    from torchrun import ROOT, torchrun
 
     from rlrun import losses, models, registry
 

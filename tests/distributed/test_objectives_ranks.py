@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_every_head_loss_and_agg_on_two_real_ranks_matches_the_reference(tmp_path):
-    from distributed import ROOT, torchrun
+    from torchrun import ROOT, torchrun
 
     out = torchrun(2, [str(ROOT / "tests" / "objectives_ranks.py"), str(tmp_path / "ranks.json")], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -48,9 +48,9 @@ NEW = ["loss=gspo", "loss.clip_low=0.05", "loss.clip_high=0.08", "loss.agg=seq_m
 def test_two_ranks_with_the_new_objectives_match_one(tmp_path, stage, batching):
     """Dynamic sampling chooses globally (rank 1 may train on groups rank 0 generated), gspo's ratios and the
     aggregation's counts span the ranks: the 2-rank curves are one process's."""
-    from distributed import rlrun
     from helpers import history, runs
     from test_distributed import EQUIV, assert_close, curves, single_process
+    from torchrun import rlrun
 
     extra = [f"batching={batching}", "batching.max_tokens=64"] if batching != "padded" else []
     one = single_process(tmp_path / "one", *NEW, *extra)

@@ -185,6 +185,17 @@ def test_a_toy_head_and_layout_compute_their_baselines_numbers(toys):
 KEYED_TOYS = ("precision", "pipeline", "decode")
 
 
+def test_registering_over_a_shipped_option_keeps_it_shipped_and_unregister_leaves_it():
+    original = registry.REGISTRY["precision"]["bf16"]
+    try:
+        registry.register("precision", "bf16", "toy_options:ToyPrecision")
+        assert registry.shipped("precision") == ["fp32", "bf16"]
+        registry.unregister("precision", "bf16")
+        assert registry.REGISTRY["precision"]["bf16"] == "toy_options:ToyPrecision"
+    finally:
+        registry.REGISTRY["precision"]["bf16"] = original
+
+
 @pytest.fixture
 def keyed_toys():
     """train.precision=toy_precision, rollout.pipeline=toy_pipeline, rollout.decode=toy_decode (tests/toys.py)

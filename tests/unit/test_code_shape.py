@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "rlrun"
@@ -184,8 +185,10 @@ def test_the_layout_page_lists_every_module_and_only_those_that_exist():
     assert not here - listed, f"docs/development.md#layout does not list {sorted(here - listed)}: add a line"
     assert not listed - here, f"docs/development.md#layout lists {sorted(listed - here)}, which rlrun/ has not"
     tools = {p.name for p in (PKG / "tools").glob("*.py") if p.stem != "__init__"}
-    unnamed = sorted(t for t in tools if t not in block)
-    assert not unnamed, f"docs/development.md#layout's tools/ line does not name {unnamed}"
+    tools_text = block[block.index("  tools/"):]  # the tools/ entry, to the end of the map
+    named = set(re.findall(r"(?<![\w/])(\w+\.py)\b", tools_text))
+    assert not tools - named, f"docs/development.md#layout's tools/ entry does not name {sorted(tools - named)}"
+    assert not named - tools, f"docs/development.md#layout's tools/ entry names {sorted(named - tools)}, gone"
 
 
 def test_the_layout_check_finds_a_missing_and_a_stale_entry():

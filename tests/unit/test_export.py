@@ -140,7 +140,7 @@ ds_engine.shutdown()  # leave the process group as a run does: exiting with gloo
 @pytest.mark.parametrize("tied", [False, True])
 def test_zero3_export_gathers_the_partitioned_weights(tmp_path, tied):
     pytest.importorskip("deepspeed")
-    from distributed import torchrun
+    from torchrun import torchrun
 
     script = tmp_path / "zero3_export.py"
     script.write_text(ZERO3_SCRIPT)

@@ -8,7 +8,7 @@ import itertools
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated, get_args, get_origin
+from typing import Annotated, get_args, get_origin, get_type_hints
 
 import pytest
 from conftest import make_cfg
@@ -181,14 +181,21 @@ def test_registry_keys_equal_file_stems():
 
 
 def test_registry_options_and_files_are_one_list():
-    from rlrun.config import choices
 
     groups = {p.name for p in (ROOT / "conf").iterdir() if p.is_dir()} - {"experiment", "hydra"}
     assert set(OPTIONS) == set(REGISTRY) - set(KEYED_BY) == groups
-    for group in REGISTRY:  # the schema's options are the shipped ones; a keyed axis's values, every registered one
+    for group in REGISTRY:
         key = KEYED_BY.get(group, group)
-        assert (choices(key) if "." in key else list(OPTIONS[key])) == (list(REGISTRY[group]) if "." in key
-                                                                        else shipped(group)), group
+        if "." not in key:  # a config group: the schema's options are the shipped ones
+            assert list(OPTIONS[key]) == shipped(group), group
+            continue
+        # a keyed axis: every node of the schema with that key takes the registry's options (or a few shipped ones)
+        node, _, leaf = key.partition(".")
+        arms = OPTIONS[node].values() if node in OPTIONS else [get_type_hints(RunConfig)[node]]
+        hints = [get_type_hints(arm, include_extras=True)[leaf] for arm in arms if leaf in get_type_hints(arm)]
+        assert hints, key
+        for tp in hints:
+            assert registered(tp) == group or set(get_args(tp)) < set(shipped(group)), (key, tp)
     assert shipped("precision") == ["fp32", "bf16"] and shipped("pipeline") == ["sync", "async"]
 
 

@@ -207,7 +207,7 @@ def test_the_worker_leaves_when_the_trainer_is_killed(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(
         "import sys, time, torch\n"
-        f"sys.path[:0] = {[str(p) for p in sys.path[:3]]!r}\n"
+        f"sys.path[:0] = {TEST_PATH.split(os.pathsep)!r}\n"  # conftest's folder
         "from conftest import make_cfg\n"
         "from rlrun import models, pipeline\n"
         "from rlrun.config import validate\n"

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import TEST_PATH
 from helpers import HEAD_ALTERNATIVES
 
 from rlrun.recipes import grpo, sampling
@@ -270,15 +271,13 @@ def test_heads_give_the_same_curve_with_every_new_option(tmp_path, option):
 
 @pytest.mark.slow
 def test_a_dynamic_sampling_run_killed_mid_way_resumes_bit_for_bit(tmp_path, monkeypatch):
-    from pathlib import Path
 
     import test_checkpoint as tc
     from test_checkpoint import KILL_SEED, curve, kill_after, kill_point, rlrun
 
     from rlrun import checkpoint
 
-    # the runs' reward is in tests/helpers.py
-    monkeypatch.setattr(tc, "ENV", {**tc.ENV, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    monkeypatch.setattr(tc, "ENV", {**tc.ENV, "PYTHONPATH": TEST_PATH})  # the runs' reward: tests/helpers.py
     args = [*HALF, "loss=gspo", "loss.agg=seq_mean_token_mean", "train.dynamic_sampling=true",
             "train.overlong=penalty", "train.steps=16", f"checkpoint.dir={tmp_path}/run/ckpt", "checkpoint.every=3"]
     (tmp_path / "base").mkdir()

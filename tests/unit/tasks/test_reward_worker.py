@@ -355,7 +355,7 @@ def test_a_reward_worker_killed_from_outside_fails_the_run_naming_the_reward(tmp
 
 TRAINER = """
 import os, sys, time
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}.split(os.pathsep)  # conftest's TEST_PATH: test_reward_worker's folder
 from test_reward_worker import ROWS, task_of
 from rlrun import tasks
 task = task_of("spawns")
@@ -369,7 +369,7 @@ with tasks.isolated(task, 30):
 @pytest.mark.slow  # a trainer process of its own, killed
 def test_a_killed_trainer_takes_the_reward_worker_and_what_it_started_with_it(tmp_path):
     env = {**ENV, "CHILDREN": str(tmp_path / "children")}
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(tests=os.path.join(ROOT, "tests"))], env=env,
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(tests=TEST_PATH)], env=env,
                                stdout=subprocess.PIPE, text=True)
     try:
         worker = int(trainer.stdout.readline())
