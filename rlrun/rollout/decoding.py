@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import models
-from . import hf
+from . import attention, hf
 
 log = logging.getLogger("rlrun")
 LENGTH_STEP = 64  # the static cache's length is the rollout's (prompt + max_new_tokens) rounded up to this
@@ -171,7 +171,8 @@ def _prefill(lm, input_ids, attention_mask, length: int, prefill_once: bool):
 
 @torch.no_grad()
 def decode_compiled(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: int, pad_token_id: int,
-                    processor=None, drop_ended: bool = True, prefill_once: bool = True) -> torch.Tensor:
+                    processor=None, drop_ended: bool = True, prefill_once: bool = True,
+                    grouped_kv: bool = True) -> torch.Tensor:
     """rollout/hf.py `decode`'s contract (the same response tensor, the same processor calls), with the decode
     steps compiled at static shapes (the module docstring). Models `decode` sends to `generate`, and models whose
     caches are not plain static ones, go to `hf.decode`."""
@@ -179,13 +180,20 @@ def decode_compiled(model, input_ids, attention_mask, *, max_new_tokens: int, eo
     if not hf.fast_path(lm) or not static_ok(lm):
         return hf.decode(model, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                          pad_token_id=pad_token_id, processor=processor, drop_ended=drop_ended,
-                         prefill_once=prefill_once)
+                         prefill_once=prefill_once, grouped_kv=grouped_kv)
+    with attention.grouped(lm, grouped_kv):  # grouped KV heads read in place, not copied a step (attention.py)
+        return _decode(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, processor,
+                       drop_ended and (processor is None or hasattr(processor, "select")), prefill_once)
+
+
+def _decode(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, processor, drop: bool,
+            prefill_once: bool) -> torch.Tensor:
+    """`decode_compiled`'s loop (`drop`: ended rows may leave the bucket)."""
     rows_in, prompt = input_ids.shape
     device = input_ids.device
     length = -(-(prompt + max_new_tokens) // LENGTH_STEP) * LENGTH_STEP
     scores, cache, mask, last = _prefill(lm, input_ids, attention_mask, length, prefill_once)
     size = cache.layers[0].keys.shape[0]
-    drop = drop_ended and (processor is None or hasattr(processor, "select"))
     response = input_ids.new_full((rows_in, max_new_tokens), pad_token_id)
     rows = torch.arange(rows_in, device=device)  # the rows still running, in response
     slots = torch.arange(rows_in, device=device)  # where each running row sits in the bucket

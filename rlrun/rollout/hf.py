@@ -20,7 +20,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from .. import models
-from . import Rollout
+from . import Rollout, attention
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float, top_k: int = 0) -> torch.Tensor:
@@ -147,7 +147,7 @@ def going_on(processor, unfinished, next_tokens) -> torch.Tensor:
 
 @torch.no_grad()
 def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: int, pad_token_id: int,
-           processor=None, drop_ended: bool = True, prefill_once: bool = True) -> torch.Tensor:
+           processor=None, drop_ended: bool = True, prefill_once: bool = True, grouped_kv: bool = True) -> torch.Tensor:
     """The response tokens [B, <= max_new_tokens] of greedy decoding over `processor(ids, scores)` (None: raw
     scores): the steps of transformers' `generate` (left padding, dynamic KV cache, last-position logits in fp32,
     pad after EOS, stop when every row has ended), without its per-step configuration and validation work, which
@@ -162,13 +162,24 @@ def decode(model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_i
     `prefill_once`: each distinct prompt is prefilled once and its KV cache and first logits copied to the rows that
     repeat it (a group's completions share the prompt: group_size - 1 of every group_size prefills saved). A row's
     prefill is the same computation alone or among others; its numbers may differ in the last bits where the
-    matmul library blocks a smaller batch otherwise (tests/unit/rollout/test_rollout.py compares)."""
+    matmul library blocks a smaller batch otherwise (tests/unit/rollout/test_rollout.py compares).
+
+    `grouped_kv`: a model whose query heads share KV heads attends without copying its cache per group, on CPU
+    (rollout/attention.py: the same numbers bit for bit); False: transformers' SDPA attention, which copies."""
     lm = models.unwrap(model)
     if not fast_path(lm):
         out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                           logits_processor=LogitsProcessorList([processor] if processor else []),
                           max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         return out[:, input_ids.shape[1]:]
+    with attention.grouped(lm, grouped_kv):
+        return _decode(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, processor,
+                       drop_ended, prefill_once)
+
+
+def _decode(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, processor, drop_ended,
+            prefill_once) -> torch.Tensor:
+    """`decode`'s loop on a model of the fast path."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=lm.config.get_text_config(decoder=True))
@@ -215,14 +226,14 @@ def encode(tokenizer, prompts: list[str], device):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int], drop_ended: bool = True,
-             prefill_once: bool = True) -> Rollout:
-    """`seeds`: one sampling seed per prompt (see the module docstring); `drop_ended`, `prefill_once`: see
-    `decode`."""
+             prefill_once: bool = True, grouped_kv: bool = True) -> Rollout:
+    """`seeds`: one sampling seed per prompt (see the module docstring); `drop_ended`, `prefill_once`, `grouped_kv`:
+    see `decode`."""
     input_ids, attention_mask = encode(tokenizer, prompts, device)
     sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p, cfg.max_new_tokens, getattr(cfg, "top_k", 0))
     response = of(cfg).decode(model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, processor=sampler,
-                      drop_ended=drop_ended, prefill_once=prefill_once)
+                      drop_ended=drop_ended, prefill_once=prefill_once, grouped_kv=grouped_kv)
     sampler.collect(response[sampler.rows.to(response.device), -1])  # the last draw of the rows still running
     gen_logprobs = torch.stack(sampler.logprobs, dim=1)
     return Rollout.from_response(input_ids, attention_mask, response, gen_logprobs, tokenizer)

@@ -28,10 +28,13 @@ import statistics
 import time
 
 # as transformers' generate; then rlrun's eager steps one by one; then rollout.decode=compiled
-MODES: dict[str, dict] = {"every row to the end": {"drop_ended": False, "prefill_once": False},
-                          "ended rows leave": {"drop_ended": True, "prefill_once": False},
-                          "and each prompt prefilled once": {"drop_ended": True, "prefill_once": True},
-                          "rollout.decode compiled": {"drop_ended": True, "prefill_once": True, "decode": "compiled"}}
+GROUPED = "and grouped KV heads read in place"  # a row only for a model whose query heads share KV heads
+MODES: dict[str, dict] = {
+    "every row to the end": {"drop_ended": False, "prefill_once": False, "grouped_kv": False},
+    "ended rows leave": {"drop_ended": True, "prefill_once": False, "grouped_kv": False},
+    "and each prompt prefilled once": {"drop_ended": True, "prefill_once": True, "grouped_kv": False},
+    GROUPED: {"drop_ended": True, "prefill_once": True, "grouped_kv": True},
+    "rollout.decode compiled": {"drop_ended": True, "prefill_once": True, "grouped_kv": True, "decode": "compiled"}}
 EAGER = [m for m, kw in MODES.items() if kw.get("decode", "eager") == "eager"]  # these draw the same tokens
 
 
@@ -67,6 +70,14 @@ def clock(device: str) -> float:
     return time.perf_counter()
 
 
+def active_modes(policy) -> list[str]:
+    """MODES, less the grouped-KV row for a model whose heads are not grouped (it would repeat the row before)."""
+    from .. import models
+    from ..rollout import attention
+
+    return [m for m in MODES if m != GROUPED or attention.applies(models.unwrap(policy))]
+
+
 def measure(a) -> list[dict]:
     """Each rollout in every mode (order rotating); one row per mode, then the GEMM bound's."""
     import dataclasses
@@ -79,10 +90,12 @@ def measure(a) -> list[dict]:
         torch.set_num_threads(a.threads)
     policy, tokenizer, rollout_cfg, rollouts = model_and_rollouts(a)
     device = device_of(a)
-    got: dict[str, list] = {m: [] for m in MODES}
+    active = active_modes(policy)
+    eager = [m for m in active if m in EAGER]
+    got: dict[str, list] = {m: [] for m in active}
     same, apart, forwards = True, 0.0, []
     for i, (texts, seeds) in enumerate(rollouts):
-        modes = list(MODES)[i % len(MODES):] + list(MODES)[:i % len(MODES)]  # each mode first in turn
+        modes = active[i % len(active):] + active[:i % len(active)]  # each mode first in turn
         rolls = {}
         for mode in modes:
             kw = dict(MODES[mode])
@@ -99,15 +112,15 @@ def measure(a) -> list[dict]:
             rolls[mode] = roll
             rows = [r for r, _ in shapes]
             if i:  # rollout 0 warms up (and compiles the buckets it meets)
-                if mode == EAGER[-1]:
+                if mode == eager[-1]:
                     forwards.append([r * n for r, n in shapes])
                 got[mode].append({"seconds": seconds, "tokens": int(roll.response_mask.sum()), "compile_s": compile_s,
                                   "prefill": rows[0] if rows else None, "rows": sum(rows[1:]) if rows else None,
                                   "length": float(roll.response_mask.sum(1).float().mean()),
                                   "longest": int(roll.response_mask.sum(1).max())})
-        first = rolls[EAGER[0]]
-        same &= all(torch.equal(first.input_ids, rolls[m].input_ids) for m in EAGER)
-        for m in set(MODES) - set(EAGER):  # compiled: its tokens and its logprobs' distance from eager's
+        first = rolls[eager[0]]
+        same &= all(torch.equal(first.input_ids, rolls[m].input_ids) for m in eager)
+        for m in set(active) - set(eager):  # compiled: its tokens and its logprobs' distance from eager's
             if torch.equal(first.input_ids, rolls[m].input_ids):
                 apart = max(apart, float((first.gen_logprobs - rolls[m].gen_logprobs).abs().max()))
             else:
@@ -115,10 +128,10 @@ def measure(a) -> list[dict]:
     out = summary(got, same, apart)
     if getattr(a, "vllm", True):
         out += vllm_rows(a, policy, tokenizer, rollouts)
-    tokens, bound = sum(r["tokens"] for r in got[EAGER[-1]]), gemm_seconds(policy, forwards, device)
+    tokens, bound = sum(r["tokens"] for r in got[eager[-1]]), gemm_seconds(policy, forwards, device)
     out.append({"impl": "GEMM bound: the matmuls alone", "tokens_per_s": tokens / bound,
-                "ms": None, "compile_s": 0.0, "rows_computed": out[len(EAGER) - 1]["rows_computed"],
-                "prefill_rows": out[len(EAGER) - 1]["prefill_rows"], "length_mean": None, "longest_mean": None,
+                "ms": None, "compile_s": 0.0, "rows_computed": out[len(eager) - 1]["rows_computed"],
+                "prefill_rows": out[len(eager) - 1]["prefill_rows"], "length_mean": None, "longest_mean": None,
                 "same_tokens": None, "logprob_diff": None})
     base = out[0]["tokens_per_s"]
     for r in out:

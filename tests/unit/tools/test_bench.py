@@ -437,3 +437,20 @@ def test_trl_bench_on_a_real_model_runs_its_experiment_for_both():
     assert cfg.model.name == "smollm2" and cfg.task.name == "word_problems"
     lora = bench_trl.lora_config(cfg)
     assert lora.r == cfg.model.lora.rank and lora.target_modules == "all-linear"
+
+
+@pytest.mark.slow  # a warm start of its own (2 query heads on 1 KV head) and the compiled decode's buckets
+def test_generate_bench_reads_grouped_kv_heads_in_place_for_a_model_that_groups_them(tmp_path):
+    """A model whose query heads share KV heads gets a row of its own: the same tokens as the rows before it (which
+    copy each KV head per group, as transformers' attention does) at the same rows computed."""
+    from rlrun.tools import bench_generate
+
+    a = argparse.Namespace(rollouts=1, seed=0, threads=1, tracking_uri="none", vllm=False,
+                           rlrun_args=["model.heads=2", "model.kv_heads=1", "train.rollout_batch=16",
+                                       "train.group_size=4", "train.batch_size=16", "train.micro_batch=16"])
+    rows = bench_generate.bench(a, lambda *args: None)
+    by = {r["impl"]: r for r in rows}
+    assert list(by) == [*bench_generate.MODES, "GEMM bound: the matmuls alone"]
+    grouped, once = by[bench_generate.GROUPED], by["and each prompt prefilled once"]
+    assert grouped["same_tokens"] and grouped["rows_computed"] == once["rows_computed"]
+    assert by["rollout.decode compiled"]["same_tokens"]
