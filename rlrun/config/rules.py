@@ -175,15 +175,23 @@ def sequence_tis_needs_the_old_pass(c, world):
                "logprob_policy=window (it then runs the pass for every rollout) or loss.tis.level=token.")
 
 
+def draws_ahead(pipeline: str) -> bool:
+    """Whether rollout.pipeline's option generates in a process of its own, ahead of the trainer, on weights it is
+    sent after each step (its object's `generator_process` fact: `async`, or an option registered with it). Imports
+    the option, and torch, only for an option other than the baseline's (such a run imports them anyway)."""
+    return pipeline != registry.baseline("pipeline") and bool(registry.get("pipeline", pipeline).generator_process)
+
+
 @rule("rollout.pipeline", "logprob_policy.name", "loss.name")
 def async_needs_the_old_pass(c, world):
-    if c.rollout.pipeline != "async":
+    p = c.rollout.pipeline
+    if not draws_ahead(p):
         return
     if c.loss.name == "dpo":
-        yield ("rollout.pipeline=async overlaps generation with GRPO training; loss=dpo generates nothing (its pairs "
+        yield (f"rollout.pipeline={p} overlaps generation with GRPO training; loss=dpo generates nothing (its pairs "
                "are data). Use rollout.pipeline=sync with loss=dpo.")
     elif c.logprob_policy.name == "skip":
-        yield ("rollout.pipeline=async trains on rollouts drawn by older weights, but logprob_policy=skip assumes "
+        yield (f"rollout.pipeline={p} trains on rollouts drawn by older weights, but logprob_policy=skip assumes "
                "the weights that drew a rollout are the ones that train on it (it never runs the old-policy pass). "
                "Use logprob_policy=window (the pass where a rollout spans optimizer steps; the staleness itself is "
                "corrected by loss.tis.*) or always.")
@@ -191,18 +199,19 @@ def async_needs_the_old_pass(c, world):
 
 @rule("rollout.pipeline", "train.dynamic_sampling", "loss.name")
 def async_draws_one_round(c, world):
-    if c.rollout.pipeline == "async" and c.train.dynamic_sampling and c.loss.name != "dpo":
+    if c.train.dynamic_sampling and c.loss.name != "dpo" and draws_ahead(c.rollout.pipeline):
         yield ("train.dynamic_sampling=true generates more rounds until a rollout's groups carry a signal, which "
-               "rollout.pipeline=async does not do yet (its generator draws one round per rollout, ahead of the "
-               "trainer). Use rollout.pipeline=sync with dynamic sampling, or train.dynamic_sampling=false.")
+               f"rollout.pipeline={c.rollout.pipeline} does not do (its generator draws one round per rollout, ahead "
+               "of the trainer). Use rollout.pipeline=sync with dynamic sampling, or train.dynamic_sampling=false.")
 
 
 @rule("rollout.pipeline", "engine.name", "engine.zero_stage")
 def async_with_replicated_weights(c, world):
-    if c.rollout.pipeline == "async" and c.engine.name == "deepspeed" and c.engine.zero_stage == 3:
-        yield ("rollout.pipeline=async publishes each rank's weights to its generator after every step, and ZeRO-3 "
+    p = c.rollout.pipeline
+    if c.engine.name == "deepspeed" and c.engine.zero_stage == 3 and draws_ahead(p):
+        yield (f"rollout.pipeline={p} publishes each rank's weights to its generator after every step, and ZeRO-3 "
                "partitions them across ranks (every publish would gather the whole model on every rank). Use "
-               "engine.zero_stage=2 with rollout.pipeline=async, or rollout.pipeline=sync.")
+               f"engine.zero_stage=2 with rollout.pipeline={p}, or rollout.pipeline=sync.")
 
 
 @rule("rollout.name", "rollout.record", "loss.name")

@@ -325,6 +325,29 @@ def test_what_async_refuses_is_one_clear_error(overrides, needle):
     assert needle in str(e.value) and len(e.value.problems) == 1
 
 
+def test_the_rules_ask_a_pipelines_fact_not_its_name():
+    """An option registered from outside that generates ahead in a process of its own (`generator_process`) is
+    refused what async is refused, by its own name; one that generates beside the trainer (sync's rollouts under
+    another name) is not."""
+    from rlrun import registry
+    from rlrun.config import ConfigError
+    from rlrun.recipes.sources import Async, Sync
+
+    registry.register("pipeline", "test_ahead", type("Ahead", (Async,), {}))
+    registry.register("pipeline", "test_beside", type("Beside", (Sync,), {"exactness": "bitwise"}))
+    try:
+        with pytest.raises(ConfigError) as e:
+            validate(make_cfg("experiment=smoke", "rollout.pipeline=test_ahead", "logprob_policy=skip",
+                              "engine=deepspeed", "engine.zero_stage=3"))
+        assert [p.split(" trains on")[0].split(" publishes")[0] for p in e.value.problems] == [
+            "rollout.pipeline=test_ahead"] * 2
+        validate(make_cfg("experiment=smoke", "rollout.pipeline=test_beside", "logprob_policy=skip",
+                          "engine=deepspeed", "engine.zero_stage=3"))
+    finally:
+        registry.unregister("pipeline", "test_ahead")
+        registry.unregister("pipeline", "test_beside")
+
+
 def test_sequence_correction_refuses_skip_and_an_empty_mask_range():
     from rlrun.config import ConfigError
 
