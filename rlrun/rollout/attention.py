@@ -44,10 +44,12 @@ def _register() -> None:
 
 
 def applies(lm) -> bool:
-    """Whether `lm` attends with transformers' SDPA and groups its query heads (a decode would copy its cache)."""
+    """Whether `lm` is on CPU, attends with transformers' SDPA and groups its query heads (a decode would copy its
+    cache)."""
     cfg = lm.config.get_text_config(decoder=True)
     heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
-    return lm.config._attn_implementation == "sdpa" and bool(heads and kv and kv < heads)
+    on_cpu = next(lm.parameters()).device.type == "cpu"
+    return on_cpu and lm.config._attn_implementation == "sdpa" and bool(heads and kv and kv < heads)
 
 
 @contextlib.contextmanager

@@ -80,6 +80,14 @@ def test_a_model_whose_heads_are_not_grouped_is_left_alone():
         assert model.config._attn_implementation == "sdpa"
 
 
+def test_a_grouped_model_off_the_cpu_is_left_alone():
+    """CUDA's kernels take grouped heads with a mask only on a slower path: off the CPU nothing changes (the meta
+    device stands in for a GPU here)."""
+    model, _ = tiny()
+    assert attention.applies(model)
+    assert not attention.applies(model.to("meta"))
+
+
 def test_the_model_attends_as_before_after_a_decode_that_failed():
     model, _ = tiny()
     with pytest.raises(RuntimeError, match="stop"), attention.grouped(model):
