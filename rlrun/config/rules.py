@@ -178,14 +178,15 @@ def sequence_tis_needs_the_old_pass(c, world):
 def draws_ahead(pipeline: str) -> bool:
     """Whether rollout.pipeline's option generates in a process of its own, ahead of the trainer, on weights it is
     sent after each step (its object's `generator_process` fact: `async`, or an option registered with it). Imports
-    the option, and torch, only for an option other than the baseline's (such a run imports them anyway)."""
+    the option, and torch: the rules ask it last, only where the rest of a conflict is there, so validating a run
+    that has none stays quick (cli.py's promise)."""
     return pipeline != registry.baseline("pipeline") and bool(registry.get("pipeline", pipeline).generator_process)
 
 
 @rule("rollout.pipeline", "logprob_policy.name", "loss.name")
 def async_needs_the_old_pass(c, world):
     p = c.rollout.pipeline
-    if not draws_ahead(p):
+    if not (c.loss.name == "dpo" or c.logprob_policy.name == "skip") or not draws_ahead(p):
         return
     if c.loss.name == "dpo":
         yield (f"rollout.pipeline={p} overlaps generation with GRPO training; loss=dpo generates nothing (its pairs "

@@ -44,24 +44,26 @@ def _register() -> None:
 
 
 def applies(lm) -> bool:
-    """Whether `lm` is on CPU, attends with transformers' SDPA and groups its query heads (a decode would copy its
-    cache)."""
-    cfg = lm.config.get_text_config(decoder=True)
-    heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
-    on_cpu = next(lm.parameters()).device.type == "cpu"
-    return on_cpu and lm.config._attn_implementation == "sdpa" and bool(heads and kv and kv < heads)
+    """Whether `lm` is on CPU, its decoder attends with transformers' SDPA and groups its query heads (a decode would
+    copy its cache)."""
+    text = lm.config.get_text_config(decoder=True)
+    heads, kv = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    weight = next(lm.parameters(), None)
+    on_cpu = weight is not None and weight.device.type == "cpu"
+    return on_cpu and text._attn_implementation == "sdpa" and bool(heads and kv and kv < heads)
 
 
 @contextlib.contextmanager
 def grouped(lm, on: bool = True):
-    """While a decode loop runs: `lm` attends with `attention` (if `on` and it `applies`), then as before, even on an
-    error."""
+    """While a decode loop runs: `lm`'s decoder attends with `attention` (if `on` and it `applies`), then as before,
+    even on an error. Only the decoder's config changes (a composite model's other parts keep theirs)."""
     if not (on and applies(lm)):
         yield
         return
     _register()
-    lm.config._attn_implementation = NAME  # the setter carries it to the sub-configs too
+    text = lm.config.get_text_config(decoder=True)
+    text._attn_implementation = NAME
     try:
         yield
     finally:
-        lm.config._attn_implementation = "sdpa"
+        text._attn_implementation = "sdpa"  # what `applies` found

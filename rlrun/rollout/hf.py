@@ -231,9 +231,10 @@ def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int]
     see `decode`."""
     input_ids, attention_mask = encode(tokenizer, prompts, device)
     sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p, cfg.max_new_tokens, getattr(cfg, "top_k", 0))
+    extra = {} if grouped_kv else {"grouped_kv": False}  # (a decode option written before the flag needs no change)
     response = of(cfg).decode(model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, processor=sampler,
-                      drop_ended=drop_ended, prefill_once=prefill_once, grouped_kv=grouped_kv)
+                      drop_ended=drop_ended, prefill_once=prefill_once, **extra)
     sampler.collect(response[sampler.rows.to(response.device), -1])  # the last draw of the rows still running
     gen_logprobs = torch.stack(sampler.logprobs, dim=1)
     return Rollout.from_response(input_ids, attention_mask, response, gen_logprobs, tokenizer)

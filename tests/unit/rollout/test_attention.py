@@ -27,31 +27,35 @@ def copies(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("queries,keys", [(1, 77), (1, 128), (20, 20), (7, 300)])  # decode steps; prefills
-def test_grouped_heads_with_a_mask_compute_sdpas_numbers_bit_for_bit_without_the_copy(dtype, queries, keys, copies):
+# decode steps (1 query) and prefills
+@pytest.mark.parametrize("queries,keys,dim", [(1, 77, 64), (1, 128, 128), (20, 20, 64), (7, 300, 32)])
+def test_grouped_heads_with_a_mask_compute_sdpas_numbers_bit_for_bit_without_the_copy(dtype, queries, keys, dim,
+                                                                                      copies):
     g = torch.Generator().manual_seed(queries * 1000 + keys)
-    q = torch.randn(3, 9, queries, 64, generator=g).to(dtype)
-    k, v = (torch.randn(3, 3, keys, 64, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(3, 9, queries, dim, generator=g).to(dtype)
+    k, v = (torch.randn(3, 3, keys, dim, generator=g).to(dtype) for _ in range(2))
     mask = torch.rand(3, 1, queries, keys, generator=g) > 0.3
     mask[..., 0] = True
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
     with torch.no_grad():
-        ours, _ = attention.attention(module, q, k, v, mask, scaling=0.125)
+        ours, _ = attention.attention(module, q, k, v, mask, scaling=dim ** -0.5)
         assert copies["n"] == 0
-        theirs, _ = sdpa.sdpa_attention_forward(module, q, k, v, mask, scaling=0.125)
+        theirs, _ = sdpa.sdpa_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
         assert copies["n"] == 2  # transformers copies the keys and the values
     assert torch.equal(ours, theirs)
 
 
-def test_with_autograd_or_without_a_mask_it_is_transformers_own_function(copies):
+def test_with_autograd_or_a_position_bias_it_is_transformers_own_function(copies):
     module = SimpleNamespace(num_key_value_groups=2, is_causal=True)
     q, k, v = torch.randn(2, 4, 5, 32), torch.randn(2, 2, 5, 32), torch.randn(2, 2, 5, 32)
     mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
     attention.attention(module, q.requires_grad_(), k, v, mask)  # training: its gradients are transformers'
     assert copies["n"] == 2
     with torch.no_grad():
+        attention.attention(module, q, k, v, mask, position_bias=torch.zeros(1, 4, 5, 5))
+        assert copies["n"] == 4
         attention.attention(module, q, k, v, None)  # no mask: transformers groups the heads itself
-    assert copies["n"] == 2
+    assert copies["n"] == 4
 
 
 def decode(model, tok, prompts, seeds):
@@ -94,3 +98,16 @@ def test_the_model_attends_as_before_after_a_decode_that_failed():
         assert model.config._attn_implementation == attention.NAME
         raise RuntimeError("stop")
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.slow  # inductor compiles the decode step's buckets
+def test_the_compiled_decode_traces_the_grouped_path(copies):
+    """A model the compiled step has not met is traced anew: no KV head copied in its graph."""
+    from rlrun.rollout import decoding
+
+    model, tok = tiny(seed=7)
+    prompts, seeds = prompts_and_seeds(4, 5)
+    before = decoding.COMPILES.count
+    hf.generate(model, tok, prompts, SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=6,
+                                                     decode="compiled"), "cpu", seeds)
+    assert decoding.COMPILES.count > before and copies["n"] == 0
