@@ -27,7 +27,7 @@ from .. import algorithms, axes, models, plan, policy, registry, render, tasks
 from ..axes import Axes
 from ..meters import MIB, Meter
 from ..recipes import grpo
-from . import probes, steps, watch
+from . import objective, probes, steps, watch
 from .probes import Row
 
 PROBE_ROWS = 16  # sequences of the probe rollout at most (whole groups): seconds on the embedded default
@@ -48,6 +48,7 @@ class Context:
     meter: Meter
     exactness: set  # what the options that differ from the baseline's are
     prompts: list  # the probe rollout's prompts (the generator process draws them again)
+    tokenizer: Any = None  # the configuration's (the truth's crafted rollout decodes and ends rows with it)
 
 
 def baseline_config(cfg):
@@ -112,7 +113,7 @@ def build(cfg) -> Context:
     changed = exactness_of(cfg)
     copies = {"trainer": trainer, "reference": reference.to(device), "generator": generator}
     return Context(cfg, trainer, baseline, copies, bound, base_axes, roll, micros, advantages,
-                   Meter(torch.device(device)), changed, prompts)
+                   Meter(torch.device(device)), changed, prompts, tokenizer)
 
 
 def exactness_of(cfg) -> set:
@@ -187,7 +188,9 @@ PROBES = [(probes.on_policy_ratio, ("on-policy ratio",)),
           (probes.accumulation, ("accumulation",)), (probes.ranks, ("ranks",)),
           (probes.sequences_alone, ("sequence alone",)), (probes.policy_copies, ("policy copies",)),
           (probes.no_full_logits, ("no full logits",)), (plan_probe, ("memory plan",)),
-          (probes.against_baseline, ("vs baseline",)), (steps.master_weights, ("master weights",)),
+          (probes.against_baseline, ("vs baseline",)),
+          (objective.truth_rows, ("objective vs truth", "data decisions")),
+          (steps.master_weights, ("master weights",)),
           (steps.logprob_schedule, ("logprob schedule",)), (steps.generator_process, ("generator process",))]
 
 VERDICT = {True: "pass", False: "FAIL", None: "-"}

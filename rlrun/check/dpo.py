@@ -10,6 +10,7 @@ promises none, and loss and gradients against the baseline.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from types import SimpleNamespace
 
@@ -18,11 +19,13 @@ import torch
 from .. import axes, models, plan, policy, precision, tasks
 from ..meters import Meter
 from ..recipes import dpo
-from . import probes, steps
+from . import objective, probes, steps, truth
+from .float64 import in_float64
 from .probes import BF16_TOL, FP_TOL, RANKS_SOURCE, RATIO_TOL, Row, grad_diff, grads_of, guarded, logprob_tol
 from .rows import rel_scalar
 
 PROBE_PAIRS = 8  # pairs of the probe batch at most: seconds on the embedded default
+MOVED = 1.0  # the policy's trainable weights moved by this times their mean size: beta x margin spreads over ~+-1
 NOT_DRAWN = "n/a: DPO draws nothing (its pairs are data)"
 
 
@@ -146,6 +149,64 @@ def against_baseline(ctx, known, exactness: set) -> Row:
                "every exact option: its equivalence tests, here on your configuration")
 
 
+def truth_rows(ctx) -> list[Row]:
+    """The DPO step and its reference logprobs against the truth (rlrun/check/truth.py), in float64: the recipe's
+    own reference pass and cache (recipes/dpo.reference_logprobs, on an engine holding what setup gives it) and its
+    train step, after the policy's trainable weights moved off the reference (at a run's start every margin is 0:
+    the loss ln 2 whatever its beta, its label smoothing or the cache's order), against the truth's sequence
+    logprobs of each pair alone and DPO's loss written from its paper."""
+    cfg, tok = ctx.cfg, ctx.tokenizer
+
+    def both(model):
+        initial = copy.deepcopy(ctx.reference).double()
+        objective.moved(model, cfg.seed + 1, MOVED)
+        off = models.adapters_off_reference(cfg.model.lora, cfg.loss.reference_path)
+        engine = probes.engine_of(model, ctx.device)
+        engine.reference, engine.offload, engine.onload = None if off else initial, lambda: None, lambda: None
+        s = SimpleNamespace(engine=engine, meter=ctx.meter, axes=ctx.axes, tokenizer=tok)
+        known, _, _ = dpo.reference_logprobs(cfg, s, dpo.ReferenceCache(), ctx.pairs)
+        model.zero_grad(set_to_none=True)
+        parts, _, _, _ = dpo.train_step(cfg, s, ctx.pairs, known, 0)
+        got = (float(sum(m["loss"] for _, m in parts)), grads_of(model))
+        return got, dpo_truth(ctx, model, initial), known
+
+    (loss, grads), (want_loss, want, reference, margins), known = in_float64(ctx.trainer, both)
+    cached = torch.tensor([known[p["id"]] for p in ctx.pairs], dtype=torch.float64)
+    d_ref = (cached - reference).abs().max().item()
+    d_loss, d_grad = rel_scalar(loss, want_loss), objective.rel_grads(grads, want)
+    return [Row("objective vs truth", f"loss and gradients within {objective.TRUTH_TOL:.0e} of the float64 truth "
+                "(rlrun/check/truth.py), the policy off the reference",
+                f"loss {d_loss:.1e}, gradients {d_grad:.1e}; beta x margin in [{margins[0]:.2f}, {margins[1]:.2f}]",
+                max(d_loss, d_grad) <= objective.TRUTH_TOL, objective.SOURCE),
+            Row("data decisions", "the reference logprobs the step is given (chosen, rejected: by name) as a fresh "
+                "pass of the initial policy", f"reference logprobs max {d_ref:.1e}", d_ref <= objective.TRUTH_TOL,
+                "DPO's cached reference logprobs (chosen and rejected swapped: step-0 loss 0.436, not ln 2)")]
+
+
+def dpo_truth(ctx, model, initial):
+    """(the truth's loss, its gradients on `model`, [pairs, 2] reference logprobs, the range of beta x margin)."""
+    lc, tok = ctx.cfg.loss, ctx.tokenizer
+    encode = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
+    policy, reference, nll = [], [], []
+    model.zero_grad(set_to_none=True)
+    for p in ctx.pairs:
+        prompt, sides = encode(p["prompt"]), [encode(p[k]) + [tok.eos_token_id] for k in ("chosen", "rejected")]
+        lps = [truth.dpo_sequence_logprob(model, prompt, side, lc.average_logprobs) for side in sides]
+        with torch.no_grad():
+            reference.append([truth.dpo_sequence_logprob(initial, prompt, side, lc.average_logprobs).item()
+                              for side in sides])
+        policy.append(torch.stack(lps))
+        nll.append(-lps[0] if lc.average_logprobs else -lps[0] / len(sides[0]))  # the chosen's mean NLL
+    pi, ref = torch.stack(policy), torch.tensor(reference, dtype=torch.float64, device=policy[0].device)
+    loss = truth.dpo(pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], beta=lc.beta, label_smoothing=lc.label_smoothing,
+                     sft_coef=lc.sft_coef, chosen_nll=torch.stack(nll))
+    loss.backward()
+    grads = {n: q.grad.detach().clone() for n, q in model.named_parameters() if q.grad is not None}
+    model.zero_grad(set_to_none=True)
+    m = lc.beta * ((pi[:, 0] - ref[:, 0]) - (pi[:, 1] - ref[:, 1])).detach()
+    return loss.item(), grads, ref.cpu(), (m.min().item(), m.max().item())
+
+
 def rows(cfg, baseline_config, exactness: set) -> list[Row]:
     ctx = build(cfg, baseline_config)
     known = reference_values(ctx)
@@ -162,6 +223,7 @@ def rows(cfg, baseline_config, exactness: set) -> list[Row]:
             Row("memory plan", "n/a: DPO's plan is an upper bound (the longest pair), not measured here", "-", None,
                 "rlrun #38"),
             *guarded(against_baseline, ctx, known, exactness, names=("vs baseline",)),
+            *guarded(truth_rows, ctx, names=("objective vs truth", "data decisions")),
             *guarded(steps.master_step, ctx, ctx.trainer, lambda model: step(ctx, model, ctx.axes, ctx.cfg, known),
                      names=("master weights",)),
             Row("logprob schedule", "n/a: DPO has no old-policy pass (its reference logprobs: data of the pair)",
