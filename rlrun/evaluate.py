@@ -51,21 +51,24 @@ def sample_seed(seed: int, row: int, sample: int) -> int:
 
 @torch.no_grad()
 def complete(model, tokenizer, prompts: list[str], *, max_new_tokens: int, seeds: list[int] | None,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, decode: str = "eager"):
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, decode: str = "eager",
+             speculation=None):
     """(completions, response lengths) for one batch: greedy when `seeds` is None, else seeded sampling; `decode`:
-    the rollout.decode option that runs the loop (rollout/decoding.py)."""
+    the rollout.decode option that runs the loop (rollout/decoding.py); `speculation`: the rollout.speculate object
+    that drives it (rollout/speculate.py; None: off)."""
     from .rollout import Rollout, decoding, hf
 
     device = next(model.parameters()).device
+    speculation = speculation if speculation is not None else hf.speculating(None)
     if seeds is not None:
         cfg = SimpleNamespace(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                               decode=decode)
-        roll = hf.generate(model, tokenizer, prompts, cfg, device, seeds)
+        roll = hf.generate(model, tokenizer, prompts, cfg, device, seeds, speculation=speculation)
     else:
         ids, mask = hf.encode(tokenizer, prompts, device)
-        run = decoding.of(SimpleNamespace(decode=decode)).decode
-        response = run(model, ids, mask, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                       pad_token_id=tokenizer.pad_token_id)
+        option = decoding.of(SimpleNamespace(decode=decode))
+        response = speculation.decode(option, model, ids, mask, max_new_tokens=max_new_tokens,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         roll = Rollout.from_response(ids, mask, response, torch.zeros(response.shape, device=device), tokenizer)
     return roll.completions, roll.response_mask.sum(1).tolist()
 
@@ -73,8 +76,14 @@ def complete(model, tokenizer, prompts: list[str], *, max_new_tokens: int, seeds
 def evaluate(model, tokenizer, rows: list[dict], score_fn, *, max_new_tokens: int, greedy: bool = True,
              samples: int = 1, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, batch_size: int = 256,
              show: int = 4, accuracy_reward: str | None = None, accuracy_threshold: float = 1.0,
-             top_k: int = 0, decode: str = "eager") -> Evaluation:
-    """Evaluate `model` on `rows` ({"prompt", "answer", ...}); see the module docstring."""
+             top_k: int = 0, decode: str = "eager", speculate: str | None = None,
+             speculate_k: int = 4) -> Evaluation:
+    """Evaluate `model` on `rows` ({"prompt", "answer", ...}); see the module docstring. `speculate`, `speculate_k`:
+    rollout.speculate's option and draft length (None: off), one object for the whole evaluation (so `history`
+    drafts from this evaluation's earlier batches only)."""
+    from .rollout import hf
+
+    speculation = hf.speculating(SimpleNamespace(speculate=speculate, speculate_k=speculate_k))
     if not rows:
         raise ValueError("evaluate: no rows to evaluate on")
     if greedy and samples != 1:
@@ -91,7 +100,8 @@ def evaluate(model, tokenizer, rows: list[dict], score_fn, *, max_new_tokens: in
             chunk = flat[b : b + batch_size]
             seeds = None if greedy else [sample_seed(seed, i, j) for i, j in chunk]
             c, n = complete(model, tokenizer, [rows[i]["prompt"] for i, _ in chunk], max_new_tokens=max_new_tokens,
-                            seeds=seeds, temperature=temperature, top_p=top_p, top_k=top_k, decode=decode)
+                            seeds=seeds, temperature=temperature, top_p=top_p, top_k=top_k, decode=decode,
+                            speculation=speculation)
             completions += c
             lengths += n
     finally:

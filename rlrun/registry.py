@@ -5,7 +5,8 @@ The one dispatch mechanism: every option of every config group is found here wit
 is true of it (exactness, the phases it changes, its memory term: rlrun/axes.py) is said on that object. Names
 equal the YAML file stems in conf/<group>/ and the option dataclasses in rlrun.config (a test checks all three
 agree); `recipe` is keyed by the loss group's options (the loss stays the user's one switch of algorithm), and
-`precision`, `pipeline` and `decode` by the values of `train.precision`, `rollout.pipeline` and `rollout.decode`.
+`precision`, `pipeline`, `decode` and `speculate` by the values of `train.precision`, `rollout.pipeline`,
+`rollout.decode` and `rollout.speculate`.
 Components are imported by `get` on first use, so importing this module (the CLI does, before validation) imports
 no torch. `register` adds
 an option from outside the package (a plugin, a test): its object and its config dataclass, nothing else to edit.
@@ -31,6 +32,8 @@ REGISTRY: dict[str, dict[str, Any]] = {
     "precision": {"fp32": "rlrun.precision:Fp32", "bf16": "rlrun.precision:Bf16"},
     "pipeline": {"sync": "rlrun.recipes.sources:Sync", "async": "rlrun.recipes.sources:Async"},
     "decode": {"eager": "rlrun.rollout.decoding:Eager", "compiled": "rlrun.rollout.decoding:Compiled"},
+    "speculate": {"off": "rlrun.rollout.speculate:Off", "prompt": "rlrun.rollout.speculate:Prompt",
+                  "history": "rlrun.rollout.speculate:History"},
     # models.Source: load(cfg, seed) -> (model, tokenizer), meta(cfg, seed) -> (model on the meta device, tokenizer)
     "model": {"tiny": "rlrun.models:tiny", "hf": "rlrun.models:hf", "smollm2": "rlrun.models:smollm2"},
     "task": {"arith": "rlrun.tasks.arith:read", "word_problems": "rlrun.tasks.word_problems:read",
@@ -44,12 +47,12 @@ REGISTRY: dict[str, dict[str, Any]] = {
 }
 # The axes: the groups whose options change how a run computes (efficiency, the first five: exact against their
 # baseline) or its arithmetic and schedule (precision, pipeline: approximate; decode: rollout=hf's decode loop, to fp32
-# tolerance). Each group lists its baseline first.
+# tolerance; speculate: whether it drafts and verifies, to fp32 tolerance). Each group lists its baseline first.
 EFFICIENCY = ("head", "logprob_policy", "offload", "batching", "activations")
-AXES = (*EFFICIENCY, "precision", "pipeline", "decode")
+AXES = (*EFFICIENCY, "precision", "pipeline", "decode", "speculate")
 # groups that are not config groups: the config group whose options key them, or the config key whose values do
 KEYED_BY = {"recipe": "loss", "precision": "train.precision", "pipeline": "rollout.pipeline",
-            "decode": "rollout.decode"}
+            "decode": "rollout.decode", "speculate": "rollout.speculate"}
 
 
 def key_of(group: str) -> str:

@@ -15,6 +15,10 @@ TopP = Annotated[float, Check(lambda v: 0 < v <= 1, "in (0, 1]")]
 TopK = Annotated[int, Check(lambda v: v >= 0, "an integer >= 0 (0: off)")]
 
 
+# drafted tokens per verify pass: each costs a position of every running row's forward, accepted or not
+SpeculateK = Annotated[int, Check(lambda v: 1 <= v <= 32, "an integer from 1 to 32 (drafted tokens a verify pass)")]
+
+
 Device = Annotated[str, Check(lambda v: re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None, "cpu, cuda or cuda:N")]
 
 
@@ -33,6 +37,8 @@ class HFRollout:
     worker_timeout_s: Positive  # async: the trainer gives up on a generator without a heartbeat this long
     record: str | None = None  # a folder: every rollout trained on is written there (rlrun/rollout/record.py)
     decode: Annotated[str, Registered("decode")] = "eager"  # compiled: static KV cache, compiled step (decoding.py)
+    speculate: Annotated[str, Registered("speculate")] = "off"  # prompt | history: drafts verified (speculate.py)
+    speculate_k: SpeculateK = 4  # drafted tokens a row and verify pass at most
 
 
 @dataclass
@@ -57,6 +63,7 @@ class VLLMRollout:
     worker_device: Device | None
     worker_timeout_s: Positive  # async: the trainer gives up on a generator without a heartbeat this long
     record: str | None = None  # a folder: every rollout trained on is written there (rlrun/rollout/record.py)
+    speculate: Annotated[str, Registered("speculate")] = "off"  # only off: a rule says why (config/rules.py)
 
 
 @dataclass

@@ -317,6 +317,16 @@ def vllm_installed(c, world):
                "pip uninstall -y torchvision torchaudio torchcodec, see docs/vllm.md) or '.[vllm]' on GPU.")
 
 
+@rule("rollout.name", "rollout.speculate")
+def speculation_is_rollout_hf(c, world):
+    spec = getattr(c.rollout, "speculate", None)
+    if c.rollout.name == "vllm" and spec is not None and spec != registry.baseline("speculate"):
+        yield (f"rollout.speculate={spec} verifies drafts under rlrun's seeded sampler (rollout=hf); vLLM's CPU build "
+               "refuses its own speculative decoding ('spec decode is not supported', vllm-project/vllm#28384) and "
+               "its sampler draws other tokens anyway. Use rollout=hf with rollout.speculate, or "
+               "rollout.speculate=off with rollout=vllm (docs/speculate.md).")
+
+
 @rule("rollout.name", "engine.name")
 def vllm_single_engine(c, world):
     if c.rollout.name == "vllm" and c.engine.name == "deepspeed":

@@ -246,7 +246,9 @@ def held_out(cfg, frame, s):
                                      top_p=r.top_p, top_k=r.top_k, seed=cfg.seed, show=cfg.log.samples,
                                      accuracy_reward=cfg.eval.accuracy_reward,
                                      accuracy_threshold=cfg.eval.accuracy_threshold,
-                                     decode=registry.option_of(cfg, "decode") or registry.baseline("decode"))
+                                     decode=registry.option_of(cfg, "decode") or registry.baseline("decode"),
+                                     speculate=registry.option_of(cfg, "speculate"),
+                                     speculate_k=getattr(r, "speculate_k", 4))
 
     return run
 

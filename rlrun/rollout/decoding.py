@@ -70,20 +70,22 @@ def _forward(lm, x, position_ids, cache_position, attention_mask, cache):
     return out.logits[:, -1].float()
 
 
-_STEPS: dict[str, object] = {}  # device type -> the compiled `_forward` (dynamo keeps one graph per shape)
+_STEPS: dict = {}  # (device type, function) -> the compiled function (dynamo keeps one graph per shape)
 _FAILED: weakref.WeakSet = weakref.WeakSet()  # models whose compile failed: they decode with `_forward` as it is
 
 
-def _step(lm, device_type: str):
+def _step(lm, device_type: str, fn=_forward):
+    """`fn` compiled for `device_type` (`_forward`, or the verify forward of rollout/verify.py), or `fn` itself for a
+    model whose compile failed."""
     if lm in _FAILED:
-        return _forward
-    if device_type not in _STEPS:
+        return fn
+    if (device_type, fn) not in _STEPS:
         import torch._dynamo
 
         # one graph per bucket and cache length: more than dynamo's default 8 shapes of one function
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _STEPS[device_type] = torch.compile(_forward, backend=_backend(device_type), dynamic=False, fullgraph=True)
-    return _STEPS[device_type]
+        _STEPS[device_type, fn] = torch.compile(fn, backend=_backend(device_type), dynamic=False, fullgraph=True)
+    return _STEPS[device_type, fn]
 
 
 _STATIC_OK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> static_ok's answer
@@ -126,13 +128,19 @@ def _padded(index: torch.Tensor, size: int) -> torch.Tensor:
 
 def _run(lm, x, position_ids, cache_position, mask, cache):
     """One decode step's logits [bucket, vocab]; a compile that fails warns once, then the model decodes eagerly."""
-    step = _step(lm, x.device.type)
+    return run_compiled(lm, x, position_ids, cache_position, mask, cache)
+
+
+def run_compiled(lm, x, *inputs, fn=_forward):
+    """`fn(lm, x, *inputs)` compiled (one graph per shape); a compile that fails warns once, then the model runs
+    `fn` eagerly from then on (rollout/verify.py's verify forward runs here too)."""
+    step = _step(lm, x.device.type, fn)
     before = COMPILES.count
     start = time.perf_counter()
     try:
-        out = step(lm, x, position_ids, cache_position, mask, cache)
+        out = step(lm, x, *inputs)
     except Exception as e:  # noqa: BLE001 - any compiler failure (no C++ compiler, an unsupported op): run eagerly
-        if step is _forward:
+        if step is fn:
             raise
         _FAILED.add(lm)
         COMPILES.failed += 1
@@ -141,12 +149,12 @@ def _run(lm, x, position_ids, cache_position, mask, cache):
         warnings.warn(f"rollout.decode=compiled: compiling the decode step failed ({type(cause).__name__}: {said}); "
                       "this model decodes eagerly from now on (rollout.decode=eager says so up front)",
                       RuntimeWarning, stacklevel=2)
-        return _forward(lm, x, position_ids, cache_position, mask, cache)
+        return fn(lm, x, *inputs)
     if COMPILES.count > before:
         seconds = time.perf_counter() - start
         COMPILES.seconds += seconds
-        log.info("rollout.decode=compiled: compiled the decode step for %d rows x %d positions in %.1f s",
-                 x.shape[0], mask.shape[1], seconds)
+        log.info("rollout.decode=compiled: compiled the decode step for %d rows x %d tokens in %.1f s",
+                 x.shape[0], x.shape[1], seconds)
     return out
 
 
@@ -229,6 +237,7 @@ class Eager:
     exactness = "baseline"
     phases: tuple[str, ...] = ("generate",)
     decode = staticmethod(hf.decode)
+    static = False  # whether its forwards run at fixed shapes (speculation verifies at them: rollout/verify.py)
 
     @staticmethod
     def memory(kv_cache_bytes: int) -> dict[str, int]:
@@ -241,6 +250,7 @@ class Compiled(Eager):
 
     exactness = "fp_tolerance"
     decode = staticmethod(decode_compiled)
+    static = True
 
     @staticmethod
     def memory(kv_cache_bytes: int) -> dict[str, int]:

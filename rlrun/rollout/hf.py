@@ -56,6 +56,8 @@ class SeededSampler(LogitsProcessor):
         self.rows = torch.arange(self.size)  # the rows still sampled (`decode` drops the rows that have ended)
         self.logprobs: list[torch.Tensor] = []  # [B] per generated token (0 for a row that had ended)
         self.last: torch.Tensor | None = None  # this step's log-distribution, read once the token is known
+        self.blocks: list[dict] | None = None  # speculation (`draws`): each row's blocks of uniforms, by number
+        self.table: torch.Tensor | None = None  # or, where one block holds every step, all rows' blocks at once
 
     def collect(self, tokens: torch.Tensor) -> None:
         """Keep the logprob of `tokens`, this step's draw of the rows still sampled."""
@@ -89,9 +91,53 @@ class SeededSampler(LogitsProcessor):
         self.collect(input_ids[:, -1])  # the token chosen at the previous step
         logp = torch.log_softmax(top_p_filter(scores.float() / self.temperature, self.top_p, self.top_k), -1)
         self.last = logp
-        u = self.uniform(scores.shape[-1]).to(scores.device)
-        exponential = -torch.log(u.clamp(min=1e-20))  # Exp(1); logp - log(Exp(1)) = logp + Gumbel(0, 1)
-        return logp - torch.log(exponential.clamp_(min=1e-20))
+        return perturbed(logp, self.uniform(scores.shape[-1]).to(scores.device))
+
+    # -- speculation (rollout/speculate.py): rows at different steps, several steps of a row in one call ----------
+
+    def draws(self, rows: torch.Tensor, steps: torch.Tensor, width: int, vocab: int) -> torch.Tensor:
+        """[len(rows), width, vocab]: the uniforms of steps `steps[i]` to `steps[i] + width - 1` of row `rows[i]` (an
+        index into the seeds), read from the blocks each row's generator gives in the order `uniform` takes them, so
+        the numbers are `uniform`'s at the same step. Steps past `max_steps` read its last step (never accepted)."""
+        per = max(1, min(AHEAD_FLOATS // vocab, self.max_steps or AHEAD_FLOATS))
+        at = steps[:, None].cpu() + torch.arange(width)
+        if self.max_steps:
+            at = at.clamp(max=self.max_steps - 1)
+        if self.max_steps and per >= self.max_steps:  # one block holds every step a row draws: read them at once
+            if self.table is None:
+                self.table = torch.stack([torch.rand(per * vocab, generator=g) for g in self.generators])
+            return self.table.view(len(self.generators), per, vocab)[rows.cpu()[:, None], at]
+        if self.blocks is None:
+            self.blocks = [{} for _ in self.generators]
+        out = []
+        for row, want in zip(rows.tolist(), at):
+            blocks = self.blocks[row]
+            for b in range(int(want[0]) // per, int(want[-1]) // per + 1):
+                while b not in blocks:  # the next block of this row's stream (blocks are drawn in order)
+                    blocks[len(blocks)] = torch.rand(per * vocab, generator=self.generators[row]).view(per, vocab)
+            first = int(want[0]) // per
+            for old in [b for b in blocks if b < first and blocks[b] is not None]:
+                blocks[old] = None  # a block behind the row's step is never read again
+            out.append(torch.cat([blocks[b] for b in range(first, int(want[-1]) // per + 1)])[want - first * per])
+        return torch.stack(out)
+
+    def choose_at(self, scores: torch.Tensor, rows: torch.Tensor, steps: torch.Tensor):
+        """(tokens [R, W], their logprobs [R, W]) of `scores` [R, W, vocab]: position j of row `rows[i]` chooses as
+        plain decoding's step `steps[i] + j` would (the same filter, logprob and noise)."""
+        logp = torch.log_softmax(top_p_filter(scores.float() / self.temperature, self.top_p, self.top_k), -1)
+        u = self.draws(rows, steps, scores.shape[1], scores.shape[-1]).to(scores.device)
+        tokens = perturbed(logp, u).argmax(-1)
+        return tokens, logp.gather(-1, tokens[..., None]).squeeze(-1)
+
+    def record(self, logprobs: torch.Tensor) -> None:
+        """The logprobs [B, steps] of a loop that drew every token through `choose_at` (`generate` reads them)."""
+        self.logprobs, self.last = list(logprobs.unbind(1)), None
+
+
+def perturbed(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """logp + Gumbel(0, 1) noise from uniforms `u`: its argmax is an exact draw from exp(logp)."""
+    exponential = -torch.log(u.clamp(min=1e-20))  # Exp(1); logp - log(Exp(1)) = logp + Gumbel(0, 1)
+    return logp - torch.log(exponential.clamp_(min=1e-20))
 
 
 def fast_path(model) -> bool:
@@ -226,15 +272,17 @@ def encode(tokenizer, prompts: list[str], device):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], cfg, device, seeds: list[int], drop_ended: bool = True,
-             prefill_once: bool = True, grouped_kv: bool = True) -> Rollout:
+             prefill_once: bool = True, grouped_kv: bool = True, speculation=None) -> Rollout:
     """`seeds`: one sampling seed per prompt (see the module docstring); `drop_ended`, `prefill_once`, `grouped_kv`:
-    see `decode`."""
+    see `decode`; `speculation`: the rollout.speculate object that runs the decode (rollout/speculate.py; None: a
+    new one of `cfg`, its history empty)."""
     input_ids, attention_mask = encode(tokenizer, prompts, device)
     sampler = SeededSampler(seeds, cfg.temperature, cfg.top_p, cfg.max_new_tokens, getattr(cfg, "top_k", 0))
     extra = {} if grouped_kv else {"grouped_kv": False}  # (a decode option written before the flag needs no change)
-    response = of(cfg).decode(model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, processor=sampler,
-                      drop_ended=drop_ended, prefill_once=prefill_once, **extra)
+    speculation = speculation if speculation is not None else speculating(cfg)
+    response = speculation.decode(of(cfg), model, input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                  processor=sampler, drop_ended=drop_ended, prefill_once=prefill_once, **extra)
     sampler.collect(response[sampler.rows.to(response.device), -1])  # the last draw of the rows still running
     gen_logprobs = torch.stack(sampler.logprobs, dim=1)
     return Rollout.from_response(input_ids, attention_mask, response, gen_logprobs, tokenizer)
@@ -247,16 +295,26 @@ def of(rollout_cfg):
     return registry.get("decode", getattr(rollout_cfg, "decode", None) or registry.baseline("decode"))
 
 
+def speculating(rollout_cfg):
+    """A new rollout.speculate object of a rollout config (its history empty); a config without the key: off."""
+    from .. import registry
+
+    name = getattr(rollout_cfg, "speculate", None) or registry.baseline("speculate")
+    return registry.get("speculate", name)(rollout_cfg)
+
+
 class HFRollout:
-    """rollout=hf: transformers' generate on the policy itself, so there are no weights to sync."""
+    """rollout=hf: transformers' generate on the policy itself, so there are no weights to sync. It keeps one
+    rollout.speculate object for the run (`history` drafts from the run's earlier rollouts)."""
 
     needs_sync = False
 
     def __init__(self, cfg, tokenizer, device):
         self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
+        self.speculation = speculating(cfg)
 
     def generate(self, model, prompts: list[str], seeds: list[int]) -> Rollout:
-        return generate(model, self.tokenizer, prompts, self.cfg, self.device, seeds)
+        return generate(model, self.tokenizer, prompts, self.cfg, self.device, seeds, speculation=self.speculation)
 
     def sync(self, model) -> None:
         pass

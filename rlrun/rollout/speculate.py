@@ -1,0 +1,110 @@
+"""rollout.speculate=off|prompt|history as objects (the registry's `speculate` entries): whether rollout=hf (and
+evaluation) decodes a token a forward, or drafts `rollout.speculate_k` tokens per row without a draft model and
+verifies them in one forward (rollout/verify.py) under the seeded sampler, so that the tokens are plain decoding's.
+
+- `Off` (the baseline): the decode option's own loop (rollout.decode: eager or compiled).
+- `Prompt`: drafts by n-gram lookup in the row's prompt and its group's completions so far (rollout/drafts.py).
+- `History`: the same, and in earlier completions of the same prompt in this run (in memory, bounded; a run's
+  second epoch drafts from its first). Its memory lives on the object: rollout=hf keeps one per run.
+
+Exactness: fp_tolerance, as rollout.decode=compiled: a verify forward over k + 1 positions rounds in another order
+than a forward over one, so the sampler's logprobs agree to fp32 tolerance and the tokens are plain decoding's except
+where a draw falls within rounding of a tie (tests/unit/rollout/test_speculate.py; `rlrun check`'s speculation probe,
+rlrun/speculation_probe.py, compares per configuration). Models the verify loop does not cover (no fast path, a
+sliding-window cache) and processors other than the seeded sampler decode plainly: the same tokens, no speculation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import models
+from . import attention, decoding, hf, verify
+from . import drafts as lookup  # (`drafts` is the options' fact below)
+
+
+class Off:
+    """rollout.speculate=off: the decode option's loop, a token a forward."""
+
+    exactness = "baseline"
+    phases: tuple[str, ...] = ("generate",)
+    drafts = False  # whether it drafts and verifies (the speculation probe and bench ask)
+
+    def __init__(self, rollout_cfg=None):
+        self.k = int(getattr(rollout_cfg, "speculate_k", 4) or 4)
+        self.stats = verify.Stats()  # summed over every decode this object ran
+
+    def decode(self, option, model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id, pad_token_id,
+               processor=None, drop_ended: bool = True, prefill_once: bool = True, grouped_kv: bool = True,
+               **kw) -> torch.Tensor:
+        """The response tokens of `option` (a rollout.decode object) on these prompts: `option.decode`'s contract."""
+        return option.decode(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos_token_id, pad_token_id=pad_token_id, processor=processor,
+                             drop_ended=drop_ended, prefill_once=prefill_once, grouped_kv=grouped_kv, **kw)
+
+    def history(self) -> lookup.History | None:
+        """The earlier completions it drafts from (`History`'s), or None."""
+        return None
+
+    @staticmethod
+    def memory(kv_cache_bytes: int) -> dict[str, int]:
+        """Its term of the generate phase besides the plan's KV cache: none."""
+        return {}
+
+
+class Prompt(Off):
+    """rollout.speculate=prompt: drafts from the prompt and the group's completions so far."""
+
+    exactness = "fp_tolerance"
+    drafts = True
+
+    def decode(self, option, model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id, pad_token_id,
+               processor=None, drop_ended: bool = True, prefill_once: bool = True, grouped_kv: bool = True,
+               **kw) -> torch.Tensor:
+        lm = models.unwrap(model)
+        if (not hf.fast_path(lm) or not decoding.static_ok(lm)
+                or (processor is not None and not hasattr(processor, "choose_at"))):
+            return super().decode(option, model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                  eos_token_id=eos_token_id, pad_token_id=pad_token_id, processor=processor,
+                                  drop_ended=drop_ended, prefill_once=prefill_once, grouped_kv=grouped_kv, **kw)
+        prompts, groups = prompt_rows(input_ids, attention_mask)
+        drafter = lookup.Drafter(prompts, groups, self.history())
+        with attention.grouped(lm, grouped_kv):
+            response = verify.run(lm, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                  eos_token_id=eos_token_id, pad_token_id=pad_token_id, processor=processor,
+                                  drafter=drafter, k=self.k, static=getattr(option, "static", False),
+                                  stats=self.stats, prefill_once=prefill_once)
+        self.remember(prompts, [drafter.completion(r) for r in range(len(prompts))])
+        return response
+
+    def remember(self, prompts: list[list[int]], completions: list[list[int]]) -> None:
+        """What a decode drew, for later drafts: nothing here (`History` keeps it)."""
+
+    @staticmethod
+    def memory(kv_cache_bytes: int) -> dict[str, int]:
+        """The verify loop's cache holds k more positions than the rollout's length, and the prompt pass's cache is
+        copied into it: both at once for a moment (at most the plan's KV cache again)."""
+        return {"speculation: the prompt pass's cache while it is copied": kv_cache_bytes}
+
+
+class History(Prompt):
+    """rollout.speculate=history: drafts from the prompt, the group, and earlier completions of the same prompt."""
+
+    def __init__(self, rollout_cfg=None):
+        super().__init__(rollout_cfg)
+        self.seen = lookup.History()
+
+    def history(self) -> lookup.History | None:
+        return self.seen
+
+    def remember(self, prompts: list[list[int]], completions: list[list[int]]) -> None:
+        for prompt, completion in zip(prompts, completions):
+            self.seen.add(tuple(prompt), completion)
+
+
+def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+    """(each row's prompt tokens without its padding, each row's group: the index of the first row with the same
+    prompt): rows that share a prompt (a GRPO group, evaluation's samples of one prompt) draft from each other."""
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+    first: dict[tuple, int] = {}
+    return prompts, [first.setdefault(tuple(p), i) for i, p in enumerate(prompts)]
