@@ -27,7 +27,7 @@ from .. import algorithms, axes, models, plan, policy, registry, render, tasks
 from ..axes import Axes
 from ..meters import MIB, Meter
 from ..recipes import grpo
-from . import objective, probes, steps, watch
+from . import decode, objective, probes, steps, watch
 from .probes import Row
 
 PROBE_ROWS = 16  # sequences of the probe rollout at most (whole groups): seconds on the embedded default
@@ -49,6 +49,7 @@ class Context:
     exactness: set  # what the options that differ from the baseline's are
     prompts: list  # the probe rollout's prompts (the generator process draws them again)
     tokenizer: Any = None  # the configuration's (the truth's crafted rollout decodes and ends rows with it)
+    extremes: tuple = ()  # the data's shortest and longest prompts (decode branches: unequal lengths)
 
 
 def baseline_config(cfg):
@@ -77,6 +78,12 @@ def probe_prompts(cfg, task, tokenizer) -> list[str]:
     prompts = sorted(dict.fromkeys(r["prompt"] for r in task.train), key=lambda p: len(tokenizer(p).input_ids))
     ends = [prompts[i // 2] if i % 2 == 0 else prompts[-1 - i // 2] for i in range(groups)]
     return [p for p in ends for _ in range(min(t.group_size, PROBE_ROWS))]
+
+
+def extremes(task, tokenizer) -> tuple[str, str]:
+    """The shortest and the longest of the task's training prompts (in tokens)."""
+    prompts = sorted(dict.fromkeys(r["prompt"] for r in task.train), key=lambda p: len(tokenizer(p).input_ids))
+    return prompts[0], prompts[-1]
 
 
 def build(cfg) -> Context:
@@ -113,7 +120,7 @@ def build(cfg) -> Context:
     changed = exactness_of(cfg)
     copies = {"trainer": trainer, "reference": reference.to(device), "generator": generator}
     return Context(cfg, trainer, baseline, copies, bound, base_axes, roll, micros, advantages,
-                   Meter(torch.device(device)), changed, prompts, tokenizer)
+                   Meter(torch.device(device)), changed, prompts, tokenizer, extremes(task, tokenizer))
 
 
 def exactness_of(cfg) -> set:
@@ -190,6 +197,7 @@ PROBES = [(probes.on_policy_ratio, ("on-policy ratio",)),
           (probes.no_full_logits, ("no full logits",)), (plan_probe, ("memory plan",)),
           (probes.against_baseline, ("vs baseline",)),
           (objective.truth_rows, ("objective vs truth", "data decisions")),
+          (decode.decode_branches, ("decode branches",)),
           (steps.master_weights, ("master weights",)),
           (steps.logprob_schedule, ("logprob schedule",)), (steps.generator_process, ("generator process",))]
 
@@ -227,6 +235,13 @@ TRY = {"on-policy ratio": "logprob_policy=always and head=dense: if that passes,
        "memory plan": "rlrun plan with the same overrides: its terms (a forecast: the run trains; docs/plan.md)",
        "vs baseline": "set one axis back to its baseline at a time (rlrun check ... head=dense, ...): the option "
                       "whose return makes it pass changes the numbers",
+       "objective vs truth": "the loss's terms one at a time (loss.kl_coef=0, loss.tis.enabled=false, "
+                             "loss.agg=token_mean, loss.entropy_coef=0): the term whose removal makes it pass is "
+                             "computed unlike its formula (docs/objectives.md)",
+       "data decisions": "the FAILED part names the decision: train.overlong, train.skip_zero_advantage, "
+                         "train.dynamic_sampling or model.lora.reference set back to its default",
+       "decode branches": "rollout.decode=eager: if that passes, the decode option's branch for ended rows or shared "
+                          "prefills is at fault",
        "master weights": "keep the weights fp32 (train.precision=bf16 autocasts over fp32 master weights)",
        "logprob schedule": "logprob_policy=always: old logprobs recomputed for every rollout",
        "generator process": "rollout.pipeline=sync: if that passes, the generator process misses weight syncs"}

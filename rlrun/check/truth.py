@@ -124,25 +124,37 @@ def clip(x: torch.Tensor, low: float | None, high: float) -> torch.Tensor:
     return torch.clamp(x, min=None if low is None else 1.0 - low, max=1.0 + high)
 
 
+def dapo_term(spec: Spec, s: Seq) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r = torch.exp(s.logprobs - s.old)
+    loss = -torch.minimum(r * s.advantage, clip(r, spec.clip_low, spec.clip_high) * s.advantage)
+    return loss, r.detach(), binds(r.detach(), s.advantage, spec)
+
+
+def cispo_term(spec: Spec, s: Seq) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r = torch.exp(s.logprobs - s.old)
+    outside = r > 1 + spec.clip_high
+    if spec.clip_low is not None:
+        outside = outside | (r < 1 - spec.clip_low)
+    loss = -clip(r, spec.clip_low, spec.clip_high).detach() * s.advantage * s.logprobs
+    return loss, r.detach(), outside.to(F64)
+
+
+def gspo_term(spec: Spec, s: Seq) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seq_ratio = torch.exp((s.logprobs - s.old).mean())
+    r = seq_ratio.detach() * torch.exp(s.logprobs - s.logprobs.detach())  # value s_i, gradient s_i per token
+    loss = -torch.minimum(r * s.advantage, clip(r, spec.clip_low, spec.clip_high) * s.advantage)
+    return loss, r.detach(), binds(r.detach(), s.advantage, spec)
+
+
+# The truth's own table: each GRPO loss's per-token term, by the loss's name (the module docstring's formulas)
+TERMS = {"dapo": dapo_term, "cispo": cispo_term, "gspo": gspo_term}
+
+
 def policy_term(spec: Spec, s: Seq) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-token policy-gradient loss, ratio, clipped flag) of one sequence."""
-    lp, old, a = s.logprobs, s.old, s.advantage
-    if spec.loss == "dapo":
-        r = torch.exp(lp - old)
-        loss = -torch.minimum(r * a, clip(r, spec.clip_low, spec.clip_high) * a)
-        return loss, r.detach(), binds(r, a, spec)
-    if spec.loss == "cispo":
-        r = torch.exp(lp - old)
-        outside = r > 1 + spec.clip_high
-        if spec.clip_low is not None:
-            outside = outside | (r < 1 - spec.clip_low)
-        return -clip(r, spec.clip_low, spec.clip_high).detach() * a * lp, r.detach(), outside.to(F64)
-    if spec.loss == "gspo":
-        seq_ratio = torch.exp((lp - old).mean())
-        r = seq_ratio.detach() * torch.exp(lp - lp.detach())
-        loss = -torch.minimum(r * a, clip(r, spec.clip_low, spec.clip_high) * a)
-        return loss, r.detach(), binds(r.detach(), a, spec)
-    raise ValueError(f"the truth has no formula for loss={spec.loss!r}")
+    if spec.loss not in TERMS:
+        raise ValueError(f"the truth has no formula for loss={spec.loss!r}")
+    return TERMS[spec.loss](spec, s)
 
 
 def binds(r: torch.Tensor, a: float, spec: Spec) -> torch.Tensor:
@@ -168,8 +180,8 @@ def importance_weight(spec: Spec, s: Seq) -> torch.Tensor | None:
     """Per-token weight of the policy-gradient term (detached), or None without TIS."""
     if spec.tis_level is None:
         return None
-    ratio = torch.exp(s.old - s.gen) if spec.tis_level == "token" else torch.exp((s.old - s.gen).sum()).expand(
-        len(s.old))
+    ratio = {"token": lambda: torch.exp(s.old - s.gen),  # each token's own, or its sequence's product
+             "sequence": lambda: torch.exp((s.old - s.gen).sum()).expand(len(s.old))}[spec.tis_level]()
     if spec.tis_mode == "truncate":
         return torch.clamp(ratio, max=spec.tis_cap)
     if spec.tis_low is None:
