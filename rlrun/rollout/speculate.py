@@ -105,6 +105,6 @@ class History(Prompt):
 def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[list[int]], list[int]]:
     """(each row's prompt tokens without its padding, each row's group: the index of the first row with the same
     prompt): rows that share a prompt (a GRPO group, evaluation's samples of one prompt) draft from each other."""
-    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+    prompts = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(input_ids.tolist(), attention_mask.tolist())]
     first: dict[tuple, int] = {}
     return prompts, [first.setdefault(tuple(p), i) for i, p in enumerate(prompts)]

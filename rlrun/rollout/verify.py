@@ -23,6 +23,7 @@ import torch
 
 from . import decoding, hf
 
+GROW = 16  # columns an eager verify loop's cache grows by at least
 
 @dataclass
 class Stats:
@@ -64,6 +65,15 @@ class RowCache:
 
     def select(self, index: torch.Tensor) -> RowCache:
         return RowCache([k[index] for k in self.keys], [v[index] for v in self.values])
+
+    def reserve(self, columns: int) -> None:
+        """At least `columns` columns (eager: the cache grows as the rows do, GROW at a time, zeros: a column no
+        row has written is attended by none, and zeros keep its masked products finite)."""
+        have = self.keys[0].shape[2]
+        if have < columns:
+            more = max(columns - have, GROW)
+            self.keys = [torch.cat([k, k.new_zeros(*k.shape[:2], more, k.shape[3])], 2) for k in self.keys]
+            self.values = [torch.cat([v, v.new_zeros(*v.shape[:2], more, v.shape[3])], 2) for v in self.values]
 
 
 def _from_prefill(prefill, index: torch.Tensor, length: int) -> RowCache:
@@ -148,6 +158,8 @@ def run(lm, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id, pad
     length = prompt + max_new_tokens + k
     if static:  # the static length rounded up as the compiled decode's, so later rollouts reuse its graphs
         length = -(-length // decoding.LENGTH_STEP) * decoding.LENGTH_STEP
+    else:  # grown as the rows go (RowCache.reserve)
+        length = prompt + GROW
     scores, prefill = _prefill(lm, input_ids, attention_mask, prefill_once)
     size = decoding.bucket(rows_in) if static else rows_in
     index = decoding._padded(torch.arange(rows_in, device=device), size)
@@ -165,8 +177,9 @@ def run(lm, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id, pad
         if not len(now.rows):
             break
         if not static:  # the batch is the running rows
-            cache, slot_mask, slot_start = cache.select(keep), slot_mask[keep], slot_start[keep]
-            now.slots = torch.arange(len(now.rows), device=device)
+            if len(keep) < cache.keys[0].shape[0]:
+                cache, slot_mask, slot_start = cache.select(keep), slot_mask[keep], slot_start[keep]
+                now.slots = torch.arange(len(now.rows), device=device)
         elif len(now.rows) <= size // 2:  # to a smaller bucket
             size = decoding.bucket(len(now.rows))
             index = decoding._padded(now.slots, size)
@@ -236,6 +249,7 @@ def _verify(lm, x, now: Running, cache: RowCache, slot_mask, slot_start, prompt:
         cache.width = cache.keys[0].shape[2]
     else:
         cache.width = int(at.max()) + width
+        cache.reserve(cache.width)
     cache.at = at
     mask = _mask(slot_mask, at, width, cache.width)
     inputs = (x, pos[:, None] + steps, mask, cache)

@@ -13,6 +13,12 @@ longest lengths, and whether every rollout's tokens are the same in every mode (
 generator; a shared prefill may differ from a row's own in the last bits, not in the tokens drawn here).
 `--rlrun-args experiment=varied_lengths` runs the variable-length work.
 
+The `speculate` rows (rlrun/rollout/speculate.py) draft from the prompt and the group (`prompt`) and from the bench's
+earlier rollouts of the same prompt (`history`: one object for all of a row's rollouts; prompts repeat where the
+task is small, e.g. `task.size=16`), verified in one forward; "acceptance" is drafted tokens accepted, "tokens /
+verify pass" a row's tokens per forward it was in (1.00: no gain), "x eager" the tokens/s over rlrun's eager decode.
+Their tokens are compared with eager's and their logprobs' distance is "logprobs vs eager", as compiled's.
+
 `rollout.decode compiled` (rlrun/rollout/decoding.py) is timed without its compiles, which are reported as "compile
 s" (rollout 0 compiles most buckets; a later rollout may meet a new one); its tokens are compared with eager's and
 its sampler logprobs' largest distance from eager's is "logprobs vs eager". Where vLLM is installed, a rollout=vllm
@@ -34,8 +40,15 @@ MODES: dict[str, dict] = {
     "ended rows leave": {"drop_ended": True, "prefill_once": False, "grouped_kv": False},
     "and each prompt prefilled once": {"drop_ended": True, "prefill_once": True, "grouped_kv": False},
     GROUPED: {"drop_ended": True, "prefill_once": True, "grouped_kv": True},
-    "rollout.decode compiled": {"drop_ended": True, "prefill_once": True, "grouped_kv": True, "decode": "compiled"}}
-EAGER = [m for m, kw in MODES.items() if kw.get("decode", "eager") == "eager"]  # these draw the same tokens
+    "rollout.decode compiled": {"drop_ended": True, "prefill_once": True, "grouped_kv": True, "decode": "compiled"},
+    # rollout.speculate (rlrun/rollout/speculate.py): drafts verified in one forward; one object per row for the whole
+    # bench, so that history drafts from the bench's earlier rollouts (prompts repeat where task.size is small)
+    "speculate prompt": {"drop_ended": True, "prefill_once": True, "grouped_kv": True, "speculate": "prompt"},
+    "speculate history": {"drop_ended": True, "prefill_once": True, "grouped_kv": True, "speculate": "history"},
+    "speculate history, compiled": {"drop_ended": True, "prefill_once": True, "grouped_kv": True,
+                                    "decode": "compiled", "speculate": "history"}}
+# these draw the same tokens bit for bit (the others: to fp32 tolerance, compared with the first of these)
+EAGER = [m for m, kw in MODES.items() if kw.get("decode", "eager") == "eager" and "speculate" not in kw]
 
 
 def model_and_rollouts(a):
@@ -70,12 +83,24 @@ def clock(device: str) -> float:
     return time.perf_counter()
 
 
-def active_modes(policy) -> list[str]:
-    """MODES, less the grouped-KV row for a model whose heads are not grouped (it would repeat the row before)."""
+def active_modes(policy, compiled: bool = True) -> list[str]:
+    """MODES, less the grouped-KV row for a model whose heads are not grouped (it would repeat the row before), and
+    less the compiled rows where `compiled` is False (`--no-compiled`: their compiles take minutes on a busy CPU)."""
     from .. import models
     from ..rollout import attention
 
-    return [m for m in MODES if m != GROUPED or attention.applies(models.unwrap(policy))]
+    return [m for m in MODES if (m != GROUPED or attention.applies(models.unwrap(policy)))
+            and (compiled or MODES[m].get("decode", "eager") == "eager")]
+
+
+def chosen_modes(active: list[str], first: int | None) -> list[str]:
+    """`--from N`: the active modes from the N-th on, and the last bit-exact one before it (the plain decode the
+    others are compared with) where it is left out (a real model's rows take minutes each)."""
+    if not first:
+        return active
+    exact = [m for m in active if m in EAGER]
+    kept = active[first:]
+    return kept if any(m in EAGER for m in kept) else [exact[-1], *kept]
 
 
 def measure(a) -> list[dict]:
@@ -90,16 +115,20 @@ def measure(a) -> list[dict]:
         torch.set_num_threads(a.threads)
     policy, tokenizer, rollout_cfg, rollouts = model_and_rollouts(a)
     device = device_of(a)
-    active = active_modes(policy)
+    active = chosen_modes(active_modes(policy, getattr(a, "compiled", True)), getattr(a, "first", None))
     eager = [m for m in active if m in EAGER]
     got: dict[str, list] = {m: [] for m in active}
-    same, apart, forwards = True, 0.0, []
+    same, apart, forwards = True, {m: 0.0 for m in active}, []
+    specs = {m: hf.speculating(dataclasses.replace(rollout_cfg, speculate=MODES[m].get("speculate", "off")))
+             for m in active}
     for i, (texts, seeds) in enumerate(rollouts):
         modes = active[i % len(active):] + active[:i % len(active)]  # each mode first in turn
         rolls = {}
         for mode in modes:
             kw = dict(MODES[mode])
+            kw.pop("speculate", None)
             cfg = dataclasses.replace(rollout_cfg, decode=kw.pop("decode", "eager"))
+            kw["speculation"], before = specs[mode], dataclasses.replace(specs[mode].stats)
             shapes: list = []  # (rows, tokens a row) of each forward; inside a compiled graph no hook runs
             hook = None if cfg.decode != "eager" else policy.register_forward_pre_hook(
                 lambda m, args, kw, shapes=shapes: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
@@ -117,14 +146,15 @@ def measure(a) -> list[dict]:
                 got[mode].append({"seconds": seconds, "tokens": int(roll.response_mask.sum()), "compile_s": compile_s,
                                   "prefill": rows[0] if rows else None, "rows": sum(rows[1:]) if rows else None,
                                   "length": float(roll.response_mask.sum(1).float().mean()),
-                                  "longest": int(roll.response_mask.sum(1).max())})
+                                  "longest": int(roll.response_mask.sum(1).max()),
+                                  "spec": difference(specs[mode].stats, before)})
         first = rolls[eager[0]]
         same &= all(torch.equal(first.input_ids, rolls[m].input_ids) for m in eager)
-        for m in set(active) - set(eager):  # compiled: its tokens and its logprobs' distance from eager's
+        for m in set(active) - set(eager):  # compiled, speculation: tokens and logprobs' distance from eager's
             if torch.equal(first.input_ids, rolls[m].input_ids):
-                apart = max(apart, float((first.gen_logprobs - rolls[m].gen_logprobs).abs().max()))
+                apart[m] = max(apart[m], float((first.gen_logprobs - rolls[m].gen_logprobs).abs().max()))
             else:
-                apart = float("inf")
+                apart[m] = float("inf")
     out = summary(got, same, apart)
     if getattr(a, "vllm", True):
         out += vllm_rows(a, policy, tokenizer, rollouts)
@@ -132,29 +162,46 @@ def measure(a) -> list[dict]:
     out.append({"impl": "GEMM bound: the matmuls alone", "tokens_per_s": tokens / bound,
                 "ms": None, "compile_s": 0.0, "rows_computed": out[len(eager) - 1]["rows_computed"],
                 "prefill_rows": out[len(eager) - 1]["prefill_rows"], "length_mean": None, "longest_mean": None,
-                "same_tokens": None, "logprob_diff": None})
-    base = out[0]["tokens_per_s"]
+                "same_tokens": None, "logprob_diff": None, "acceptance": None, "per_pass": None})
+    base, plain = out[0]["tokens_per_s"], out[len(eager) - 1]["tokens_per_s"]  # plain: rollout=hf's eager decode
     for r in out:
         r["speedup"] = r["tokens_per_s"] / base
+        r["x_plain"] = r["tokens_per_s"] / plain
         r["of_bound"] = out[-1]["tokens_per_s"] / r["tokens_per_s"]
     return out
 
 
-def summary(got: dict[str, list], same: bool, apart: float) -> list[dict]:
-    """One row per mode from its timed rollouts; `same`: the eager modes drew the same tokens; `apart`: the
-    compiled mode's largest logprob distance from eager's (inf: other tokens)."""
+def difference(now, before) -> dict:
+    """What speculation did between two readings of its stats (rollout/verify.py Stats)."""
+    return {k: getattr(now, k) - getattr(before, k) for k in ("passes", "row_passes", "tokens", "drafted", "accepted")}
+
+
+def speculated(runs: list[dict]) -> tuple[float | None, float | None]:
+    """(acceptance, tokens a row accepted per verify pass) over a mode's timed rollouts; None, None: it drafted
+    nothing (no speculation)."""
+    total = {k: sum(r["spec"][k] for r in runs) for k in runs[0]["spec"]}
+    if not total["row_passes"]:
+        return None, None
+    return total["accepted"] / max(total["drafted"], 1), total["tokens"] / total["row_passes"]
+
+
+def summary(got: dict[str, list], same: bool, apart: dict[str, float]) -> list[dict]:
+    """One row per mode from its timed rollouts; `same`: the eager modes drew the same tokens; `apart`: each other
+    mode's largest logprob distance from eager's (inf: other tokens)."""
     out = []
     for mode, runs in got.items():
         rows_known = runs[0]["rows"] is not None
-        out.append({"impl": mode, "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
+        acceptance, per_pass = speculated(runs)
+        out.append({"impl": mode, "acceptance": acceptance, "per_pass": per_pass,
+                    "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
                     "ms": statistics.median(r["seconds"] for r in runs) * 1000,
                     "compile_s": sum(r["compile_s"] for r in runs),
                     "rows_computed": statistics.mean(r["rows"] for r in runs) if rows_known else None,
                     "prefill_rows": statistics.mean(r["prefill"] for r in runs) if rows_known else None,
                     "length_mean": statistics.mean(r["length"] for r in runs),
                     "longest_mean": statistics.mean(r["longest"] for r in runs),
-                    "same_tokens": same if mode in EAGER else apart < float("inf"),
-                    "logprob_diff": 0.0 if mode in EAGER else apart})
+                    "same_tokens": same if mode in EAGER else apart[mode] < float("inf"),
+                    "logprob_diff": 0.0 if mode in EAGER else apart[mode]})
     return out
 
 
@@ -192,7 +239,7 @@ def vllm_rows(a, policy, tokenizer, rollouts) -> list[dict]:
              "ms": statistics.median(r["seconds"] for r in runs) * 1000, "compile_s": 0.0, "rows_computed": None,
              "prefill_rows": None, "length_mean": statistics.mean(r["length"] for r in runs),
              "longest_mean": statistics.mean(r["longest"] for r in runs), "same_tokens": None,
-             "logprob_diff": None}]
+             "logprob_diff": None, "acceptance": None, "per_pass": None}]
 
 
 def gemm_seconds(policy, forwards: list[list[int]], device: str = "cpu", repeats: int = 5) -> float:
@@ -237,11 +284,12 @@ def table(rows: list[dict], a) -> str:
               cell(r["prefill_rows"], ".0f"), cell(r["rows_computed"], ".0f"), cell(r["length_mean"], ".1f"),
               cell(r["longest_mean"], ".1f"),
               "-" if r["same_tokens"] is None else "yes" if r["same_tokens"] else "NO",
-              cell(r["logprob_diff"], ".1e")] for r in rows]
+              cell(r["logprob_diff"], ".1e"), cell(r["acceptance"], ".2f"), cell(r["per_pass"], ".2f"),
+              num(r["x_plain"], ".2f") + "x"] for r in rows]
     return head + "\n" + render_table(
         ["decode", "generated tokens/s", "vs every row", "x of the bound", "ms / rollout", "compile s",
          "prefill rows", "rows computed after", "mean length", "longest (mean)", "same tokens",
-         "logprobs vs eager"], cells)
+         "logprobs vs eager", "acceptance", "tokens / verify pass", "x eager"], cells)
 
 
 def bench(a, log_mlflow) -> list[dict]:
@@ -266,6 +314,10 @@ def add_parser(sub, log_mlflow) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="no rollout=vllm row even where vLLM is "
                    "installed (its row needs ~1 min to start the engine)")
+    p.add_argument("--no-compiled", dest="compiled", action="store_false", help="leave out the rollout.decode="
+                   "compiled rows (inductor compiles a graph per bucket: minutes on a busy CPU)")
+    p.add_argument("--from", dest="first", type=int, default=None, help="only the decode rows from the N-th on "
+                   "(0-based), with rlrun's plain decode before them (the speculation rows: --from 4 on a GQA model)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, as a run's)")
     p.add_argument("--device", default="cpu", help="cuda: on a GPU, where the compiled step replays as a CUDA graph "
                    "(python -m rlrun.bench gpu --only decode runs it on the Qwen2-0.5B shape)")

@@ -366,6 +366,9 @@ def decode_rows(r: dict) -> list[dict]:
             check += f"; logprobs vs eager {render.num(g['logprob_diff'], '.1e')}"
         if g["compile_s"]:
             check += f"; compiles {render.num(g['compile_s'], '.1f')} s"
+        if g.get("per_pass") is not None:  # a rollout.speculate row
+            check += (f"; acceptance {render.num(g['acceptance'], '.2f')}, "
+                      f"{render.num(g['per_pass'], '.2f')} tokens/verify pass")
         rows.append({"part": "decode", "case": g["impl"], "speed": g["tokens_per_s"], "speed_unit": "gen tok/s",
                      "of_bound": g["of_bound"], "check": check, "ok": ok})
     return rows

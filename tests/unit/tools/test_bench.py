@@ -252,11 +252,16 @@ def test_batching_bench_agrees_with_padded_and_prints_the_ranks_loads(tmp_path):
         bench_batching.rank_loads(a)
 
 
-def test_generate_bench_draws_the_same_tokens_and_computes_fewer_rows(tmp_path):
+def test_generate_bench_draws_the_same_tokens_and_computes_fewer_rows(tmp_path, monkeypatch):
     """`bench generate` on small rollouts of the default work (its warm start is cached by other tests): the three
     modes draw the same tokens; with ended rows leaving the batch the model computes fewer rows, and with each
-    prompt prefilled once the prompt pass has one row per prompt (counts, not times)."""
+    prompt prefilled once the prompt pass has one row per prompt (counts, not times); the speculation rows draw the
+    same tokens too, with their acceptance and tokens per verify pass (the compiled one is left out here: its
+    compiles take a minute; tests/unit/rollout/test_speculate.py certifies that path)."""
     from rlrun.tools import bench_generate
+
+    monkeypatch.setattr(bench_generate, "MODES", {m: kw for m, kw in bench_generate.MODES.items()
+                                                  if not ("speculate" in kw and "decode" in kw)})
 
     a = argparse.Namespace(rollouts=2, seed=0, threads=1, tracking_uri=f"sqlite:///{tmp_path}/b.db",
                            rlrun_args=["train.rollout_batch=32", "train.group_size=8",
@@ -268,7 +273,14 @@ def test_generate_bench_draws_the_same_tokens_and_computes_fewer_rows(tmp_path):
         logged.append(args[1:])
         log_mlflow(*args)
 
-    every, leave, once, compiled, bound = bench_generate.bench(a, log)
+    rows = {r["impl"]: r for r in bench_generate.bench(a, log)}
+    every, leave, once = rows["every row to the end"], rows["ended rows leave"], rows["and each prompt prefilled once"]
+    compiled, bound = rows["rollout.decode compiled"], rows["GEMM bound: the matmuls alone"]
+    for name in ("speculate prompt", "speculate history"):
+        spec = rows[name]
+        assert spec["same_tokens"] and 0 <= spec["logprob_diff"] < 1e-4 and spec["per_pass"] >= 1.0
+        assert 0 <= spec["acceptance"] <= 1 and spec["x_plain"] > 0
+    assert once["acceptance"] is None and "tokens / verify pass" in logged[0][1]
     assert every["same_tokens"] and leave["same_tokens"] and once["same_tokens"] and logged[0][2] == "generate"
     assert leave["length_mean"] == every["length_mean"] and leave["longest_mean"] == every["longest_mean"]
     # every row to the end: rows x (longest - 1) after the prompt pass; leaving: fewer, at least the tokens past 1
