@@ -109,7 +109,7 @@ def measure(a) -> list[dict]:
 
     import torch
 
-    from ..rollout import decoding, hf
+    from ..rollout import hf
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -125,29 +125,12 @@ def measure(a) -> list[dict]:
         modes = active[i % len(active):] + active[:i % len(active)]  # each mode first in turn
         rolls = {}
         for mode in modes:
-            kw = dict(MODES[mode])
-            kw.pop("speculate", None)
-            cfg = dataclasses.replace(rollout_cfg, decode=kw.pop("decode", "eager"))
-            kw["speculation"], before = specs[mode], dataclasses.replace(specs[mode].stats)
-            shapes: list = []  # (rows, tokens a row) of each forward; inside a compiled graph no hook runs
-            hook = None if cfg.decode != "eager" else policy.register_forward_pre_hook(
-                lambda m, args, kw, shapes=shapes: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
-            compiled, start = decoding.COMPILES.seconds, clock(device)
-            roll = hf.generate(policy, tokenizer, texts, cfg, device, seeds, **kw)
-            compile_s = decoding.COMPILES.seconds - compiled
-            seconds = clock(device) - start - compile_s  # a compile is reported, not timed as decoding
-            if hook is not None:
-                hook.remove()
-            rolls[mode] = roll
-            rows = [r for r, _ in shapes]
+            rolls[mode], shapes, record = one_rollout(policy, tokenizer, texts, seeds, rollout_cfg, mode, specs[mode],
+                                                      device)
             if i:  # rollout 0 warms up (and compiles the buckets it meets)
                 if mode == eager[-1]:
                     forwards.append([r * n for r, n in shapes])
-                got[mode].append({"seconds": seconds, "tokens": int(roll.response_mask.sum()), "compile_s": compile_s,
-                                  "prefill": rows[0] if rows else None, "rows": sum(rows[1:]) if rows else None,
-                                  "length": float(roll.response_mask.sum(1).float().mean()),
-                                  "longest": int(roll.response_mask.sum(1).max()),
-                                  "spec": difference(specs[mode].stats, before)})
+                got[mode].append(record)
         first = rolls[eager[0]]
         same &= all(torch.equal(first.input_ids, rolls[m].input_ids) for m in eager)
         for m in set(active) - set(eager):  # compiled, speculation: tokens and logprobs' distance from eager's
@@ -169,6 +152,33 @@ def measure(a) -> list[dict]:
         r["x_plain"] = r["tokens_per_s"] / plain
         r["of_bound"] = out[-1]["tokens_per_s"] / r["tokens_per_s"]
     return out
+
+
+def one_rollout(policy, tokenizer, texts, seeds, rollout_cfg, mode: str, speculation, device: str):
+    """(the rollout, the (rows, tokens a row) of each eager forward, its record) of one rollout in `mode`."""
+    import dataclasses
+
+    from ..rollout import decoding, hf
+
+    kw = dict(MODES[mode])
+    kw.pop("speculate", None)
+    cfg = dataclasses.replace(rollout_cfg, decode=kw.pop("decode", "eager"))
+    before = dataclasses.replace(speculation.stats)
+    shapes: list = []  # (rows, tokens a row) of each forward; inside a compiled graph no hook runs
+    hook = None if cfg.decode != "eager" else policy.register_forward_pre_hook(
+        lambda m, args, kw, shapes=shapes: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    compiled, start = decoding.COMPILES.seconds, clock(device)
+    roll = hf.generate(policy, tokenizer, texts, cfg, device, seeds, speculation=speculation, **kw)
+    compile_s = decoding.COMPILES.seconds - compiled
+    seconds = clock(device) - start - compile_s  # a compile is reported, not timed as decoding
+    if hook is not None:
+        hook.remove()
+    rows = [r for r, _ in shapes]
+    return roll, shapes, {"seconds": seconds, "tokens": int(roll.response_mask.sum()), "compile_s": compile_s,
+                          "prefill": rows[0] if rows else None, "rows": sum(rows[1:]) if rows else None,
+                          "length": float(roll.response_mask.sum(1).float().mean()),
+                          "longest": int(roll.response_mask.sum(1).max()),
+                          "spec": difference(speculation.stats, before)}
 
 
 def difference(now, before) -> dict:
