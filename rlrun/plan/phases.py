@@ -164,6 +164,9 @@ def generate_parts(cfg, s, seq_len: int, world: int, weights: dict) -> dict[str,
            "prefill activations (one layer)": rows * (seq_len - cfg.rollout.max_new_tokens) * live_bytes(s, kind)}
     decode = registry.option_of(cfg, "decode")  # rollout.decode's term (rollout/decoding.py); vllm, replay: none
     gen.update(registry.get("decode", decode or registry.baseline("decode")).memory(gen["KV cache"]))
+    spec = registry.option_of(cfg, "speculate")  # rollout.speculate's terms (rollout/speculate.py); vllm: none
+    gen.update(registry.get("speculate", spec or registry.baseline("speculate")).memory(
+        gen["KV cache"], gen[sampler], getattr(cfg.rollout, "speculate_k", 0)))
     if registry.get("engine", cfg.engine.name).zero_stage(cfg.engine) == 3:  # whole weights gathered for generate
         gen["weights gathered for generate (ZeRO-3)"] = s.params * b - sum(weights.values())
     t = cfg.train

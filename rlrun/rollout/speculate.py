@@ -47,8 +47,8 @@ class Off:
         return None
 
     @staticmethod
-    def memory(kv_cache_bytes: int) -> dict[str, int]:
-        """Its term of the generate phase besides the plan's KV cache: none."""
+    def memory(kv_cache_bytes: int, sampler_bytes: int, k: int) -> dict[str, int]:
+        """Its terms of the generate phase besides the plan's KV cache and sampler: none."""
         return {}
 
 
@@ -81,10 +81,11 @@ class Prompt(Off):
         """What a decode drew, for later drafts: nothing here (`History` keeps it)."""
 
     @staticmethod
-    def memory(kv_cache_bytes: int) -> dict[str, int]:
-        """The verify loop's cache holds k more positions than the rollout's length, and the prompt pass's cache is
-        copied into it: both at once for a moment (at most the plan's KV cache again)."""
-        return {"speculation: the prompt pass's cache while it is copied": kv_cache_bytes}
+    def memory(kv_cache_bytes: int, sampler_bytes: int, k: int) -> dict[str, int]:
+        """The verify loop's cache is copied as it grows (and from the prompt pass's): two at once for a moment, at
+        most the plan's KV cache again; the sampler works on k + 1 positions a row (`sampler_bytes`: one's)."""
+        return {"speculation: the KV cache while it is copied": kv_cache_bytes,
+                f"speculation: the sampler over {k + 1} positions a row": k * sampler_bytes}
 
 
 class History(Prompt):
