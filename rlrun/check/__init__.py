@@ -27,7 +27,7 @@ from .. import algorithms, axes, models, plan, policy, registry, render, tasks
 from ..axes import Axes
 from ..meters import MIB, Meter
 from ..recipes import grpo
-from . import decode, objective, probes, steps, watch
+from . import decode, lifecycle, objective, probes, steps, watch
 from .probes import Row
 
 PROBE_ROWS = 16  # sequences of the probe rollout at most (whole groups): seconds on the embedded default
@@ -199,7 +199,8 @@ PROBES = [(probes.on_policy_ratio, ("on-policy ratio",)),
           (objective.truth_rows, ("objective vs truth", "data decisions")),
           (decode.decode_branches, ("decode branches",)),
           (steps.master_weights, ("master weights",)),
-          (steps.logprob_schedule, ("logprob schedule",)), (steps.generator_process, ("generator process",))]
+          (steps.logprob_schedule, ("logprob schedule",)), (steps.generator_process, ("generator process",)),
+          (lifecycle.resume, ("resume",))]
 
 VERDICT = {True: "pass", False: "FAIL", None: "-"}
 
@@ -244,6 +245,8 @@ TRY = {"on-policy ratio": "logprob_policy=always and head=dense: if that passes,
                           "prefills is at fault",
        "master weights": "keep the weights fp32 (train.precision=bf16 autocasts over fp32 master weights)",
        "logprob schedule": "logprob_policy=always: old logprobs recomputed for every rollout",
+       "resume": "checkpoint.every=1 and a run killed and resumed by hand (docs/resume.md): the state that differs "
+                 "is not saved or not restored (its owner's state_dict / load_state_dict)",
        "generator process": "rollout.pipeline=sync: if that passes, the generator process misses weight syncs"}
 
 

@@ -19,7 +19,7 @@ import torch
 from .. import axes, models, plan, policy, precision, tasks
 from ..meters import Meter
 from ..recipes import dpo
-from . import objective, probes, quantities, steps, truth
+from . import lifecycle, objective, probes, quantities, steps, truth
 from .float64 import ROUNDING_SLACK, in_float64
 from .probes import BF16_TOL, FP_TOL, RANKS_SOURCE, RATIO_TOL, Row, grad_diff, grads_of, guarded, logprob_tol
 from .rows import rel_scalar
@@ -245,4 +245,5 @@ def rows(cfg, baseline_config, exactness: set) -> list[Row]:
                      names=("master weights",)),
             Row("logprob schedule", "n/a: DPO has no old-policy pass (its reference logprobs: data of the pair)",
                 "-", None, steps.SCHEDULE_SOURCE),
-            Row("generator process", NOT_DRAWN, "-", None, steps.PROCESS_SOURCE)]
+            Row("generator process", NOT_DRAWN, "-", None, steps.PROCESS_SOURCE),
+            *guarded(lifecycle.resume, ctx, names=("resume",))]

@@ -22,6 +22,7 @@ import torch
 
 from .. import pipeline, plan, registry
 from ..engine import single
+from .objective import moved
 from .probes import FP_TOL, GEN_TOL, Row, copy_model, grad_diff, logprob_tol, old_logprobs, train_step
 
 MASTER_TOL = 1e-3  # relative: an update against an fp32 shadow step (a step lost to bf16 rounding is off by ~1)
@@ -168,6 +169,9 @@ def generator_process(ctx) -> Row:
     cfg = dataclasses.replace(ctx.cfg, rollout=dataclasses.replace(ctx.cfg.rollout, max_staleness=0),
                               train=dataclasses.replace(ctx.cfg.train, steps=2))
     model = copy_model(ctx.trainer)
+    # moved first: LoRA's adapters start at 0, so a worker serving the base model (unslothai/unsloth#8701) would
+    # draw the trainer's tokens with the trainer's logprobs until the adapters had moved far
+    moved(model, ctx.cfg.seed + 2)
     opt = peak_optimizer(ctx, model)
     pipe = pipeline.Pipeline(cfg, window=1, grad_accum=1, device=ctx.meter.device)
     prompts, seeds = ctx.prompts, list(range(len(ctx.prompts)))
