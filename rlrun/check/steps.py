@@ -1,9 +1,10 @@
 """The probes of `rlrun check` that take real optimizer steps: what one train step on one set of weights cannot
 show (issue #53: three silent faults passed every probe of a single step).
 
-- master weights: the trainable weights are fp32 and an optimizer step lands as an fp32 shadow step of the same
-  gradients lands (bf16 weights without master copies lose every update below a bf16 step of a weight, 1/256 of
-  it; a loss and gradients within bf16's 5e-2 of the baseline's do not show it);
+- master weights: the trainable weights are fp32, an optimizer step lands as AdamW's first step written apart
+  (rlrun/check/truth.py) lands on the same gradients, and the backbone computes in the precision's claimed dtype
+  (bf16 weights without master copies lose every update below a bf16 step of a weight, 1/256 of it; a loss and
+  gradients within bf16's 5e-2 of the baseline's do not show it);
 - logprob schedule: the logprob policy over the run's own schedule (rollouts of `window` micro-steps, an optimizer
   step every `grad_accum`), on the probe's micro-batches: every micro-step's train pass, with the old-policy
   logprobs the policy gave it (or none: the detached current ones), equals the same pass given the logprobs of the
@@ -20,12 +21,13 @@ import dataclasses
 
 import torch
 
-from .. import pipeline, plan, registry
+from .. import models, pipeline, plan, registry
 from ..engine import single
+from . import truth
 from .objective import moved
 from .probes import FP_TOL, GEN_TOL, Row, copy_model, grad_diff, logprob_tol, old_logprobs, train_step
 
-MASTER_TOL = 1e-3  # relative: an update against an fp32 shadow step (a step lost to bf16 rounding is off by ~1)
+MASTER_TOL = 1e-3  # relative: an update against AdamW's written apart (a step lost to bf16 rounding is off by ~1)
 SCHEDULE_MICRO_STEPS = 24  # micro-steps of the run's schedule the logprob probe runs at most (seconds, tiny model)
 
 
@@ -54,14 +56,16 @@ MASTER_SOURCE = "bf16 weights without fp32 master copies: updates below a bf16 s
 
 
 def master_weights(ctx) -> Row:
-    """Trainable weights in fp32, and one optimizer step of the trainer as built equal to an fp32 shadow step: the
-    same gradients (clipped) applied by the same AdamW to fp32 copies of the weights."""
+    """Trainable weights in fp32, and one optimizer step of the trainer as built equal to AdamW's written apart on
+    the same (clipped) gradients."""
     return master_step(ctx, ctx.trainer, lambda model: train_step(model, ctx.micros, ctx.axes, ctx.meter)[2])
 
 
 def master_step(ctx, trainer, gradients) -> Row:
     """master_weights for any recipe: `gradients(model)` runs the recipe's train step on `model` (its gradients
-    left on the parameters)."""
+    left on the parameters). The run's optimizer step (its builder, engine=single's) against AdamW's first step
+    written apart (rlrun/check/truth.py) on the same clipped gradients, in float64; and the dtype the backbone's
+    matmuls compute in against the precision's claimed one."""
     if registry.get("engine", ctx.cfg.engine.name).OWN_MASTER:
         return Row("master weights", "n/a: engine=deepspeed keeps its master copy in its ZeRO optimizer "
                    "(tests/distributed/test_distributed.py)", "-", None, MASTER_SOURCE)
@@ -70,33 +74,39 @@ def master_step(ctx, trainer, gradients) -> Row:
     low = sorted({str(p.dtype).removeprefix("torch.") for p in trainable.values() if p.dtype != torch.float32})
     before = {n: p.detach().clone() for n, p in trainable.items()}
     opt = peak_optimizer(ctx, model)
-    gradients(model)
+    with computed_in(model) as seen:
+        gradients(model)
     torch.nn.utils.clip_grad_norm_(model.parameters(), ctx.cfg.train.grad_clip)
-    clipped = {n: p.grad.detach().float().clone() for n, p in trainable.items() if p.grad is not None}
+    clipped = {n: p.grad.detach().clone() for n, p in trainable.items() if p.grad is not None}
     opt.step()
-    got = {n: trainable[n].detach().float() - before[n].float() for n in clipped}
-    shadow = {n: before[n].float().clone() for n in clipped}
-    shadow_opt = peak_optimizer(ctx, _Params(shadow))
-    for n, p in shadow.items():
-        p.grad = clipped[n]
-    shadow_opt.step()
-    want = {n: shadow[n].detach() - before[n].float() for n in clipped}
+    got = {n: trainable[n].detach().double() - before[n].double() for n in clipped}
+    t = ctx.cfg.train
+    want = {n: truth.adamw_first_step(before[n], clipped[n], lr=t.lr, weight_decay=t.weight_decay) for n in clipped}
     d = grad_diff(got, want)
+    claimed = ctx.axes.precision.dtype
+    computes = "+".join(sorted(seen)) or "-"
     dtypes = "fp32" if not low else "+".join(low)
-    return Row("master weights", f"trainable weights fp32; an update within {MASTER_TOL:.0e} of an fp32 shadow step",
-               f"weights {dtypes}; update max rel diff {d:.1e}", not low and d <= MASTER_TOL, MASTER_SOURCE)
+    return Row("master weights", f"trainable weights fp32; the update within {MASTER_TOL:.0e} of AdamW's written "
+               f"apart; the backbone's matmuls in {claimed}", f"weights {dtypes}; matmuls {computes}; update max rel "
+               f"diff {d:.1e}", not low and d <= MASTER_TOL and computes == claimed, MASTER_SOURCE)
 
 
-class _Params:
-    """What single.optimizer reads of a model: its parameters (the shadow's fp32 leaves)."""
+class computed_in:
+    """The dtypes of the backbone's linear layers' outputs while in the block (a precision's claimed compute
+    dtype: a knob that casts what it says, not only part of it, huggingface/trl#4867)."""
 
-    def __init__(self, tensors: dict):
-        self.tensors = tensors
-        for t in tensors.values():
-            t.requires_grad_(True)
+    def __init__(self, model):
+        self.linears = [m for m in models.split(model)[0].modules() if isinstance(m, torch.nn.Linear)]
+        self.seen: set[str] = set()
 
-    def parameters(self):
-        return iter(self.tensors.values())
+    def __enter__(self) -> set[str]:
+        hook = lambda module, args, out: self.seen.add(str(out.dtype).removeprefix("torch."))  # noqa: E731
+        self.handles = [m.register_forward_hook(hook) for m in self.linears]
+        return self.seen
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 SCHEDULE_SOURCE = "a window policy that never recomputes old logprobs: PPO clipping silently off (ratio 1, clipfrac 0)"

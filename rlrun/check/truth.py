@@ -289,6 +289,17 @@ def skips_zero_advantage(asked: bool, kl_coef: float, entropy_coef: float) -> bo
     return asked and not kl_coef and not entropy_coef
 
 
+# -- the optimizer -----------------------------------------------------------------------------------------------
+
+def adamw_first_step(weight: torch.Tensor, grad: torch.Tensor, *, lr: float, weight_decay: float,
+                     eps: float = 1e-8) -> torch.Tensor:
+    """The update of AdamW's first step (Loshchilov & Hutter, Algorithm 2; eps as PyTorch's default): with zero
+    moments and bias correction, m_hat = g and v_hat = g^2, so the step is -lr (g / (|g| + eps) + weight_decay w),
+    whatever the betas. Float64."""
+    w, g = weight.to(F64), grad.to(F64)
+    return -lr * (g / (g.abs() + eps) + weight_decay * w)
+
+
 # -- DPO ----------------------------------------------------------------------------------------------------------
 
 def dpo_sequence_logprob(model, prompt: list[int], response: list[int], average: bool) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from conftest import make_cfg
 
 from rlrun import check, losses, models
-from rlrun.check import objective, truth
+from rlrun.check import objective, steps, truth
 from rlrun.config import validate
 from rlrun.heads import dense
 from rlrun.losses import agg, bound, cispo, dapo
@@ -389,3 +389,47 @@ def test_each_injected_dpo_fault_fails_its_truth_probe(monkeypatch, what, inject
     inject(monkeypatch)
     got = dpo_rows(*overrides)[PROBE[probe]]
     assert got.ok is False, f"{what}: {got.measured}"
+
+
+# -- master weights: AdamW written apart, the precision's claimed compute dtype ------------------------------------
+
+def test_adamw_s_first_step_by_hand():
+    w, g = t(1.0, -2.0), t(0.5, -1e-3)
+    step = truth.adamw_first_step(w, g, lr=0.1, weight_decay=0.01)
+    assert torch.allclose(step, t(-0.1 * (0.5 / (0.5 + 1e-8) + 0.01), -0.1 * (-1e-3 / (1e-3 + 1e-8) - 0.02)))
+
+
+def master_row(*overrides):
+    cfg = validate(make_cfg("experiment=smoke", *overrides))
+    with torch.random.fork_rng():
+        ctx = check.build(cfg)
+        return steps.master_weights(ctx)
+
+
+@pytest.mark.slow  # a check build each (~3 s)
+def test_master_weights_holds_the_run_s_optimizer_to_adamw_written_apart(monkeypatch):
+    assert master_row().ok
+    from rlrun.engine import single
+
+    real = single.optimizer
+
+    def lr_scaled(model, train_cfg):  # the run's builder with the learning rate scaled (a warm-up factor kept)
+        import dataclasses
+
+        return real(model, dataclasses.replace(train_cfg, lr=train_cfg.lr * 0.5))
+
+    monkeypatch.setattr(single, "optimizer", lr_scaled)
+    got = master_row()
+    assert got.ok is False and "update max rel diff" in got.measured, got.measured
+
+
+@pytest.mark.slow  # a check build (~3 s)
+def test_master_weights_fails_a_precision_that_does_not_compute_in_its_claimed_dtype(monkeypatch):
+    """huggingface/trl#4867's class: a precision knob whose path leaves the activations as they were."""
+    row = master_row("train.precision=bf16")
+    assert row.ok and "matmuls bfloat16" in row.measured, row.measured
+    from rlrun import precision
+
+    monkeypatch.setattr(precision, "_autocast", lambda model: None)  # bf16 claimed, nothing autocast
+    row = master_row("train.precision=bf16")
+    assert row.ok is False and "matmuls float32" in row.measured, row.measured
