@@ -27,7 +27,7 @@ from .. import algorithms, axes, models, plan, policy, registry, render, tasks
 from ..axes import Axes
 from ..meters import MIB, Meter
 from ..recipes import grpo
-from . import decode, lifecycle, objective, probes, steps, watch
+from . import decode, lifecycle, objective, probes, speculation, steps, watch
 from .probes import Row
 
 PROBE_ROWS = 16  # sequences of the probe rollout at most (whole groups): seconds on the embedded default
@@ -197,7 +197,7 @@ PROBES = [(probes.on_policy_ratio, ("on-policy ratio",)),
           (probes.no_full_logits, ("no full logits",)), (plan_probe, ("memory plan",)),
           (probes.against_baseline, ("vs baseline",)),
           (objective.truth_rows, ("objective vs truth", "data decisions")),
-          (decode.decode_branches, ("decode branches",)),
+          (decode.decode_branches, ("decode branches",)), (speculation.speculation, ("speculation",)),
           (steps.master_weights, ("master weights",)),
           (steps.logprob_schedule, ("logprob schedule",)), (steps.generator_process, ("generator process",)),
           (lifecycle.resume, ("resume",))]
@@ -241,6 +241,8 @@ TRY = {"on-policy ratio": "logprob_policy=always and head=dense: if that passes,
                              "computed unlike its formula (docs/objectives.md)",
        "data decisions": "the FAILED part names the decision: train.overlong, train.skip_zero_advantage, "
                          "train.dynamic_sampling or model.lora.reference set back to its default",
+       "speculation": "rollout.speculate=off: plain decoding's tokens; if speculation's differ, its verify pass reads "
+                       "another step's noise or rolls back the cache wrongly (docs/speculate.md)",
        "decode branches": "rollout.decode=eager: if that passes, the decode option's branch for ended rows or shared "
                           "prefills is at fault",
        "master weights": "keep the weights fp32 (train.precision=bf16 autocasts over fp32 master weights)",

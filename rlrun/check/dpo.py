@@ -241,6 +241,7 @@ def rows(cfg, baseline_config, exactness: set) -> list[Row]:
             *guarded(against_baseline, ctx, known, exactness, names=("vs baseline",)),
             *guarded(truth_rows, ctx, names=("objective vs truth", "data decisions")),
             Row("decode branches", NOT_DRAWN, "-", None, "a decode branch reached only when rows end"),
+            Row("speculation", NOT_DRAWN, "-", None, "speculative decoding against plain decoding's tokens"),
             *guarded(steps.master_step, ctx, ctx.trainer, lambda model: step(ctx, model, ctx.axes, ctx.cfg, known),
                      names=("master weights",)),
             Row("logprob schedule", "n/a: DPO has no old-policy pass (its reference logprobs: data of the pair)",

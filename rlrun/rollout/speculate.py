@@ -10,7 +10,7 @@ verifies them in one forward (rollout/verify.py) under the seeded sampler, so th
 Exactness: fp_tolerance, as rollout.decode=compiled: a verify forward over k + 1 positions rounds in another order
 than a forward over one, so the sampler's logprobs agree to fp32 tolerance and the tokens are plain decoding's except
 where a draw falls within rounding of a tie (tests/unit/rollout/test_speculate.py; `rlrun check`'s speculation probe,
-rlrun/speculation_probe.py, compares per configuration). Models the verify loop does not cover (no fast path, a
+rlrun/check/speculation.py, compares per configuration). Models the verify loop does not cover (no fast path, a
 sliding-window cache) and processors other than the seeded sampler decode plainly: the same tokens, no speculation.
 """
 

@@ -21,8 +21,7 @@ LAYERS = [
     {"runner", "export", "evaluate", "warmstart"},
     {"recipes"},
     # bench: the `python -m rlrun.bench` name of tools/bench.py; check: `rlrun check`, it runs the recipes' steps
-    # speculation_probe: check's speculation probe (it imports check's Row; check finds it by an import string)
-    {"cli", "sweep", "sweep_jobs", "tools", "bench", "__main__", "check", "cluster", "speculation_probe"},
+    {"cli", "sweep", "sweep_jobs", "tools", "bench", "__main__", "check", "cluster"},
 ]
 
 

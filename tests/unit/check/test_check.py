@@ -15,7 +15,7 @@ from rlrun.config import validate
 
 ALL_PROBES = {"on-policy ratio", "generator = trainer", "sampler filter", "accumulation", "ranks", "sequence alone",
               "policy copies", "no full logits", "memory plan", "vs baseline", "objective vs truth", "data decisions",
-              "decode branches", "master weights", "logprob schedule", "generator process", "resume"}
+              "decode branches", "speculation", "master weights", "logprob schedule", "generator process", "resume"}
 COMBINATION = ["loss=cispo", "head=tiled", "batching=shared_prompt", "activations=checkpoint", "train.precision=bf16",
                "rollout.pipeline=async"]
 
@@ -48,7 +48,7 @@ def test_the_command_prints_one_table_and_exits_0(tmp_path):
     lines = r.stdout.strip().splitlines()
     assert lines[0].split()[:2] == ["probe", "measured"] and lines[-1] == "15 of 15 probes pass"  # sync, 1 pass: 2 n/a
     assert all(len(line) <= 100 for line in lines), max(lines, key=len)  # a 100-column console
-    assert "rlrun check: probe 15 of 15: resume" in r.stderr  # progress, not on a terminal: lines
+    assert "rlrun check: probe 16 of 16: resume" in r.stderr  # progress, not on a terminal: lines
     assert not list(tmp_path.iterdir())  # a check writes nothing
 
 

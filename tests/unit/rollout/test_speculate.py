@@ -283,11 +283,12 @@ def test_compiled_speculation_draws_the_compiled_decodes_tokens(arch):
 
 
 def test_the_check_probe_compares_speculation_with_plain_decoding_and_says_na_when_off(monkeypatch):
-    """rlrun/speculation_probe.py on `rlrun check`'s own context: pass with the configuration's speculation, n/a when
+    """rlrun/check/speculation.py on `rlrun check`'s own context: pass with the configuration's speculation, n/a when
     off, and FAIL when the verify pass chooses another token than plain decoding would (a wrong noise step)."""
     from conftest import make_cfg
 
-    from rlrun import check, speculation_probe
+    from rlrun import check
+    from rlrun.check import speculation as speculation_probe
     from rlrun.config import validate
 
     ctx = check.build(validate(make_cfg("experiment=smoke", "rollout.max_new_tokens=12")))

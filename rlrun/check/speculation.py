@@ -9,18 +9,16 @@ calls the difference a rounding flip only where they are within FLIP_TOL. It als
 the rows that agree, and reports the acceptance (drafted tokens accepted) and tokens a row accepted per verify pass.
 `history` is run twice (the second rollout drafts from the first, as a run's second epoch does); both are compared.
 
-The check adds it to its table through an import string (rlrun/check/__init__.py PROBES), so that rlrun.check does
-not import this module and this module may import rlrun.check's Row: no import cycle.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import models, registry
-from .check.probes import GEN_TOL, logprob_tol
-from .check.rows import Row
-from .rollout import hf
+from .. import models, registry
+from ..rollout import hf
+from .probes import GEN_TOL, logprob_tol
+from .rows import Row
 
 NAME = "speculation"
 SOURCE = "vllm-project/vllm#34497 (speculative decoding returned other logprobs than plain decoding)"
@@ -36,7 +34,7 @@ def speculation(ctx) -> Row:
     if not speculation.drafts:
         return Row(NAME, expects, f"n/a: rollout.speculate={chosen}", None, SOURCE, blocks=False)
     model = ctx.copies["generator"]
-    tokenizer = registry.get("model", ctx.cfg.model.name).meta(ctx.cfg.model, ctx.cfg.seed)[1]
+    tokenizer = ctx.tokenizer
     device = next(model.parameters()).device
     seeds = list(range(len(ctx.prompts)))  # the probe rollout's seeds (rlrun/check build)
     plain = hf.generate(model, tokenizer, ctx.prompts, r, device, seeds,
