@@ -49,16 +49,18 @@ class Ending(hf.SeededSampler):
 
 
 def branch_prompts(extremes: tuple[str, str], rows: int) -> list[str]:
-    """The data's longest prompt alone, then its shortest repeated: `rows` rows, at least three."""
+    """The data's shortest prompt repeated, then its longest alone, last: `rows` rows, at least three. Last, so that
+    as the rows before it end it moves to another place in the batch (and bucket), where a row's position or mask
+    taken from the wrong place shows: the rows beside it share one prompt, and one length."""
     shortest, longest = extremes
-    return [longest] + [shortest] * (max(3, rows) - 1)
+    return [shortest] * (max(3, rows) - 1) + [longest]
 
 
 def endings(rows: int, max_new_tokens: int) -> dict[int, int]:
-    """Row -> the step it ends at: every fourth runs as drawn; the others end at once, part-way (each at another
-    step), and half-way."""
+    """Row -> the step it ends at: of the group of many (all but the last row), every fourth runs as drawn, the
+    others end at once, part-way (each at another step) and half-way; the last row runs as drawn."""
     out = {}
-    for b in range(rows):
+    for b in range(rows - 1):
         kind = b % 4
         if kind == 1:
             out[b] = 0
@@ -87,13 +89,17 @@ def decode_branches(ctx) -> Row:
     option, tok = registry.get("decode", r.decode), ctx.tokenizer
     model = ctx.copies["generator"]
     prompts = branch_prompts(ctx.extremes, len(ctx.prompts))
+    lengths = {len(tok(p, add_special_tokens=False).input_ids) for p in ctx.extremes}
     ids, mask = hf.encode(tok, prompts, next(model.parameters()).device)
     ends = endings(len(prompts), r.max_new_tokens)
     with torch.no_grad():
         want, want_lp, plain = run(hf.decode, model, ids, mask, r, tok, ends, drop_ended=False, prefill_once=False,
                                    grouped_kv=False)
         got, got_lp, _ = run(option.decode, model, ids, mask, r, tok, ends)
-    return compare(ctx, want, want_lp, got, got_lp, plain, tok.eos_token_id)
+    row = compare(ctx, want, want_lp, got, got_lp, plain, tok.eos_token_id)
+    if len(lengths) == 1:  # the data's prompts are of one length: no left padding to shift (say so, not hide it)
+        row.measured += f"; the data's prompts all {lengths.pop()} tokens: no left padding probed"
+    return row
 
 
 def valid(row: torch.Tensor, eos: int) -> int:
@@ -122,7 +128,7 @@ def compare(ctx, want, want_lp, got, got_lp, plain: Ending, eos: int) -> Row:
             (flips if margin is not None and margin < TIE else wrong).append(b)
     ended = int((want == eos).any(1).sum())
     expects = (f"the plainest loop's tokens (a flip within {TIE:.0e} of a tie reported), logprobs within {tol:.0e}; "
-               f"rows of unequal prompts, a group of one and of {want.shape[0] - 1}, ending at different steps")
+               f"a group of {want.shape[0] - 1} ending at different steps beside the data's longest prompt alone")
     measured = (f"{want.shape[0] - len(flips) - len(wrong)} of {want.shape[0]} rows equal ({ended} ended early, "
                 f"lengths {min(lengths)}-{max(lengths)}), logprobs max {worst:.1e}"
                 + (f"; {len(flips)} flipped on a near tie" if flips else "")

@@ -88,7 +88,7 @@ def resume(ctx) -> Row:
     off = sorted(k for k, d in worst.items() if not d <= RESUME_TOL)
     part = lambda key: key.split(".")[0].split("[")[0]  # noqa: E731 - a leaf's owner: model, optimizer, prompts...
     parts = sorted({part(k) for k in unbroken})
-    measured = (f"{len(unbroken)} leaves of {', '.join(parts)}: max rel diff "
+    measured = (f"{len(unbroken)} leaves of {', '.join(parts)}: floats' max rel diff "
                 f"{max([d for d in worst.values() if d != float('inf')], default=0.0):.1e}")
     if off or missing:
         counts = {p: sum(part(k) == p for k in off + missing) for p in sorted({part(k) for k in off + missing})}

@@ -136,9 +136,14 @@ def noise(scale: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return scale * torch.randn(scale.shape, generator=g, dtype=torch.float64).abs()
 
 
-def per_token(seqs: list[truth.Seq], roll: Rollout, key: str) -> torch.Tensor:
-    """[rows, width] of each sequence's `key` logprobs at its response positions, 0 elsewhere."""
-    out = torch.zeros(roll.response_mask.shape, dtype=torch.float64, device=roll.input_ids.device)
+def per_token(seqs: list[truth.Seq], roll: Rollout, key: str, padding: int | None = None) -> torch.Tensor:
+    """[rows, width] of each sequence's `key` logprobs at its response positions, 0 elsewhere; `padding`: a seed
+    whose logprob-like noise fills the rest instead (a run's old pass computes numbers there too: a term that
+    forgets the mask must see them)."""
+    out = torch.zeros(roll.response_mask.shape, dtype=torch.float64)
+    if padding is not None:
+        out = -1.0 - torch.rand(out.shape, generator=torch.Generator().manual_seed(padding), dtype=torch.float64)
+    out = out.to(roll.input_ids.device)
     for b, s in enumerate(seqs):
         out[b, : len(s.response)] = getattr(s, key)
     return out
@@ -147,14 +152,15 @@ def per_token(seqs: list[truth.Seq], roll: Rollout, key: str) -> torch.Tensor:
 def run_side(ctx, model, roll: Rollout, rewards: list[float], seqs: list[truth.Seq]):
     """The configuration's data path and train step on `roll`: (advantages, micro-batches, loss, metrics, grads)."""
     cfg, t = ctx.cfg, ctx.cfg.train
-    roll = dataclasses.replace(roll, gen_logprobs=per_token(seqs, roll, "gen"))
+    roll = dataclasses.replace(roll, gen_logprobs=per_token(seqs, roll, "gen", padding=cfg.seed + 3))
     d = sampling.shape(cfg, [{} for _ in seqs], roll, rewards, {})
     advantages = grpo.group_advantages(d.shaped, min(t.group_size, len(seqs)), t.scale_advantages)
     trained = sampling.trained(d.roll, t)
     whole = grpo.split_rollout(trained, advantages, len(seqs))
     size = ctx.micros[0].input_ids.shape[0] if len(ctx.micros) > 1 else max(1, len(seqs) // 2)
     micros = grpo.split_rollout(trained, advantages, size)
-    old, ref = per_token(seqs, roll, "old").view(-1), per_token(seqs, roll, "ref").view(-1)
+    old = per_token(seqs, roll, "old", padding=cfg.seed + 4).view(-1)
+    ref = per_token(seqs, roll, "ref", padding=cfg.seed + 5).view(-1)
     n = roll.response_mask.shape[1]
     for i, mb in enumerate(micros):
         mb.ref_logprobs = ref[i * size * n : i * size * n + mb.targets.numel()]

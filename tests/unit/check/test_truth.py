@@ -186,6 +186,11 @@ def uncapped_tis(log_ratio, mode, cap, low):
     return ratio if mode == "truncate" else torch.where((ratio <= cap), ratio, torch.zeros_like(ratio))
 
 
+def unmasked_sequence_is(old, gen, mask, rows_, mode, cap, low):  # the held-out trial's F04: padding summed in
+    log_ratio = (old - gen).view(rows_, -1).sum(1, keepdim=True)
+    return losses.tis_weight(log_ratio, mode, cap, low).expand(rows_, mask.numel() // rows_).reshape(-1).detach()
+
+
 def mean_sequence_is(old, gen, mask, rows_, mode, cap, low):
     log_ratio = torch.where(mask.bool(), old - gen, 0.0).view(rows_, -1).mean(1, keepdim=True)  # mean, not sum
     return losses.tis_weight(log_ratio, mode, cap, low).expand(rows_, mask.numel() // rows_).reshape(-1).detach()
@@ -275,6 +280,8 @@ FAULTS = [  # (what, inject, overrides, the probe that must fail)
     ("sequence TIS a mean", patched(bound, "sequence_is_weights",
                                     mean_sequence_is), ["loss.tis.enabled=true", "loss.tis.level=sequence"],
      "objective"),
+    ("sequence TIS over padding too", patched(bound, "sequence_is_weights", unmasked_sequence_is),
+     ["loss.tis.enabled=true", "loss.tis.level=sequence"], "objective"),
     ("DAPO bounds swapped", patched(dapo, "token_loss",
                                     swapped_dapo_clip), [], "objective"),
     ("CISPO weight not detached", patched(cispo, "token_loss",
