@@ -111,7 +111,7 @@ def checked(typed):
     probes, or what logs their results to the run once it starts (None: no probe ran)."""
     from . import check
 
-    rows = check.rows_of(typed)
+    rows = check.rows_of(typed, job=True)
     if not rows:
         return None
     if any(r.ok is False and r.blocks for r in rows):

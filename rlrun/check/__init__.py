@@ -172,9 +172,10 @@ def plan_probe(ctx: Context) -> Row:
                f"{want:.1f} with its heap term", plan.within(want - heap, live), source, blocks=False)
 
 
-def run_probes(ctx: Context, progress: bool = False) -> list[Row]:
+def run_probes(ctx: Context, progress: bool = False, job: bool = False) -> list[Row]:
     """Every probe, in the table's order; one that raises is that probe's FAIL row (probes.guarded). `progress`:
-    a bar on a terminal, a line per probe otherwise (stderr; `rlrun check` itself, minutes on a real model)."""
+    a bar on a terminal, a line per probe otherwise (stderr; `rlrun check` itself, minutes on a real model). `job`:
+    a sweep job's check, which leaves out the probes that train runs of their own (IN_JOB_SKIPPED)."""
     from tqdm import tqdm
 
     rows: list[Row] = []
@@ -184,11 +185,16 @@ def run_probes(ctx: Context, progress: bool = False) -> list[Row]:
         bar.set_postfix_str(names[0])
         if progress and not sys.stderr.isatty():
             print(f"rlrun check: probe {i + 1} of {len(PROBES)}: {', '.join(names)}", file=sys.stderr, flush=True)
+        if job and names[0] in IN_JOB_SKIPPED:
+            rows.append(in_job(names[0]))
+            continue
         rows += probes.guarded(probe, ctx, names=names)
     bar.close()
     return rows
 
 
+IN_JOB_SKIPPED = lifecycle.IN_JOB_SKIPPED
+in_job = lifecycle.in_job
 # (probe, the rows it returns): the names stand in a FAIL row when the probe raises
 PROBES = [(probes.on_policy_ratio, ("on-policy ratio",)),
           (probes.generator_vs_trainer, ("generator = trainer", "sampler filter")),
@@ -210,13 +216,15 @@ def table(rows: list[Row]) -> str:
                         [[r.probe, r.expects, r.measured, VERDICT[r.ok], r.source] for r in rows], left=5)
 
 
-def rows_of(cfg, progress: bool = False) -> list[Row]:
-    """The probes of a validated config (DPO's: rlrun/check/dpo.py), the caller's random state untouched."""
+def rows_of(cfg, progress: bool = False, job: bool = False) -> list[Row]:
+    """The probes of a validated config (DPO's: rlrun/check/dpo.py), the caller's random state untouched; `job`: a
+    sweep job's (run_probes)."""
     with torch.random.fork_rng():
         own = algorithms.of(cfg).probes
         if own:
-            return importlib.import_module(own).rows(cfg, baseline_config, exactness_of(cfg))
-        return run_probes(build(cfg), progress)
+            rows = importlib.import_module(own).rows(cfg, baseline_config, exactness_of(cfg), job=job)
+            return rows
+        return run_probes(build(cfg), progress, job)
 
 
 # What to try next when a probe fails (the console's "try:" line): the quickest way to find which setting is at

@@ -223,7 +223,7 @@ def dpo_truth(ctx, model, initial):
     return loss.item(), grads, ref.cpu(), (m.min().item(), m.max().item())
 
 
-def rows(cfg, baseline_config, exactness: set) -> list[Row]:
+def rows(cfg, baseline_config, exactness: set, job: bool = False) -> list[Row]:
     ctx = build(cfg, baseline_config)
     known = reference_values(ctx)
     skipped = [Row(name, NOT_DRAWN, "-", None, source) for name, source in (
@@ -247,4 +247,4 @@ def rows(cfg, baseline_config, exactness: set) -> list[Row]:
             Row("logprob schedule", "n/a: DPO has no old-policy pass (its reference logprobs: data of the pair)",
                 "-", None, steps.SCHEDULE_SOURCE),
             Row("generator process", NOT_DRAWN, "-", None, steps.PROCESS_SOURCE),
-            *guarded(lifecycle.resume, ctx, names=("resume",))]
+            *([lifecycle.in_job("resume")] if job else guarded(lifecycle.resume, ctx, names=("resume",)))]

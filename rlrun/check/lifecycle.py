@@ -30,6 +30,17 @@ def timing(path: str) -> bool:
 SOURCE = "a resumed run that trains some data again or restores a state half-way (huggingface/trl#7274)"
 
 
+# A sweep job's check (report.check_jobs) leaves out the probes that train short runs of their own: `resume` trains
+# three steps of the configuration, as long as a smoke job itself; `rlrun check` with the job's overrides runs it
+IN_JOB_SKIPPED = ("resume",)
+
+
+def in_job(name: str) -> Row:
+    """The row of a probe a sweep job's check leaves out."""
+    return Row(name, "n/a: a sweep job's check leaves it out (it trains runs of its own): `rlrun check` with the "
+               "job's overrides runs it", "-", None, "")
+
+
 def short(cfg, folder: str):
     """`cfg` as two steps, a checkpoint after each into `folder`, nothing evaluated, exported or recorded, no
     progress lines (the check's own progress is on stderr)."""

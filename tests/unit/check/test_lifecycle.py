@@ -56,3 +56,16 @@ def test_a_state_not_restored_fails_the_resume_probe_naming_it(monkeypatch, owne
     monkeypatch.setattr(owner, "load_state_dict", fault)
     got = row()
     assert got.ok is False and f"{part} (" in got.measured.split("differ: ")[1], got.measured
+
+
+def test_a_sweep_job_s_check_leaves_out_the_probes_that_train_runs_of_their_own(monkeypatch):
+    from rlrun.check.rows import Row
+
+    ran = []
+    probe = lambda name: (lambda ctx: ran.append(name) or Row(name, "-", "-", True, ""), (name,))  # noqa: E731
+    monkeypatch.setattr(check, "PROBES", [probe("accumulation"), probe("resume")])
+    job = {r.probe: r for r in check.run_probes(None, job=True)}
+    assert ran == ["accumulation"] and job["accumulation"].ok and job["resume"].ok is None
+    assert "rlrun check" in job["resume"].expects  # where to run it instead
+    ran.clear()
+    assert all(r.ok for r in check.run_probes(None)) and ran == ["accumulation", "resume"]
