@@ -362,7 +362,7 @@ def test_a_sweep_job_whose_check_fails_is_failed_naming_the_probe_and_trains_not
     from rlrun import cli
     from rlrun.check.probes import Row
 
-    monkeypatch.setattr(check, "rows_of", lambda cfg: [Row("sequence alone", "-", "-", False, "-"),
+    monkeypatch.setattr(check, "rows_of", lambda cfg, job=False: [Row("sequence alone", "-", "-", False, "-"),
                                                        Row("accumulation", "-", "-", True, "-")])
     out = cli.sweep_job(make_cfg("experiment=smoke", tmp_path=tmp_path), "job-a")
     assert out["error"].startswith("CheckError: rlrun check: 1 of 2 probes pass; FAILED: sequence alone")
@@ -380,8 +380,8 @@ def test_a_sweep_job_whose_memory_plan_misses_trains_with_the_miss_logged(tmp_pa
     from rlrun import cli
     from rlrun.check.probes import Row
 
-    monkeypatch.setattr(check, "rows_of", lambda cfg: [Row("memory plan", "-", "-", False, "-", blocks=False),
-                                                       Row("accumulation", "-", "-", True, "-")])
+    monkeypatch.setattr(check, "rows_of", lambda cfg, job=False: [
+        Row("memory plan", "-", "-", False, "-", blocks=False), Row("accumulation", "-", "-", True, "-")])
     out = cli.sweep_job(make_cfg("experiment=smoke", "train.steps=2", tmp_path=tmp_path), "job-a")
     assert "error" not in out, out
     _, [r] = runs(tmp_path / "mlflow.db")
