@@ -212,3 +212,20 @@ def axes_of(*args, **kwargs):
     from rlrun import axes
 
     return axes.of(*args, **kwargs)
+
+
+def rewritten(module, name: str, old: str, new: str):
+    """An injector replacing `old` by `new` in the source of `module.name` (a fault inside a function's
+    body, where no function can be patched alone): the held-out trial's faults, as its patches wrote them."""
+    import inspect
+    import textwrap
+
+    def inject(monkeypatch):
+        source = textwrap.dedent(inspect.getsource(getattr(module, name)))
+        assert old in source, f"{name} no longer holds {old!r}: rewrite the fault"
+        space = dict(vars(module))
+        exec(compile(source.replace(old, new), inspect.getfile(module), "exec"), space)  # noqa: S102 - a test fault
+        monkeypatch.setattr(module, name, space[name])
+
+    inject.__name__ = f"{name}: {new.strip()}"
+    return inject

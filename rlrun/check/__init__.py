@@ -237,7 +237,8 @@ TRY = {"on-policy ratio": "logprob_policy=always and head=dense: if that passes,
                          "drew from a filtered one",
        "accumulation": "train.micro_batch=<train.batch_size> (one micro-batch): if that passes, the loss is "
                        "normalised per micro-batch; check loss.agg",
-       "ranks": "engine=single: each rank's loss must be normalised by the tokens of all ranks",
+       "ranks": "loss.agg=token_mean: if that passes, loss.agg's normaliser is counted on each rank alone; it must "
+                "be gathered over every rank's tokens (rlrun/losses/agg.py)",
        "sequence alone": "batching=padded: if that passes, the layout's positions or masks let a neighbour in",
        "policy copies": "train.precision=fp32: a copy of the policy was built outside rlrun.policy",
        "no full logits": "head=chunked, or a head.size below the micro-batch's tokens",
@@ -248,7 +249,9 @@ TRY = {"on-policy ratio": "logprob_policy=always and head=dense: if that passes,
                              "loss.agg=token_mean, loss.entropy_coef=0): the term whose removal makes it pass is "
                              "computed unlike its formula (docs/objectives.md)",
        "data decisions": "the FAILED part names the decision: train.overlong, train.skip_zero_advantage, "
-                         "train.dynamic_sampling or model.lora.reference set back to its default",
+                         "train.dynamic_sampling or model.lora.reference set back to its default; consume alone: "
+                         "the recipe passes a decision on wrongly (rlrun/recipes/grpo.py consume, the skip's old "
+                         "pass in recipes/skipping.py)",
        "speculation": "rollout.speculate=off: plain decoding's tokens; if speculation's differ, its verify pass reads "
                        "another step's noise or rolls back the cache wrongly (docs/speculate.md)",
        "decode branches": "rollout.decode=eager: if that passes, the decode option's branch for ended rows or shared "

@@ -22,7 +22,7 @@ from ..recipes import dpo
 from . import lifecycle, objective, probes, quantities, steps, truth
 from .float64 import ROUNDING_SLACK, in_float64
 from .probes import BF16_TOL, FP_TOL, RANKS_SOURCE, RATIO_TOL, Row, grad_diff, grads_of, guarded, logprob_tol
-from .rows import rel_scalar
+from .rows import rel_scalar, within
 
 PROBE_PAIRS = 8  # pairs of the probe batch at most: seconds on the embedded default
 MOVED = 1.0  # the policy's trainable weights moved by this times their mean size: beta x margin spreads over ~+-1
@@ -150,7 +150,7 @@ def against_baseline(ctx, known, exactness: set) -> Row:
     d_loss, d_grad = rel_scalar(got_loss, want_loss), grad_diff(got, want)
     expects = f"loss and gradients within {tol:.0e}, else each no further from float64 ({', '.join(sorted(exactness))})"
     measured = f"loss {d_loss:.1e}, gradients {d_grad:.1e}"
-    if max(d_loss, d_grad) <= tol and not approximate:
+    if within(tol, d_loss, d_grad) and not approximate:
         return Row("vs baseline", expects, measured, True, source)
     exact_loss, exact = in_float64(ctx.baseline, lambda model: step(ctx, model, ctx.base_axes, ctx.base_cfg, known))
     own_loss, own = want_loss, want
@@ -193,7 +193,7 @@ def truth_rows(ctx) -> list[Row]:
     return [Row("objective vs truth", f"loss and gradients within {objective.TRUTH_TOL:.0e} of the float64 truth "
                 "(rlrun/check/truth.py), the policy off the reference",
                 f"loss {d_loss:.1e}, gradients {d_grad:.1e}; beta x margin in [{margins[0]:.2f}, {margins[1]:.2f}]",
-                max(d_loss, d_grad) <= objective.TRUTH_TOL, objective.SOURCE),
+                within(objective.TRUTH_TOL, d_loss, d_grad), objective.SOURCE),
             Row("data decisions", "the reference logprobs the step is given (chosen, rejected: by name) as a fresh "
                 "pass of the initial policy", f"reference logprobs max {d_ref:.1e}", d_ref <= objective.TRUTH_TOL,
                 "DPO's cached reference logprobs (chosen and rejected swapped: step-0 loss 0.436, not ln 2)")]

@@ -28,10 +28,10 @@ import torch
 from .. import models
 from ..recipes import grpo, sampling, skipping
 from ..rollout import Rollout
-from . import truth
+from . import consume, truth
 from .float64 import in_float64
 from .probes import train_step
-from .rows import Row
+from .rows import Row, within
 
 TRUTH_TOL = 1e-9  # relative, in float64 (a 30-layer model's float64 rounding is ~1e-13)
 # per row, in turn over the rows of negative and positive advantage alternately, then those of advantage 0: the
@@ -214,10 +214,12 @@ def truth_rows(ctx) -> list[Row]:
         stats_rows = [bool(a != 0) or not skips for a in advantages.tolist()]
         want_loss, want_metrics, acted, want = truth_side(model, seqs, spec, stats_rows)
         acted["ended"] = ended
-        reference = reference_pass(ctx, model, seqs, whole, spec)  # last: it moves the trainable weights
+        initial = copy.deepcopy(ctx.copies["reference"]).double()
+        reference = reference_pass(ctx, model, initial, seqs, whole, spec)  # it moves the trainable weights
+        wiring = consume.consumed(ctx, model, initial, roll, rewards, seqs, spec)  # on the moved weights
         checks = [*against(seqs, advantages, shaped, cfg.train.overlong == "penalty"), loss_tokens(cfg, seqs, whole),
                   zero_advantage_skip(ctx, advantages, whole, skips), dynamic_sampling(cfg, rows),
-                  (f"reference pass {reference:.1e}", reference <= TRUTH_TOL)]
+                  (f"reference pass {reference:.1e}", reference <= TRUTH_TOL), wiring]
         return (loss, metrics, grads), (want_loss, want_metrics, want), acted, [c for c in checks if c]
 
     (loss, metrics, grads), (want_loss, want_metrics, want), acted, checks = in_float64(ctx.trainer, both)
@@ -229,10 +231,11 @@ def truth_rows(ctx) -> list[Row]:
     objective = Row("objective vs truth", f"loss, gradients and metrics within {TRUTH_TOL:.0e} of the float64 "
                     "truth (rlrun/check/truth.py) on an off-policy step",
                     f"{measured}; off-policy: {coverage(spec, acted, want_metrics)}",
-                    max(d_loss, d_grad, worst[1]) <= TRUTH_TOL, SOURCE)
-    failed = [said.split(" ")[0] for said, ok in checks if not ok]
+                    within(TRUTH_TOL, d_loss, d_grad, *d_metrics.values()), SOURCE)
+    failed = [said.split(" ")[0].rstrip(":") for said, ok in checks if not ok]
     decisions = Row("data decisions", "the rewards, advantages, the loss's tokens, the zero-advantage skip, dynamic "
-                    "sampling and the reference pass as their definitions (rlrun/check/truth.py)",
+                    "sampling, the reference pass and the recipe's wiring of them (grpo.consume) as their definitions "
+                    "(rlrun/check/truth.py)",
                     "; ".join(said for said, _ in checks) + (f"; FAILED: {', '.join(failed)}" if failed else ""),
                     not failed, DATA_SOURCE)
     return [objective, decisions]
@@ -261,11 +264,10 @@ def moved(model, seed: int, size: float = 0.05) -> None:
                 p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
 
 
-def reference_pass(ctx, model, seqs: list[truth.Seq], whole, spec: truth.Spec) -> float:
+def reference_pass(ctx, model, initial, seqs: list[truth.Seq], whole, spec: truth.Spec) -> float:
     """The run's reference pass (models.reference on an engine holding what setup gives it: the frozen copy, or none
     under LoRA's adapters_off) after the trainer's weights moved, against the truth's logprobs of the initial
     policy (the check's reference copy, rlrun.policy): max |run - truth| over the loss's tokens."""
-    initial = copy.deepcopy(ctx.copies["reference"]).double()
     moved(model, ctx.cfg.seed + 1)
     off = models.adapters_off_reference(ctx.cfg.model.lora, getattr(ctx.cfg.loss, "reference_path", None))
     engine = SimpleNamespace(model=model, reference=None if off else initial)

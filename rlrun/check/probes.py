@@ -19,7 +19,7 @@ from ..recipes import grpo
 from ..rollout import Rollout
 from . import quantities
 from .float64 import ROUNDING_SLACK, arbitrated, in_float64
-from .rows import Row, approximate, grad_diff, grads_of, guarded, max_abs, rel, rel_scalar  # noqa: F401 - the probes' names
+from .rows import Row, approximate, grad_diff, grads_of, guarded, max_abs, rel, rel_scalar, within  # noqa: F401 - the probes' names
 from .watch import HeadProducts
 
 RATIO_TOL = 1e-5  # |ratio - 1| on-policy, and a logprob computed two ways, in fp32
@@ -303,7 +303,7 @@ def against_baseline(ctx) -> Row:
     if "approximate" in ctx.exactness:
         return approximate_vs_baseline(ctx, old, got_loss, got, d_loss, d_grad, source)
     expects = f"loss and gradients within {FP_TOL:.0e}, else fp64 arbiter ({', '.join(sorted(ctx.exactness))})"
-    if max(d_loss, d_grad) <= FP_TOL:
+    if within(FP_TOL, d_loss, d_grad):
         return Row("vs baseline", expects, measured, True, source)
     exact_loss, exact = float64_step(ctx, old)
     ok, said = quantities.judge(quantities.quantities(got_loss, got), quantities.quantities(want_loss, want),

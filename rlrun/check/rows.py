@@ -19,6 +19,12 @@ class Row:
     blocks: bool = True
 
 
+def within(tol: float, *distances: float) -> bool:
+    """Every distance at most `tol`; a NaN is not (Python's max() passes over a NaN after a number: max(0.0, nan) is
+    0.0, so a NaN gradient beside an exact loss would pass)."""
+    return all(d <= tol for d in distances)
+
+
 def guarded(probe, *args, names: tuple[str, ...], source: str = "") -> list[Row]:
     """`probe(*args)`'s rows; where it raises, one FAIL row per probe it stands for, with the exception's message:
     a head or layout that crashes on the probe (a dropped partial tile's IndexError) is that probe's failure, shown

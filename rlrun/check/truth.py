@@ -75,11 +75,13 @@ class Seq:
 
 # -- the distribution the sampler drew from ----------------------------------------------------------------------
 
-def filtered_log_softmax(z: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+def filtered_log_softmax(z: torch.Tensor, top_p: float, top_k: int, drawn: torch.Tensor | None = None) -> torch.Tensor:
     """log-probabilities [rows, vocab] of tempered logits `z` renormalised over each row's kept set: the `top_k`
     most likely tokens (0: all), then of those the most likely ones until their mass reaches `top_p` (a token is
     kept when the mass of the tokens more likely than it is below top_p; the most likely one always). Written per
-    token from the definition (Holtzman et al. 2020; the order transformers and vLLM apply)."""
+    token from the definition (Holtzman et al. 2020; the order transformers and vLLM apply). `drawn` [rows]: each
+    row's drawn token, kept in its set as rlrun chooses (docs/objectives.md): weights that moved since the draw may
+    rank it outside, and its logprob is then that of the set with it, not -inf."""
     vocab = z.shape[-1]
     keep = torch.ones_like(z, dtype=torch.bool)
     if 0 < top_k < vocab:
@@ -91,6 +93,8 @@ def filtered_log_softmax(z: torch.Tensor, top_p: float, top_k: int) -> torch.Ten
         order = torch.sort(p, dim=-1, descending=True, stable=True).indices
         before = torch.zeros_like(p).scatter_(-1, order, torch.cumsum(p.gather(-1, order), -1) - p.gather(-1, order))
         keep = keep & (before < top_p)
+    if drawn is not None:
+        keep = keep.scatter(-1, drawn[:, None], True)
     return torch.log_softmax(z.masked_fill(~keep, float("-inf")), -1)
 
 
@@ -101,8 +105,9 @@ def forward(model, seqs: list[Seq], spec: Spec, grad: bool = True) -> None:
         for s in seqs:
             ids = torch.tensor([s.prompt + s.response], device=next(model.parameters()).device)
             logits = model(input_ids=ids).logits[0, len(s.prompt) - 1 : -1].to(F64) / spec.temperature
-            logp = filtered_log_softmax(logits, spec.top_p, spec.top_k)
-            s.logprobs = logp.gather(-1, ids[0, len(s.prompt):, None]).squeeze(-1)
+            drawn = ids[0, len(s.prompt):]
+            logp = filtered_log_softmax(logits, spec.top_p, spec.top_k, drawn)
+            s.logprobs = logp.gather(-1, drawn[:, None]).squeeze(-1)
             p = logp.exp()
             s.entropy = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
 

@@ -5,6 +5,7 @@ grouped-KV path, and fails on a fault in each branch that runs only when rows en
 import pytest
 import torch
 from conftest import make_cfg
+from helpers import rewritten
 
 from rlrun import check, registry
 from rlrun.check import decode
@@ -71,23 +72,6 @@ def prefill_shared_with_the_wrong_rows(monkeypatch):
         return None if found is None else (found[0], found[1].flip(0))
 
     monkeypatch.setattr(hf, "distinct_rows", distinct_rows)
-
-
-def rewritten(module, name: str, old: str, new: str):
-    """An injector replacing `old` by `new` in the source of `module.name` (a fault inside a loop, where no function
-    can be patched alone): the held-out trial's faults, as its patches wrote them."""
-    import inspect
-    import textwrap
-
-    def inject(monkeypatch):
-        source = textwrap.dedent(inspect.getsource(getattr(module, name)))
-        assert old in source, f"{name} no longer holds {old!r}: rewrite the fault"
-        space = dict(vars(module))
-        exec(compile(source.replace(old, new), inspect.getfile(module), "exec"), space)  # noqa: S102 - a test fault
-        monkeypatch.setattr(module, name, space[name])
-
-    inject.__name__ = f"{name}: {new.strip()}"
-    return inject
 
 
 positions_after_a_drop = rewritten(hf, "_decode", "position_ids = attention_mask[keep], position_ids[keep]",

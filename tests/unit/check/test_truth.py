@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from conftest import make_cfg
+from helpers import rewritten
 
 from rlrun import check, losses, models
 from rlrun.check import objective, steps, truth
@@ -99,6 +100,9 @@ def test_the_top_p_set_keeps_tokens_until_their_mass_reaches_top_p():
     assert torch.allclose(lp[:2], torch.log(t(0.5 / 0.8, 0.3 / 0.8))) and lp[2] == float("-inf")
     assert truth.filtered_log_softmax(z, 0.5, 0)[0].isfinite().tolist() == [True, False, False]
     assert truth.filtered_log_softmax(z, 1.0, 2)[0].isfinite().tolist() == [True, True, False]
+    # a drawn token the set leaves out (weights moved since the draw) stays in: rlrun's choice (docs/objectives.md)
+    kept = truth.filtered_log_softmax(z, 0.5, 0, drawn=torch.tensor([2]))[0]
+    assert torch.allclose(kept[[0, 2]], torch.log(t(0.5 / 0.7, 0.2 / 0.7))) and kept[1] == float("-inf")
 
 
 def test_the_data_decisions_by_hand():
@@ -308,6 +312,19 @@ FAULTS = [  # (what, inject, overrides, the probe that must fail)
      "data"),
     ("adapters left on in the reference pass", patched(models, "reference", adapters_left_on),
      ["model.lora.enabled=true", "loss.kl_coef=0.1"], "data"),
+    # the recipe's wiring (grpo.consume): the held-out trial's F11 and F12, and two more of their kind
+    ("advantages from the raw reward", rewritten(grpo, "consume", "group_advantages(d.shaped,", "group_advantages("
+                                                 "reward,"), ["train.overlong=penalty", "train.overlong_buffer=3"],
+     "data"),
+    ("the skip's old pass written to the first rows", rewritten(
+        skipping, "logprobs", "out.view(m.input_ids.shape[0], -1)[rows] =",
+        "out.view(m.input_ids.shape[0], -1)[: int(rows.sum())] ="), ["logprob_policy=always"], "data"),
+    ("the old logprobs as the reference", rewritten(grpo, "consume", "mb.ref_logprobs = lp",
+                                                    "mb.ref_logprobs = mb.old_logprobs"),
+     ["logprob_policy=always", "loss.kl_coef=0.1"], "data"),
+    ("one copy of a rollout for num_iterations", rewritten(grpo, "consume", "buffer.add(micros, t.num_iterations)",
+                                                           "buffer.add(micros, 1)"), ["train.num_iterations=2"],
+     "data"),
 ]
 PROBE = {"objective": "objective vs truth", "data": "data decisions"}
 
@@ -320,6 +337,14 @@ def test_each_injected_fault_fails_its_truth_probe_and_passes_without_it(monkeyp
     inject(monkeypatch)
     got = rows(*overrides)[PROBE[probe]]
     assert got.ok is False, f"{what}: {got.measured}"
+
+
+@pytest.mark.slow  # a check build (~4 s)
+def test_a_nan_beside_exact_numbers_fails_the_probe(monkeypatch):
+    """max(0.0, nan) is 0.0 in Python: a NaN gradient beside an exact loss must still fail."""
+    assert rows()["objective vs truth"].ok
+    monkeypatch.setattr(objective, "rel_grads", lambda got, want: float("nan"))
+    assert rows()["objective vs truth"].ok is False
 
 
 # -- DPO against its truth ----------------------------------------------------------------------------------------
