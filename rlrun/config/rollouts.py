@@ -39,6 +39,7 @@ class HFRollout:
     decode: Annotated[str, Registered("decode")] = "eager"  # compiled: static KV cache, compiled step (decoding.py)
     speculate: Annotated[str, Registered("speculate")] = "off"  # prompt | history: drafts verified (speculate.py)
     speculate_k: SpeculateK = 4  # drafted tokens a row and verify pass at most
+    speculate_from: str | None = None  # history: a rollout.record folder whose completions it drafts from at start
 
 
 @dataclass

@@ -327,6 +327,15 @@ def speculation_is_rollout_hf(c, world):
                "rollout.speculate=off with rollout=vllm (docs/speculate.md).")
 
 
+@rule("rollout.speculate", "rollout.speculate_from")
+def speculation_from_a_record_is_history(c, world):
+    path, spec = getattr(c.rollout, "speculate_from", None), getattr(c.rollout, "speculate", None)
+    if path and not registry.get("speculate", spec or registry.baseline("speculate")).remembers:
+        yield (f"rollout.speculate_from={path} seeds the drafts of earlier completions, which only "
+               f"rollout.speculate=history reads (here: {spec}): set rollout.speculate=history, or drop "
+               "rollout.speculate_from (docs/speculate.md).")
+
+
 @rule("rollout.name", "engine.name")
 def vllm_single_engine(c, world):
     if c.rollout.name == "vllm" and c.engine.name == "deepspeed":

@@ -25,7 +25,7 @@ import torch
 from .. import axes, evaluate, logprobs, losses, models, plan, ranks, registry, tasks
 from .. import batching as packing
 from ..meters import MIB
-from ..rollout import record
+from ..rollout import record, speculate
 from ..runner import Data, Frame, check_finite, meter_metrics, no_held_out, setup
 from . import sampling, skipping, sources
 from .sampling import sample_seed  # noqa: F401 (rlrun.recipes.grpo.sample_seed, as before)
@@ -194,6 +194,7 @@ def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
             # 3. Metrics over all ranks. A metric that needs a skipped pass is absent, never a zero that looks real.
             m = step_metrics(frame, passes, got, loss_total, num_tokens, parts, grad_norm, layout, drawn)
             m.update(trained_plan(cfg, s, micros, kept))
+            m.update(speculate.step_metrics(getattr(s, "rollout", None)))  # acceptance, tokens per verify pass
             frame.log(step, m, reward=f"{m.get('reward_mean', float('nan')):.3f}", loss=f"{m['loss']:.4f}",
                       tok_s=f"{m['throughput/train_tokens_per_s']:.0f}")
             if cfg.log.samples_every and step % cfg.log.samples_every == 0 and got.samples:

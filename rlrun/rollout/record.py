@@ -142,20 +142,20 @@ def differences(recorded: dict, now: dict) -> list[str]:
 class Record:
     """A record folder opened for reading: its header, its index (each line's file checked when read)."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, key: str = "rollout.path"):
+        self.path, self.key = path, key  # `key`: the config key that named the folder (in every error)
         header = os.path.join(path, HEADER)
         if not os.path.isdir(path):
-            raise RecordError(f"rollout.path={path!r} is not a folder; give the rollout.record folder of an earlier "
+            raise RecordError(f"{key}={path!r} is not a folder; give the rollout.record folder of an earlier "
                               "run (docs/replay.md)")
         try:
             with open(header) as f:
                 self.header = json.load(f)
         except (OSError, ValueError) as e:
-            raise RecordError(f"rollout.path={path!r}: {header} cannot be read ({type(e).__name__}: {e}); it is not "
+            raise RecordError(f"{key}={path!r}: {header} cannot be read ({type(e).__name__}: {e}); it is not "
                               "a rollout record, or a damaged one. Record one with rollout.record=DIR.") from None
         if self.header.get("format") != FORMAT:
-            raise RecordError(f"rollout.path={path!r}: record format {self.header.get('format')!r}, this rlrun "
+            raise RecordError(f"{key}={path!r}: record format {self.header.get('format')!r}, this rlrun "
                               f"reads format {FORMAT} (format 1 fixes neither the warm start nor the model's "
                               "weights, so a replay could not be checked against them): record it again")
         self.entries = read_index(path)
@@ -174,7 +174,7 @@ class Record:
         from safetensors.torch import load
 
         if n >= len(self.entries):
-            raise RecordError(f"rollout.path={self.path!r} holds {len(self.entries)} rollouts and this run needs "
+            raise RecordError(f"{self.key}={self.path!r} holds {len(self.entries)} rollouts and this run needs "
                               f"rollout {n + 1}: lower train.steps, or record a longer run")
         entry = self.entries[n]
         file = os.path.join(self.path, entry["file"])
@@ -184,7 +184,7 @@ class Record:
         except OSError:
             data = None
         if data is None or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise RecordError(f"rollout.path={self.path!r}: {file} is missing or changed since it was recorded (its "
+            raise RecordError(f"{self.key}={self.path!r}: {file} is missing or changed since it was recorded (its "
                               "sha256 differs from rollouts.jsonl's); the record cannot be replayed. Record it again.")
         try:
             # safetensors' layout: an 8-byte little-endian header length, then the JSON header with __metadata__
@@ -193,7 +193,7 @@ class Record:
             loaded = load(data)
             tensors = {k: loaded[k].to(device) for k in TENSORS}
         except (KeyError, ValueError, TypeError, OSError) as e:  # e.g. written by another version of the format
-            raise RecordError(f"rollout.path={self.path!r}: {file} is not a rollout of record format {FORMAT} "
+            raise RecordError(f"{self.key}={self.path!r}: {file} is not a rollout of record format {FORMAT} "
                               f"({type(e).__name__}: {e}). Record it again.") from None
         tensors["finished"] = tensors["finished"].bool()
         tensors["response_mask"] = tensors["response_mask"].bool()

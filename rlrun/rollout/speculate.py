@@ -16,6 +16,8 @@ sliding-window cache) and processors other than the seeded sampler decode plainl
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import models
@@ -29,10 +31,12 @@ class Off:
     exactness = "baseline"
     phases: tuple[str, ...] = ("generate",)
     drafts = False  # whether it drafts and verifies (the speculation probe and bench ask)
+    remembers = False  # whether it drafts from earlier rollouts (and so reads rollout.speculate_from)
 
     def __init__(self, rollout_cfg=None):
         self.k = int(getattr(rollout_cfg, "speculate_k", 4) or 4)
         self.stats = verify.Stats()  # summed over every decode this object ran
+        self.logged = verify.Stats()  # `stats` when `step_metrics` last read them
 
     def decode(self, option, model, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id, pad_token_id,
                processor=None, drop_ended: bool = True, prefill_once: bool = True, grouped_kv: bool = True,
@@ -91,9 +95,14 @@ class Prompt(Off):
 class History(Prompt):
     """rollout.speculate=history: drafts from the prompt, the group, and earlier completions of the same prompt."""
 
+    remembers = True
+
     def __init__(self, rollout_cfg=None):
         super().__init__(rollout_cfg)
         self.seen = lookup.History()
+        path = getattr(rollout_cfg, "speculate_from", None)
+        if path:
+            self.recorded = seed(self.seen, path)
 
     def history(self) -> lookup.History | None:
         return self.seen
@@ -101,6 +110,41 @@ class History(Prompt):
     def remember(self, prompts: list[list[int]], completions: list[list[int]]) -> None:
         for prompt, completion in zip(prompts, completions):
             self.seen.add(tuple(prompt), completion)
+
+
+def seed(history: lookup.History, path: str) -> int:
+    """`history` given every completion of the rollout.record folder at `path` (in the order it was trained on),
+    as a run's own rollouts would give it: how many. A record of another model's tokenizer only drafts badly: a
+    draft never changes what is drawn."""
+    import os
+
+    from . import record
+
+    rec, n = record.Record(os.path.expanduser(path), key="rollout.speculate_from"), 0
+    for i in range(len(rec)):
+        tensors, meta = rec.read(i, "cpu")
+        p = meta["prompt_len"]
+        prompts, _ = prompt_rows(tensors["input_ids"][:, :p], tensors["attention_mask"][:, :p])
+        for prompt, ids, mask in zip(prompts, tensors["input_ids"][:, p:].tolist(), tensors["response_mask"].tolist()):
+            history.add(tuple(prompt), [t for t, m in zip(ids, mask) if m])
+            n += 1
+    return n
+
+
+def step_metrics(rollout) -> dict[str, float]:
+    """`rollout/speculation/*`: what the run's speculation did since the last step logged (its rollouts), where its
+    rollouts are drawn in this process by a decode that drafts (rollout=hf, rollout.pipeline=sync); {} otherwise
+    (the async generator process keeps its own counts, not logged)."""
+    spec = getattr(rollout, "speculation", None)
+    if spec is None or not spec.drafts:
+        return {}
+    now = dataclasses.astuple(spec.stats)
+    step = verify.Stats(*(a - b for a, b in zip(now, dataclasses.astuple(spec.logged))))
+    spec.logged = verify.Stats(*now)
+    if not step.row_passes:
+        return {}
+    return {"rollout/speculation/acceptance": step.acceptance(), "rollout/speculation/tokens_per_pass": step.per_pass(),
+            "rollout/speculation/verify_passes": float(step.passes)}
 
 
 def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[list[list[int]], list[int]]:

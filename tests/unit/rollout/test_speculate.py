@@ -178,6 +178,33 @@ def test_a_second_epoch_drafts_from_the_first_under_history():
     assert len(hf.speculating(cfg["history"]).seen) == 0  # a new object: its own history
 
 
+def test_history_seeded_from_a_record_drafts_an_earlier_runs_completions(tmp_path):
+    """rollout.speculate_from=DIR: a run's first rollout drafts from a record's completions of the same prompts (here
+    the very draws, same weights and seeds): nearly every draft accepted, the tokens plain decoding's."""
+    from conftest import make_cfg
+
+    from rlrun.errors import RecordError
+    from rlrun.rollout import record
+
+    model, tok = grouped_model("qwen2")
+    prompts, seeds = groups(4, 2, seed=5)
+    plain = hf.generate(model, tok, prompts, rollout_cfg("off", new=24), "cpu", seeds)
+    rec = record.Recorder(str(tmp_path / "rec"), make_cfg("experiment=smoke"), resumed=False)
+    rec.write(0, {k: getattr(plain, k) for k in record.TENSORS},
+              {"prompt_len": plain.prompt_len, "rows": [{}] * len(prompts), "completions": plain.completions,
+               "totals": [0.0] * len(prompts), "by_reward": {}}, version=0, step=0)
+    stats = {}
+    for name, source in (("history", str(tmp_path / "rec")), ("prompt", None)):
+        cfg = SimpleNamespace(**vars(rollout_cfg(name, new=24)), speculate_from=source)
+        speculation = hf.speculating(cfg)
+        assert_same(draw(model, tok, prompts, seeds, cfg, speculation), (plain.input_ids, plain.gen_logprobs,
+                                                                         plain.finished))
+        stats[name] = speculation.stats
+    assert stats["history"].acceptance() > 0.9 and stats["history"].per_pass() > 2 * stats["prompt"].per_pass()
+    with pytest.raises(RecordError, match="rollout.speculate_from='/nowhere' is not a folder"):
+        hf.speculating(SimpleNamespace(**vars(rollout_cfg("history")), speculate_from="/nowhere"))
+
+
 def test_noise_read_across_the_blocks_of_a_rows_stream_is_plain_decodings(monkeypatch):
     """Where a row's generator gives its uniforms in blocks of a few steps (a large vocabulary), a verify pass that
     straddles a block edge reads the next block, as plain decoding does."""
@@ -226,6 +253,8 @@ def test_the_options_facts_and_the_config():
         validate(make_cfg("experiment=smoke", "rollout.speculate=prompt", "rollout.speculate_k=0"))
     with pytest.raises(Exception, match=r"rollout.speculate='often' is not supported; supported: \['off'"):
         validate(make_cfg("experiment=smoke", "rollout.speculate=often"))
+    with pytest.raises(Exception, match=r"only rollout.speculate=history reads \(here: prompt\)"):
+        validate(make_cfg("experiment=smoke", "rollout.speculate=prompt", "rollout.speculate_from=/tmp/rec"))
 
 
 def test_rollout_vllm_refuses_speculation_naming_the_fix(monkeypatch):
