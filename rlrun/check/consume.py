@@ -21,10 +21,32 @@ import torch
 
 from .. import models
 from ..recipes import grpo, sampling
+from ..rollout import Rollout
 from . import truth
 from .rows import within
 
 TOL = 1e-9  # as objective.TRUTH_TOL (float64 on both sides)
+
+
+def per_token(seqs: list[truth.Seq], roll: Rollout, key: str, padding: int | None = None) -> torch.Tensor:
+    """[rows, width] of each sequence's `key` logprobs at its response positions, 0 elsewhere; `padding`: a seed
+    whose logprob-like noise fills the rest instead (a run's old pass computes numbers there too: a term that
+    forgets the mask must see them)."""
+    out = torch.zeros(roll.response_mask.shape, dtype=torch.float64)
+    if padding is not None:
+        out = -1.0 - torch.rand(out.shape, generator=torch.Generator().manual_seed(padding), dtype=torch.float64)
+    out = out.to(roll.input_ids.device)
+    for b, s in enumerate(seqs):
+        out[b, : len(s.response)] = getattr(s, key)
+    return out
+
+
+def truth_mask(seqs: list[truth.Seq], width: int) -> torch.Tensor:
+    """[rows, width]: the tokens the truth's loss sees (each trained row's response, EOS included)."""
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        mask[b, : len(s.response)] = s.trained
+    return mask
 
 
 def engine(model, reference):
@@ -82,8 +104,6 @@ def held(got: torch.Tensor | None, want: torch.Tensor, where: torch.Tensor) -> f
 
 def consumed(ctx, model, initial, roll, rewards: list[float], seqs: list[truth.Seq], spec: truth.Spec):
     """The wiring check (module docstring): (what it measured, whether it is the truth's)."""
-    from .objective import per_token, truth_mask  # (objective imports this module)
-
     gen = per_token(seqs, roll, "gen", padding=ctx.cfg.seed + 3)
     off = models.adapters_off_reference(ctx.cfg.model.lora, getattr(ctx.cfg.loss, "reference_path", None))
     micros, copies, start = enqueued(ctx, model, None if off else initial,

@@ -29,6 +29,7 @@ from .. import models
 from ..recipes import grpo, sampling, skipping
 from ..rollout import Rollout
 from . import consume, truth
+from .consume import per_token, truth_mask
 from .float64 import in_float64
 from .probes import train_step
 from .rows import Row, within
@@ -134,19 +135,6 @@ def off_policy(model, seqs: list[truth.Seq], spec: truth.Spec, seed: int) -> Non
 
 def noise(scale: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     return scale * torch.randn(scale.shape, generator=g, dtype=torch.float64).abs()
-
-
-def per_token(seqs: list[truth.Seq], roll: Rollout, key: str, padding: int | None = None) -> torch.Tensor:
-    """[rows, width] of each sequence's `key` logprobs at its response positions, 0 elsewhere; `padding`: a seed
-    whose logprob-like noise fills the rest instead (a run's old pass computes numbers there too: a term that
-    forgets the mask must see them)."""
-    out = torch.zeros(roll.response_mask.shape, dtype=torch.float64)
-    if padding is not None:
-        out = -1.0 - torch.rand(out.shape, generator=torch.Generator().manual_seed(padding), dtype=torch.float64)
-    out = out.to(roll.input_ids.device)
-    for b, s in enumerate(seqs):
-        out[b, : len(s.response)] = getattr(s, key)
-    return out
 
 
 def run_side(ctx, model, roll: Rollout, rewards: list[float], seqs: list[truth.Seq]):
@@ -291,14 +279,6 @@ def against(seqs: list[truth.Seq], advantages: torch.Tensor, shaped: torch.Tenso
         out.append((f"{name} {d:.1e}" + (" (overlong penalty)" if penalty and name == "rewards" else ""),
                     d <= TRUTH_TOL))
     return out
-
-
-def truth_mask(seqs: list[truth.Seq], width: int) -> torch.Tensor:
-    """[rows, width]: the tokens the truth's loss sees (each trained row's response, EOS included)."""
-    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for b, s in enumerate(seqs):
-        mask[b, : len(s.response)] = s.trained
-    return mask
 
 
 def loss_tokens(cfg, seqs: list[truth.Seq], whole) -> tuple[str, bool]:
