@@ -30,6 +30,7 @@ from .errors import (
     TaskError,
     TrackingError,
 )
+from .tracking import secrets
 
 log = logging.getLogger("rlrun")
 
@@ -143,6 +144,7 @@ def main(cfg: DictConfig):
 
 
 def _main(cfg: DictConfig):
+    secrets.guard_output()  # Hydra's handlers (cli.log) exist now: each gets the scrubbing filter
     hc = HydraConfig.get()
     run_name = cfg.run_name or hc.job.override_dirname or "default"
     if str(hc.mode) == "RunMode.MULTIRUN":
@@ -241,6 +243,7 @@ def entry():
     from .config import targets
 
     targets.guard()  # no code from a config: checked before Hydra instantiates a callback, launcher or sweeper
+    secrets.guard_output()  # no password, token or environment secret in a printed line (tracking/secrets.py)
     try:
         if sys.argv[1:2] in (["plan"], ["check"]):
             verb = sys.argv[1]

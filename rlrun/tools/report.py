@@ -304,6 +304,9 @@ def sync(path: str) -> int:
 
 
 def main(argv=None):
+    from ..tracking import secrets
+
+    secrets.guard_output()  # a --uri with a password prints scrubbed (tracking/secrets.py)
     p = argparse.ArgumentParser(prog="rlrun-report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("parent_run_id", nargs="?", help="a sweep's parent run: compare its child runs")

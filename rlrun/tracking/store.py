@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 from .. import nofollow
 from ..errors import TrackingError
+from . import secrets
 
 
 def flatten(d, prefix: str = "") -> dict[str, str]:
@@ -88,11 +89,65 @@ def open_client(uri: str):
         logging.getLogger(name).setLevel(logging.WARNING)
 
     if urlparse(uri).scheme != "sqlite":
-        return MlflowClient(tracking_uri=uri)
+        return Redacting(MlflowClient(tracking_uri=uri))
     with store_lock(uri):  # the client creates / migrates the store: one process at a time
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)
-    return client
+    return Redacting(client)
+
+
+class Redacting:
+    """An MlflowClient whose every string written passes `secrets.scrub` (params, tags, run names, text artifacts):
+    every writer in rlrun opens its client here, so no caller has to remember. Reads pass through."""
+
+    TEXT = (".txt", ".yaml", ".yml", ".json", ".log", ".md", ".csv")  # artifacts read, scrubbed, then logged
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    def set_tag(self, run_id, key, value, *args, **kwargs):
+        return self._client.set_tag(run_id, key, secrets.scrub(str(value)), *args, **kwargs)
+
+    def set_experiment_tag(self, experiment_id, key, value):
+        return self._client.set_experiment_tag(experiment_id, key, secrets.scrub(str(value)))
+
+    def log_param(self, run_id, key, value, *args, **kwargs):
+        return self._client.log_param(run_id, key, secrets.scrub(str(value)), *args, **kwargs)
+
+    def log_batch(self, run_id, metrics=(), params=(), tags=(), *args, **kwargs):
+        from mlflow.entities import Param, RunTag
+
+        return self._client.log_batch(run_id, metrics, [Param(p.key, secrets.scrub(p.value)) for p in params],
+                                      [RunTag(t.key, secrets.scrub(t.value)) for t in tags], *args, **kwargs)
+
+    def create_run(self, experiment_id, start_time=None, tags=None, run_name=None, *args, **kwargs):
+        return self._client.create_run(experiment_id, start_time, secrets.scrub_tree(tags),
+                                       run_name and secrets.scrub(run_name), *args, **kwargs)
+
+    def update_run(self, run_id, status=None, name=None, *args, **kwargs):
+        return self._client.update_run(run_id, status, name and secrets.scrub(name), *args, **kwargs)
+
+    def log_dict(self, run_id, dictionary, artifact_file, *args, **kwargs):
+        return self._client.log_dict(run_id, secrets.scrub_tree(dictionary), artifact_file, *args, **kwargs)
+
+    def log_text(self, run_id, text, artifact_file, *args, **kwargs):
+        return self._client.log_text(run_id, secrets.scrub(text), artifact_file, *args, **kwargs)
+
+    def log_artifact(self, run_id, local_path, artifact_path=None, *args, **kwargs):
+        if not local_path.endswith(self.TEXT) or not os.path.isfile(local_path):
+            return self._client.log_artifact(run_id, local_path, artifact_path, *args, **kwargs)
+        import tempfile
+
+        with open(local_path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        with tempfile.TemporaryDirectory() as folder:  # the same name, scrubbed
+            clean = os.path.join(folder, os.path.basename(local_path))
+            with open(clean, "w", encoding="utf-8") as f:
+                f.write(secrets.scrub(text))
+            return self._client.log_artifact(run_id, clean, artifact_path, *args, **kwargs)
 
 
 @contextlib.contextmanager
