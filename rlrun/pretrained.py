@@ -80,6 +80,15 @@ def locked(folder: Path):
         os.close(fd)  # closing releases the lock
 
 
+def leftovers(cache: Path) -> None:
+    """Remove the temporary folders of conversions killed before their rename (`.gguf-<digest>-XXXX`, ~500 MB
+    each for SmolLM2): under the cache's lock no conversion is running, so every one there is a leftover."""
+    for path in cache.glob(".gguf-*-*"):
+        if path.is_dir() and not path.is_symlink():
+            log.warning("removing %s, a conversion that was interrupted", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def intact(folder: Path, source_sha256: str) -> bool:
     """Whether `folder` holds a whole conversion of the GGUF file of `source_sha256`: its manifest names that file
     and every file it lists is there with the digest it had when written."""
@@ -116,6 +125,9 @@ def convert(gguf: Path, folder: Path, source_sha256: str, dtype: str = "float32"
     plain.load_state_dict(loaded.state_dict(), strict=True)
     del loaded
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # readable like any folder (mkdtemp makes it 0700: a shared cache served only its maker)
     try:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -139,6 +151,7 @@ def converted(gguf: Path, source_sha256: str | None = None, label: str | None = 
     if intact(folder, digest):  # a whole conversion only needs reading: a read-only cache serves it, no lock taken
         return str(folder)
     with locked(folder.parent):
+        leftovers(folder.parent)
         if not intact(folder, digest):
             log.warning("%s: converting %s to a transformers folder in %s (once; about a minute on 2 cores)",
                         label or "model.gguf_file", gguf.name, folder)

@@ -168,3 +168,18 @@ def test_a_whole_conversion_is_used_without_a_lock_so_a_read_only_cache_serves_i
     (pretrained.Path(folder) / pretrained.MANIFEST).write_text("{}")  # not whole: it needs the lock, and says why
     with pytest.raises(PermissionError):
         models.hf_folder(hf(tmp_path / "tiny.gguf"))
+
+
+def test_a_conversion_s_folder_is_readable_by_all_and_an_interrupted_one_is_removed(tmp_path, cache):
+    tiny_gguf.write(tmp_path / "tiny.gguf")
+    cache.mkdir()
+    killed = cache / ".gguf-0123456789abcdef-x1y2z3"  # what a SIGKILLed conversion leaves
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"partial")
+    umask = os.umask(0o022)
+    try:
+        folder = pretrained.Path(models.hf_folder(hf(tmp_path / "tiny.gguf")))
+    finally:
+        os.umask(umask)
+    assert oct(folder.stat().st_mode & 0o777) == "0o755"  # was 0700 (mkdtemp's): a shared cache served only its maker
+    assert not killed.exists()
