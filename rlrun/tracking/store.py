@@ -48,7 +48,8 @@ def check_uri(uri: str, key: str = "tracking.uri", off: str = "tracking=none") -
             raise TrackingError(f"{key}={uri!r}: folder {folder!r} is not writable; choose another path.")
         problem = store_file_problem(os.path.abspath(path)) if path and path != ":memory:" else None
         if problem:
-            raise TrackingError(f"{key}={uri!r}: {problem}; point {key} at a database file, or {off}.")
+            raise TrackingError(f"{key}={uri!r}: {problem}; point {key} at another file (a new one is created), "
+                                f"or {off}.")
 
 
 def store_file_problem(path: str) -> str | None:
@@ -70,7 +71,28 @@ def store_file_problem(path: str) -> str | None:
         return f"{path} is {kind}, not a database file"
     if not os.access(path, os.R_OK | os.W_OK):
         return f"{path} cannot be read and written by this user, or is on a read-only mount"
-    return None
+    return foreign_tables(path)
+
+
+def foreign_tables(path: str) -> str | None:
+    """Why the existing SQLite file at `path` is not an MLflow store to write into: a database of the user's own,
+    with tables and no MLflow schema (MLflow would add its tables to it, some before refusing a name that clashes);
+    None for an MLflow store, an empty file or one that is no database. Read only (`mode=ro`)."""
+    import sqlite3
+    from urllib.parse import quote
+
+    if os.path.getsize(path) == 0:
+        return None  # an empty file: a new store
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True)) as db:
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError:
+        return None  # not a database at all: MLflow's own error says so, with the fix (`unusable`)
+    if not tables or {"experiments", "alembic_version"} <= tables:
+        return None
+    shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+    return (f"{path} is a database of its own ({len(tables)} tables: {shown}), not an MLflow store; MLflow would add "
+            "its tables to it. Nothing was written to it")
 
 
 def open_client(uri: str):

@@ -1,5 +1,6 @@
 """The tracking helpers that the loop's tracker, the sweep callback, bench and report share."""
 
+import contextlib
 import os
 
 import pytest
@@ -55,6 +56,25 @@ def test_a_file_that_is_not_an_mlflow_database_is_named_with_the_fix(tmp_path):
     with pytest.raises(tracking.TrackingError, match=rf"{db} cannot be used as an MLflow store \(DatabaseError: .*"
                                                      r"file is not a database\). .*move it aside"):
         tracking.connect(f"sqlite:///{db}", "x")
+
+
+def test_a_database_of_the_user_s_own_is_refused_and_left_as_it_was(tmp_path):
+    """tracking.uri=sqlite:///app.db on an application's database: MLflow created its 65 tables inside it (and 4 of
+    them before refusing one whose table names clash)."""
+    import sqlite3
+
+    db = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(db)) as c:
+        c.execute("CREATE TABLE users (id INTEGER)")
+        c.commit()
+    before = db.read_bytes()
+    with pytest.raises(tracking.TrackingError, match=r"app.db is a database of its own \(1 tables: users\), not an "
+                                                     r"MLflow store.*Nothing was written to it; point tracking.uri at "
+                                                     r"another file"):
+        tracking.connect(f"sqlite:///{db}", "x")
+    assert db.read_bytes() == before
+    tracking.connect(f"sqlite:///{tmp_path}/mlflow.db", "x")  # an MLflow store is opened again as before
+    tracking.connect(f"sqlite:///{tmp_path}/mlflow.db", "x")
 
 
 def test_params_and_metrics_are_batched_and_cut_to_mlflow_limits(store):
