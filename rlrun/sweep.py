@@ -87,7 +87,8 @@ def refuse_links(folder, job_name: str, key: str) -> None:
 def refuse_outside(config) -> None:
     """Exit 2 with one line when Hydra would write outside the run's output folder: `hydra.output_subdir` (its
     config.yaml, hydra.yaml, overrides.yaml) absolute or climbing out with `..` (it replaced a user's config.yaml,
-    or overrides.yaml in the parent folder), or `hydra.job.name` (the job's log, `<name>.log`) holding a path.
+    or overrides.yaml in the parent folder), `hydra.sweep.subdir` doing the same from the sweep's folder (every job's
+    .hydra/ and log went there), or `hydra.job.name` (the job's log, `<name>.log`) holding a path.
     Like every other folder option, each stays inside the run folder; `hydra.output_subdir=null` writes none."""
     problems = []
     subdir = OmegaConf.select(config, "hydra.output_subdir", default=None)
@@ -96,6 +97,14 @@ def refuse_outside(config) -> None:
         if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
             problems.append(f"hydra.output_subdir={subdir} is outside the run's output folder; give a folder "
                             "inside it (the default: .hydra), or null to write none")
+    multirun = str(OmegaConf.select(config, "hydra.mode", default="")) == "RunMode.MULTIRUN"
+    sweep_subdir = OmegaConf.select(config, "hydra.sweep.subdir", default=None, throw_on_resolution_failure=False)
+    if multirun and sweep_subdir is not None:  # (a single run has no subdir)
+        norm = os.path.normpath(str(sweep_subdir))
+        if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
+            problems.append(f"hydra.sweep.subdir={sweep_subdir} is outside the sweep's folder (hydra.sweep.dir): every "
+                            "job's output (.hydra/, its log) would be written there; give a folder inside it (the "
+                            "default: ${hydra.job.num})")
     name = str(OmegaConf.select(config, "hydra.job.name", default="") or "")
     if name and (os.sep in name or "/" in name or name in (".", "..")):
         problems.append(f"hydra.job.name={name} holds a path: the job's log, <name>.log, would be written outside "

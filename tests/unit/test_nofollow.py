@@ -125,6 +125,22 @@ def test_hydra_writes_nothing_outside_the_run_folder(tmp_path, override, says, m
     assert sorted(os.listdir(tmp_path)) == ["user"]  # no run folder, no escaped log, nothing in the parents
 
 
+@pytest.mark.parametrize("subdir", ["../../victim", "{user}"], ids=["climbing out", "a folder of yours"])
+def test_a_sweep_subdir_outside_the_sweep_folder_is_refused(tmp_path, subdir):
+    """hydra.sweep.subdir=../victim put every job's output (.hydra/, cli.log) outside the sweep folder."""
+    from test_cli import rlrun
+
+    user = tmp_path / "user"
+    user.mkdir()
+    sweep_dir = tmp_path / "a" / "b" / "sweep"
+    subdir = subdir.format(user=user)
+    r, _ = rlrun(tmp_path, "-m", f"hydra.sweep.dir={sweep_dir}", f"hydra.sweep.subdir={subdir}", "experiment=smoke",
+                 "tracking=none")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"rlrun: error: hydra.sweep.subdir={subdir} is outside the sweep's folder" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and os.listdir(user) == [] and sorted(os.listdir(tmp_path)) == ["user"]
+
+
 @pytest.mark.slow  # the entry point in a subprocess
 @pytest.mark.parametrize("name", [".hydra/config.yaml", "cli.log"])  # cli: the job name of `rlrun`
 def test_a_link_in_an_existing_run_folder_is_refused_before_hydra_writes_through_it(tmp_path, victim, name):
