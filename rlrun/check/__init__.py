@@ -179,16 +179,18 @@ def run_probes(ctx: Context, progress: bool = False, job: bool = False) -> list[
     from tqdm import tqdm
 
     rows: list[Row] = []
-    bar = tqdm(PROBES, desc="rlrun check", unit="probe", disable=not (progress and sys.stderr.isatty()),
+    total = sum(len(names) for _, names in PROBES)  # the table's rows: one count from the first line to the last
+    bar = tqdm(total=total, desc="rlrun check", unit="probe", disable=not (progress and sys.stderr.isatty()),
                dynamic_ncols=True)
-    for i, (probe, names) in enumerate(bar):
+    for probe, names in PROBES:
         bar.set_postfix_str(names[0])
         if progress and not sys.stderr.isatty():
-            print(f"rlrun check: probe {i + 1} of {len(PROBES)}: {', '.join(names)}", file=sys.stderr, flush=True)
-        if job and names[0] in IN_JOB_SKIPPED:
-            rows.append(in_job(names[0]))
-            continue
-        rows += probes.guarded(probe, ctx, names=names)
+            first = len(rows) + 1
+            at = f"{first}" if len(names) == 1 else f"{first}-{first + len(names) - 1}"
+            print(f"rlrun check: probe{'s' if len(names) > 1 else ''} {at} of {total}: {', '.join(names)}",
+                  file=sys.stderr, flush=True)
+        rows += [in_job(names[0])] if job and names[0] in IN_JOB_SKIPPED else probes.guarded(probe, ctx, names=names)
+        bar.update(len(names))
     bar.close()
     return rows
 
@@ -285,8 +287,9 @@ def lines(rows: list[Row], width: int = 100) -> str:
 
 def summary(rows: list[Row]) -> str:
     failed = [r.probe for r in rows if r.ok is False]
+    na = sum(r.ok is None for r in rows)  # said, so that the counts add up to the table's rows
     return (f"{sum(r.ok is True for r in rows)} of {sum(r.ok is not None for r in rows)} probes pass"
-            + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+            + (f" ({na} n/a)" if na else "") + (f"; FAILED: {', '.join(failed)}" if failed else ""))
 
 
 def metrics(rows: list[Row]) -> dict[str, float]:

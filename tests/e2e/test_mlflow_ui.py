@@ -111,7 +111,8 @@ def test_sweep_parent_description_holds_the_comparison_table(swept):
     assert note.count("\n- **logprob\\_policy=") == 3 and "changed phases" in note
     for c in children:  # each job ran `rlrun check` first (report.check_jobs) and logged what it found
         # dense: "no full logits" does not apply; sync, one pass a rollout: nor "generator process", "logprob schedule"
-        assert c.data.tags["rlrun.check"] == "13 of 13 probes pass"  # a job's check leaves resume out
+        # nor speculation (off), and a job's check leaves resume out: 5 n/a of the 18
+        assert c.data.tags["rlrun.check"] == "13 of 13 probes pass (5 n/a)"
         assert c.data.metrics["system/check/vs_baseline"] == 1.0 and "system/check/sequence_alone" in c.data.metrics
     for c in children:
         assert f"- **{c.data.tags['mlflow.runName'].replace('_', chr(92) + '_')}**: " in note

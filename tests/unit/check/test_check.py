@@ -46,9 +46,10 @@ def test_the_command_prints_one_table_and_exits_0(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
-    assert lines[0].split()[:2] == ["probe", "measured"] and lines[-1] == "15 of 15 probes pass"  # sync, 1 pass: 2 n/a
+    # sync, 1 pass, one head: 3 n/a; the counts add up to the progress lines' (one count of the table's rows)
+    assert lines[0].split()[:2] == ["probe", "measured"] and lines[-1] == "15 of 15 probes pass (3 n/a)"
+    assert "rlrun check: probe 18 of 18: resume" in r.stderr and "probes 11-12 of 18" in r.stderr, r.stderr[-2000:]
     assert all(len(line) <= 100 for line in lines), max(lines, key=len)  # a 100-column console
-    assert "rlrun check: probe 16 of 16: resume" in r.stderr  # progress, not on a terminal: lines
     assert not list(tmp_path.iterdir())  # a check writes nothing
 
 
@@ -395,7 +396,7 @@ def test_check_metrics_name_each_probe_that_applies():
     rows = [Row("generator = trainer", "-", "-", True, "-"), Row("no full logits", "-", "-", None, "-"),
             Row("vs baseline", "-", "-", False, "-")]
     assert check.metrics(rows) == {"check/generator_trainer": 1.0, "check/vs_baseline": 0.0}
-    assert check.summary(rows) == "1 of 2 probes pass; FAILED: vs baseline"
+    assert check.summary(rows) == "1 of 2 probes pass (1 n/a); FAILED: vs baseline"
 
 
 def rows_of(*overrides) -> dict:
