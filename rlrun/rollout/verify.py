@@ -56,8 +56,12 @@ class RowCache:
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         columns = self.at[:, None] + torch.arange(key_states.shape[2], device=self.at.device)
         index = columns[:, None, :, None].expand_as(key_states)
-        self.keys[layer_idx].scatter_(2, index, key_states)
-        self.values[layer_idx].scatter_(2, index, value_states)
+        for store, states in ((self.keys, key_states), (self.values, value_states)):
+            if store[layer_idx].dtype != states.dtype:  # bf16 autocast: RoPE'd keys fp32, values bf16, the prompt
+                # pass's fp32: promoted as plain decoding's cache (torch.cat) promotes them
+                dtype = torch.promote_types(store[layer_idx].dtype, states.dtype)
+                store[layer_idx], states = store[layer_idx].to(dtype), states.to(dtype)
+            store[layer_idx].scatter_(2, index, states)
         return self.keys[layer_idx][:, :, :self.width], self.values[layer_idx][:, :, :self.width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

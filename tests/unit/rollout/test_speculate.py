@@ -178,6 +178,19 @@ def test_a_second_epoch_drafts_from_the_first_under_history():
     assert len(hf.speculating(cfg["history"]).seen) == 0  # a new object: its own history
 
 
+def test_speculation_under_bf16_autocast_draws_plain_decodings_tokens():
+    """train.precision=bf16 autocasts the decode: the rotary keys come out fp32, the values bf16, the prompt pass's
+    cache fp32; the verify loop's cache refused the bf16 values ("scatter(): Expected self.dtype to be equal to
+    src.dtype") and the run crashed at its first rollout."""
+    model, tok = grouped_model("llama")
+    prompts, seeds = groups(3, 2, seed=7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = draw(model, tok, prompts, seeds, rollout_cfg("off", new=12))
+        speculation = hf.speculating(rollout_cfg("prompt", new=12))
+        got = draw(model, tok, prompts, seeds, rollout_cfg("prompt", new=12), speculation)
+    assert torch.equal(got[0], want[0]) and speculation.stats.passes > 0
+
+
 def test_history_seeded_from_a_record_drafts_an_earlier_runs_completions(tmp_path):
     """rollout.speculate_from=DIR: a run's first rollout drafts from a record's completions of the same prompts (here
     the very draws, same weights and seeds): nearly every draft accepted, the tokens plain decoding's."""
