@@ -239,8 +239,9 @@ TRY = {"on-policy ratio": "logprob_policy=always and head=dense: if that passes,
                          "drew from a filtered one",
        "accumulation": "train.micro_batch=<train.batch_size> (one micro-batch): if that passes, the loss is "
                        "normalised per micro-batch; check loss.agg",
-       "ranks": "loss.agg=token_mean: if that passes, loss.agg's normaliser is counted on each rank alone; it must "
-                "be gathered over every rank's tokens (rlrun/losses/agg.py)",
+       "ranks": "loss.agg=token_mean: if that passes, loss.agg's normaliser is counted on each rank alone (it must "
+                "be gathered over every rank's tokens, rlrun/losses/agg.py); head=dense: if that passes, the head's "
+                "backward ignores the scale of the loss it is given (grad_out)",
        "sequence alone": "batching=padded: if that passes, the layout's positions or masks let a neighbour in",
        "policy copies": "train.precision=fp32: a copy of the policy was built outside rlrun.policy",
        "no full logits": "head=chunked, or a head.size below the micro-batch's tokens",

@@ -146,3 +146,4 @@ def tie_at(plain: Ending, row: int, step: int, token: int | None) -> float | Non
         return None
     i = rows.index(row)
     return float(margin[i]) if top.shape[1] > 1 and int(top[i, 1]) == token else None
+

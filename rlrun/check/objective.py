@@ -28,7 +28,7 @@ import torch
 from .. import models
 from ..recipes import grpo, sampling, skipping
 from ..rollout import Rollout
-from . import consume, truth
+from . import consume, draws, truth
 from .consume import per_token, truth_mask
 from .float64 import in_float64
 from .probes import train_step
@@ -207,6 +207,7 @@ def truth_rows(ctx) -> list[Row]:
         wiring = consume.consumed(ctx, model, initial, roll, rewards, seqs, spec)  # on the moved weights
         checks = [*against(seqs, advantages, shaped, cfg.train.overlong == "penalty"), loss_tokens(cfg, seqs, whole),
                   zero_advantage_skip(ctx, advantages, whole, skips), dynamic_sampling(cfg, rows),
+                  draws.rounds(cfg, tok, ctx.meter), draws.seeds(cfg),
                   (f"reference pass {reference:.1e}", reference <= TRUTH_TOL), wiring]
         return (loss, metrics, grads), (want_loss, want_metrics, want), acted, [c for c in checks if c]
 
@@ -222,7 +223,8 @@ def truth_rows(ctx) -> list[Row]:
                     within(TRUTH_TOL, d_loss, d_grad, *d_metrics.values()), SOURCE)
     failed = [said.split(" ")[0].rstrip(":") for said, ok in checks if not ok]
     decisions = Row("data decisions", "the rewards, advantages, the loss's tokens, the zero-advantage skip, dynamic "
-                    "sampling, the reference pass and the recipe's wiring of them (grpo.consume) as their definitions "
+                    "sampling and its rounds, the rows' seeds, the reference pass and the recipe's wiring of them "
+                    "(grpo.consume) as their definitions "
                     "(rlrun/check/truth.py)",
                     "; ".join(said for said, _ in checks) + (f"; FAILED: {', '.join(failed)}" if failed else ""),
                     not failed, DATA_SOURCE)

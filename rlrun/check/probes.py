@@ -17,7 +17,7 @@ import torch
 from .. import models, precision
 from ..recipes import grpo
 from ..rollout import Rollout
-from . import quantities
+from . import draws, quantities
 from .float64 import ROUNDING_SLACK, arbitrated, in_float64
 from .rows import Row, approximate, grad_diff, grads_of, guarded, max_abs, rel, rel_scalar, within  # noqa: F401 - the probes' names
 from .watch import HeadProducts
@@ -126,6 +126,9 @@ def generator_vs_trainer(ctx) -> list[Row]:
             off, own = weight(exact), abs(torch.exp(exact - old.double()).mean().item() - 1)
             w_expects, w_measured = w_expects + arbiter, f"{w_measured}; vs float64: {off:.1e}, trainer {own:.1e}"
             w_ok = off <= max(weight_tol, ROUNDING_SLACK * own)
+    said, drawn = draws.sampler_draws(ctx.cfg)  # and the draws themselves follow the filtered distribution
+    w_expects += f"; the sampler's draws within TV {draws.DRAWS_TOL:g} of it"
+    w_measured, w_ok = f"{w_measured}; {said}", w_ok and drawn is not False
     return [Row("generator = trainer", expects, measured, ok,
                 "huggingface/trl#5312 (generator weights dropped: ratio mean 0.019)"),
             Row("sampler filter", w_expects, w_measured, w_ok,

@@ -23,6 +23,7 @@ import torch
 
 from .. import models, pipeline, plan, registry
 from ..engine import single
+from ..recipes import grpo
 from . import truth
 from .objective import moved
 from .probes import FP_TOL, GEN_TOL, Row, copy_model, grad_diff, logprob_tol, old_logprobs, train_step
@@ -113,10 +114,12 @@ SCHEDULE_SOURCE = "a window policy that never recomputes old logprobs: PPO clipp
 
 
 def schedule(cfg) -> tuple[int, int]:
-    """(window, grad_accum) of the run: a rollout's micro-steps per rank (num_iterations passes), and an optimizer
-    step's (as recipes/grpo.train computes them)."""
+    """(window, grad_accum) of the run by their definition, written apart from the recipe's `grpo.schedule`: a
+    rollout of rollout_batch sequences, each rank's share split in micro_batch rows and passed over num_iterations
+    times; an optimizer step of batch_size sequences, each rank's share split the same way."""
     t, world = cfg.train, plan.world_size(cfg)
-    return (t.rollout_batch // world // t.micro_batch) * t.num_iterations, plan.grad_accum(cfg, world)
+    per_rank_rollout, per_rank_step = t.rollout_batch // world, t.batch_size // world
+    return (per_rank_rollout // t.micro_batch) * t.num_iterations, max(per_rank_step // t.micro_batch, 1)
 
 
 def logprob_schedule(ctx) -> Row:
@@ -125,6 +128,11 @@ def logprob_schedule(ctx) -> Row:
     asks for them; each train pass is compared with the same pass given the logprobs of the weights that drew the
     rollout (what the ratio must be taken against)."""
     window, grad_accum = schedule(ctx.cfg)
+    recipe_accum, recipe_window = grpo.schedule(ctx.cfg.train, plan.world_size(ctx.cfg))
+    if (recipe_window, recipe_accum) != (window, grad_accum):  # the schedule the run trains by is not this one
+        return Row("logprob schedule", f"the recipe's schedule (grpo.schedule) as defined: window {window}, "
+                   f"{grad_accum} micro-batch(es) a step", f"window {recipe_window}, {recipe_accum} micro-batch(es) "
+                   "a step", False, SCHEDULE_SOURCE)
     # a pass given the drawing weights' logprobs is the same computation as the one it is compared with (fp32 or
     # bf16 alike): any difference past the fp tolerance is the old logprobs it was given
     ax, tol = ctx.axes, FP_TOL

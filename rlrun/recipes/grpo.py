@@ -142,12 +142,19 @@ def mismatch(micros: list[Micro], old: list[torch.Tensor]) -> np.ndarray:
     return np.array([diff.sum().item(), diff.exp().sum().item(), diff.numel()])
 
 
+def schedule(t, world: int) -> tuple[int, int]:
+    """(grad_accum, window) of a run of `t` (cfg.train) on `world` ranks: micro-batches per rank per optimizer step,
+    and a rollout's micro-steps per rank (its num_iterations passes). `rlrun check`'s logprob schedule probe holds it
+    to the definition."""
+    grad_accum = t.batch_size // (t.micro_batch * world)
+    window = (t.rollout_batch // world // t.micro_batch) * t.num_iterations
+    return grad_accum, window
+
+
 def train(cfg, raw, tracker, resume: dict | None = None) -> dict[str, float]:
     """GRPO. `resume`: a checkpoint's state, to continue that run exactly where it stopped."""
     t = cfg.train
-    world = ranks.world_size()
-    grad_accum = t.batch_size // (t.micro_batch * world)  # micro-batches per rank per optimizer step
-    window = (t.rollout_batch // world // t.micro_batch) * t.num_iterations  # a rollout's micro-steps per rank
+    grad_accum, window = schedule(t, ranks.world_size())
 
     def load(tokenizer, context):
         task = tasks.load(cfg.task, cfg.seed, tokenizer)

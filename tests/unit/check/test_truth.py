@@ -322,6 +322,12 @@ FAULTS = [  # (what, inject, overrides, the probe that must fail)
     ("the old logprobs as the reference", rewritten(grpo, "consume", "mb.ref_logprobs = lp",
                                                     "mb.ref_logprobs = mb.old_logprobs"),
      ["logprob_policy=always", "loss.kl_coef=0.1"], "data"),
+    # how the recipe draws (check/draws.py): the held-out trial's F30 and F14
+    ("one seed per prompt group", rewritten(sampling, "prompts_of", "first_row + i, round_)",
+                                            "first_row + i // t.group_size, round_)"), [], "data"),
+    ("dynamic sampling's rounds judged on the raw reward", rewritten(
+        sampling, "draw", "informative(rounds[-1].shaped,", "informative(torch.tensor(rounds[-1].totals),"),
+     ["train.dynamic_sampling=true", "train.overlong=penalty", "train.overlong_buffer=3"], "data"),
     ("one copy of a rollout for num_iterations", rewritten(grpo, "consume", "buffer.add(micros, t.num_iterations)",
                                                            "buffer.add(micros, 1)"), ["train.num_iterations=2"],
      "data"),
@@ -337,6 +343,35 @@ def test_each_injected_fault_fails_its_truth_probe_and_passes_without_it(monkeyp
     inject(monkeypatch)
     got = rows(*overrides)[PROBE[probe]]
     assert got.ok is False, f"{what}: {got.measured}"
+
+
+@pytest.mark.parametrize("overrides", [[], ["rollout.temperature=0.7", "rollout.top_p=0.8"], ["rollout.top_k=3"]],
+                         ids=["plain", "tempered top-p", "top-k"])
+def test_the_sampler_s_draws_follow_the_filtered_distribution_and_a_biased_one_fails(monkeypatch, overrides):
+    """The held-out trial's F19: the Gumbel trick missing its log (logp + Exp(1)) draws from another distribution,
+    and every probe that takes the drawn tokens as given passed it."""
+    from rlrun.check import draws
+    from rlrun.rollout import hf
+
+    cfg = validate(make_cfg("experiment=smoke", *overrides))
+    said, ok = draws.sampler_draws(cfg)
+    assert ok is True, said
+    rewritten(hf, "perturbed", "return logp - torch.log(exponential.clamp_(min=1e-20))",
+              "return logp + exponential")(monkeypatch)
+    said, ok = draws.sampler_draws(cfg)
+    assert ok is False, said
+
+
+@pytest.mark.slow  # a check build (~4 s)
+def test_a_recipe_schedule_off_its_definition_fails_the_logprob_schedule(monkeypatch):
+    """The held-out trial's F12: the window without num_iterations (the old pass skipped for a rollout whose second
+    pass trains after a step) passed, since the probe computed the schedule itself."""
+    ctx = CONTEXTS.get(("train.num_iterations=2",)) or check.build(validate(make_cfg("experiment=smoke",
+                                                                                     "train.num_iterations=2")))
+    assert steps.logprob_schedule(ctx).ok is True
+    rewritten(grpo, "schedule", ") * t.num_iterations", ")")(monkeypatch)
+    row = steps.logprob_schedule(ctx)
+    assert row.ok is False and "window 2, " in row.measured, row
 
 
 @pytest.mark.slow  # a check build (~4 s)
