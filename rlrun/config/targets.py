@@ -19,6 +19,7 @@ spelled (`logging.os.system` starts with `logging.` and is a function of the os 
 
 from __future__ import annotations
 
+import difflib
 import logging
 import logging.handlers  # noqa: F401 (resolves_to looks names up in it)
 import re
@@ -155,9 +156,15 @@ def unknown_option(error: BaseException) -> str | None:
     found = re.search(r"Could not find '([\w/]+)/([^']+)'", text)
     if found:
         group, name = found.group(1), found.group(2)
-        options = sorted(registry.REGISTRY.get(group, {})) or "see rlrun --help"
-        fix = EXPLAINED.get((group, name), f"Choose one of them, e.g. {group}={options[0] if options else '...'}")
-        return f"{group}={name} is not an option of {group}; its options: {', '.join(options)}. {fix}."
+        options = sorted(registry.REGISTRY.get(group, {}))
+        if not options:
+            return f"{group}={name} is not an option of {group}; `rlrun --help` lists each group's options."
+        # the nearest spelling (head=tild -> tiled), not the alphabetically first option
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+        fix = EXPLAINED.get((group, name), f"Did you mean {group}={close[0]}?" if close else
+                            f"Choose one of them, e.g. {group}={registry.baseline(group) or options[0]}.")
+        end = "" if fix.endswith(("?", ".")) else "."
+        return f"{group}={name} is not an option of {group}; its options: {', '.join(options)}. {fix}{end}"
     if "Config group override must be a string" in text:
         return ("a config group cannot be set to null (e.g. head=null): every group needs one option; "
                 "`rlrun --help` lists them.")

@@ -165,7 +165,10 @@ def test_a_callback_in_a_sweep_file_runs_nothing(tmp_path):
 @pytest.mark.parametrize("override, says", [
     ("loss=grpo", "loss=grpo is not an option of loss; its options: cispo, dapo, dpo, gspo. GRPO is the recipe that "
                   "loss=dapo, loss=cispo and loss=gspo train with"),
-    ("batching=foo", "batching=foo is not an option of batching; its options: packed, padded, shared_prompt."),
+    ("batching=foo", "batching=foo is not an option of batching; its options: packed, padded, shared_prompt. "
+                     "Choose one of them, e.g. batching=padded."),
+    # the nearest spelling, not the alphabetically first option (it said "e.g. head=chunked")
+    ("head=tild", "head=tild is not an option of head; its options: chunked, dense, tiled. Did you mean head=tiled?"),
     ("head=null", "a config group cannot be set to null (e.g. head=null)"),
 ])
 def test_an_unknown_option_is_rlruns_error_with_the_options(tmp_path, override, says):
