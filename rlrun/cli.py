@@ -151,6 +151,8 @@ def _main(cfg: DictConfig):
         from .tracking import short_name  # the sweep's callback has it loaded already
 
         return sweep_job(cfg, cfg.run_name or short_name(list(hc.overrides.task)) or run_name)
+    for said in sweep_only(cfg):  # a single run: the keys only a sweep reads would be ignored without a word
+        log.warning(said)
     try:
         run(cfg, run_name)
     except USER_ERRORS + (FaultError, KeyboardInterrupt) as e:
@@ -164,6 +166,15 @@ def _main(cfg: DictConfig):
 
             discard_refused(hc.runtime.output_dir, hc.job.name)
         sys.exit(1 if isinstance(e, FaultError) else 2)  # 2: the user's input; 1: a fault outside it
+
+
+def sweep_only(cfg: DictConfig) -> list[str]:
+    """A warning for each key set in a single run that only a sweep reads (report.*), naming how to sweep."""
+    r = cfg.get("report") or {}
+    asked = {"report.replay": r.get("replay") is True, "report.repeats": (r.get("repeats") or 1) > 1,
+             "report.baseline": r.get("baseline") is not None}
+    return [f"{key}={OmegaConf.select(cfg, key)} is read by a sweep only (rlrun -m ...: docs/sweeps.md); this single "
+            "run ignores it" for key, on in asked.items() if on]
 
 
 def sweep_job(cfg: DictConfig, run_name: str):

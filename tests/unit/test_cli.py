@@ -116,3 +116,15 @@ def test_registry_resolves_every_option():
             "assert hasattr(got['engine', 'single'], 'Engine') and hasattr(got['rollout', 'hf'], 'build')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_a_sweep_only_key_in_a_single_run_is_warned_not_ignored_silently():
+    from conftest import make_cfg
+
+    from rlrun.cli import sweep_only
+
+    assert sweep_only(make_cfg("experiment=smoke")) == []
+    said = sweep_only(make_cfg("experiment=smoke", "report.replay=true", "report.repeats=3"))
+    assert said == ["report.replay=True is read by a sweep only (rlrun -m ...: docs/sweeps.md); this single run "
+                    "ignores it", "report.repeats=3 is read by a sweep only (rlrun -m ...: docs/sweeps.md); this "
+                    "single run ignores it"]
