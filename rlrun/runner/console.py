@@ -118,8 +118,22 @@ def header(cfg, tracker) -> str:
             + (f"; {' '.join(moved)}, other axes at their baselines" if moved else "; every axis at its baseline"))
     if sweep_job(cfg):
         return line
+    line += load_note()
     hint = results_hint(cfg, tracker).replace("  results:", "  logging:", 1)
     return f"{line}\n{hint}" if hint else line
+
+
+def load_note() -> str:
+    """The machine's load as the run starts, where it is busy (a 1-minute load average past half its cores): the
+    first step of a real model took 866 s against 15.6 s idle, with no word of why. Nothing on an idle machine."""
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except OSError:  # no load average on this platform
+        return ""
+    if load <= cores / 2:
+        return ""
+    return (f"\n  machine: load {load:.1f} on {cores} cores as the run starts (other work): its steps run slower "
+            "than on an idle machine, and its times say so at the end")
 
 
 class PlainProgress:

@@ -85,6 +85,7 @@ def test_a_run_starts_by_saying_what_runs_and_where_its_results_go(tmp_path, mon
     from rlrun.config import validate
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine: no load line (below)
     cfg = validate(make_cfg("head=chunked", "train.steps=7", tmp_path=tmp_path))
     tracker = tracking.MLflow(cfg.tracking, {}, "x")
     lines = runner.header(cfg, tracker).splitlines()
@@ -93,6 +94,17 @@ def test_a_run_starts_by_saying_what_runs_and_where_its_results_go(tmp_path, mon
     assert lines[1].startswith("  logging: mlflow ui --port 5000") and f"/runs/{tracker.run_id}?" in lines[2]
     cfg.tracking.parent_run_id = "abc"  # a sweep job: one line, the sweep prints the links
     assert runner.header(cfg, tracker) == lines[0]
+
+
+def test_the_header_names_a_busy_machine_and_says_nothing_on_an_idle_one(monkeypatch):
+    from rlrun.runner import console
+
+    monkeypatch.setattr(console.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(console.os, "getloadavg", lambda: (0.4, 0.4, 0.4))
+    assert console.load_note() == ""
+    monkeypatch.setattr(console.os, "getloadavg", lambda: (9.5, 9.0, 8.0))
+    assert console.load_note() == ("\n  machine: load 9.5 on 2 cores as the run starts (other work): its steps run "
+                                   "slower than on an idle machine, and its times say so at the end")
 
 
 def test_runs_carry_source_tags_and_a_description(tmp_path):
