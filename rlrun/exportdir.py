@@ -86,10 +86,18 @@ def foreign(folder: str, in_progress_ok: bool = False) -> list[str]:
     """What replacing `folder` would delete that the earlier export did not write, as paths relative to it: [] for
     an empty folder or an unchanged earlier export. `in_progress_ok`: a folder marked as an export in progress
     (`<folder>.tmp` of an interrupted one) is rlrun's whole."""
+    info = manifest(folder)
+    if info is None:  # no export's mark: every entry is foreign, and the top level names them (export.dir=/ or a
+        # home walked the whole tree, minutes, before refusing)
+        try:
+            top = sorted(os.listdir(folder))
+        except OSError:
+            return []
+        return [n + (os.sep if os.path.isdir(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n))
+                     else "") for n in top]
     entries = list(_walk(folder))
     if not entries:
         return []
-    info = manifest(folder)
     listed = (info or {}).get("files")
     if info is not None and listed is None and in_progress_ok and info.get("complete") is False:
         return []

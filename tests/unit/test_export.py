@@ -152,3 +152,19 @@ def test_zero3_export_gathers_the_partitioned_weights(tmp_path, tied):
     for name, t in reference.items():
         assert torch.equal(loaded.state_dict()[name], t), name
     assert sorted(os.listdir(tmp_path)) == ["policy", "policy-reference.pt", "zero3_export.py"]
+
+
+def test_a_folder_without_an_export_s_mark_is_refused_without_walking_it(tmp_path, monkeypatch):
+    """export.dir=/ (or a large home) walked the whole tree before refusing: minutes, no word. Without rlrun's mark
+    every entry is foreign, and the top level names them."""
+    from rlrun import exportdir
+
+    (tmp_path / "deep" / "er").mkdir(parents=True)
+    (tmp_path / "deep" / "er" / "file").write_text("x")
+    (tmp_path / "notes.txt").write_text("mine")
+
+    def no_walk(*args, **kwargs):
+        raise AssertionError("walked a folder that has no export's mark")
+
+    monkeypatch.setattr(exportdir.os, "walk", no_walk)
+    assert exportdir.foreign(str(tmp_path)) == ["deep/", "notes.txt"]
