@@ -1,7 +1,7 @@
 """Sweeps: one MLflow parent run per Hydra multirun, one child run per job, figures at the end.
 
 Registered as a Hydra callback in conf/config.yaml (it also refuses, before Hydra creates it, an output folder
-that cannot be written: `refuse_unwritable`). The parent run id reaches the jobs as
+that cannot be written: `folders.refuse_unwritable`). The parent run id reaches the jobs as
 `tracking.parent_run_id`, read from RLRUN_PARENT_RUN_ID (our own variable, inherited by launchers that run jobs
 in other processes; never MLFLOW_RUN_ID, which would make start_run resume the parent). A failed job is marked
 FAILED with its error and the sweep goes on; at the end the parent run is FINISHED only if every job finished,
@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import logging
 import os
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -35,6 +33,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from . import algorithms, render, signals, tracking
+from .folders import refuse_links, refuse_outside, refuse_unwritable
 from .sweep_jobs import count, expand_repeats, jobs, refuse_invalid_jobs, sweep_name, swept_keys
 from .tracking import ui
 
@@ -44,75 +43,6 @@ KEYS_ENV = tracking.SWEEP_KEYS_ENV
 # end is collect's (python -m rlrun.cluster collect), once the jobs end, not this process's
 SUBMITTED: set[str] = set()
 log = logging.getLogger("rlrun.sweep")
-
-
-
-
-def refuse_unwritable(folder, key: str) -> None:
-    """Exit 2 with one line, before Hydra tries to create the run's output folder, if it cannot be created (a
-    read-only working folder, say) or its disk is full (a test write of 64 KiB, flushed to the disk), instead of
-    Hydra's traceback. Creates nothing: a refused sweep leaves no trace."""
-    path = os.path.abspath(str(folder))
-    existing = path
-    while not os.path.exists(existing):  # the nearest folder that exists must take a new entry
-        existing = os.path.dirname(existing)
-    try:
-        if not os.path.isdir(existing):
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        with tempfile.TemporaryFile(dir=existing) as f:  # the one sure test (root, read-only mounts, a full disk)
-            f.write(b"\0" * 65536)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-        fix = "free space on that disk or set" if full else "run rlrun from a writable folder or set"
-        print(f"rlrun: error: cannot write the run's output folder {path} ({e.strerror}); {fix} "
-              f"{key}=/a/writable/folder", file=sys.stderr)
-        sys.exit(2)
-
-
-def refuse_links(folder, job_name: str, key: str) -> None:
-    """Exit 2 with one line when a file Hydra writes in the run's output folder (its .hydra/ configs, the job's log)
-    would be written through a symbolic link planted at its name (an existing hydra.run.dir someone prepared)."""
-    path = os.path.abspath(str(folder))
-    for name in (".hydra", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", f"{job_name}.log",
-                 "mlflow_spill.jsonl"):
-        if os.path.islink(os.path.join(path, name)):
-            print(f"rlrun: error: {os.path.join(path, name)} is a symbolic link (to "
-                  f"{os.readlink(os.path.join(path, name))}); rlrun never writes through a link. Remove it, or set "
-                  f"{key}=/a/new/folder", file=sys.stderr)
-            sys.exit(2)
-
-
-def refuse_outside(config) -> None:
-    """Exit 2 with one line when Hydra would write outside the run's output folder: `hydra.output_subdir` (its
-    config.yaml, hydra.yaml, overrides.yaml) absolute or climbing out with `..` (it replaced a user's config.yaml,
-    or overrides.yaml in the parent folder), `hydra.sweep.subdir` doing the same from the sweep's folder (every job's
-    .hydra/ and log went there), or `hydra.job.name` (the job's log, `<name>.log`) holding a path.
-    Like every other folder option, each stays inside the run folder; `hydra.output_subdir=null` writes none."""
-    problems = []
-    subdir = OmegaConf.select(config, "hydra.output_subdir", default=None)
-    if subdir is not None:
-        norm = os.path.normpath(str(subdir))
-        if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
-            problems.append(f"hydra.output_subdir={subdir} is outside the run's output folder; give a folder "
-                            "inside it (the default: .hydra), or null to write none")
-    multirun = str(OmegaConf.select(config, "hydra.mode", default="")) == "RunMode.MULTIRUN"
-    sweep_subdir = OmegaConf.select(config, "hydra.sweep.subdir", default=None, throw_on_resolution_failure=False)
-    if multirun and sweep_subdir is not None:  # (a single run has no subdir)
-        norm = os.path.normpath(str(sweep_subdir))
-        if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
-            problems.append(f"hydra.sweep.subdir={sweep_subdir} is outside the sweep's folder (hydra.sweep.dir): every "
-                            "job's output (.hydra/, its log) would be written there; give a folder inside it (the "
-                            "default: ${hydra.job.num})")
-    name = str(OmegaConf.select(config, "hydra.job.name", default="") or "")
-    if name and (os.sep in name or "/" in name or name in (".", "..")):
-        problems.append(f"hydra.job.name={name} holds a path: the job's log, <name>.log, would be written outside "
-                        "the run's output folder; give a plain name")
-    for problem in problems:
-        print(f"rlrun: error: {problem}", file=sys.stderr)
-    if problems:
-        sys.exit(2)
 
 
 class SweepCallback(Callback):

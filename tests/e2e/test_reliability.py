@@ -368,14 +368,14 @@ def test_an_output_folder_on_a_full_disk_is_one_line_and_exit_2(tmp_path, monkey
     """A disk that takes a new file but not its bytes (ENOSPC at the first write Hydra makes): one line."""
     import errno
 
-    from rlrun import sweep
+    from rlrun import folders
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(sweep.os, "fsync", full)
+    monkeypatch.setattr(folders.os, "fsync", full)
     with pytest.raises(SystemExit) as e:
-        sweep.refuse_unwritable(tmp_path / "outputs" / "run", "hydra.run.dir")
+        folders.refuse_unwritable(tmp_path / "outputs" / "run", "hydra.run.dir")
     assert e.value.code == 2 and os.listdir(tmp_path) == []
     assert capsys.readouterr().err.strip() == (
         f"rlrun: error: cannot write the run's output folder {tmp_path}/outputs/run (No space left on device); "
