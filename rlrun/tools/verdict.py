@@ -46,8 +46,10 @@ def options(params: dict[str, str]) -> dict[str, str]:
 
 
 def varying(all_params: list[dict[str, str]]) -> list[str]:
-    """The axes whose option differs between the runs."""
-    return [g for g in registry.AXES if len({options(p).get(g) for p in all_params}) > 1]
+    """The axes whose option differs between the runs that have the axis's key: a run without it (a paired sweep's
+    replaying job, rollout=replay, has no rollout.decode or rollout.speculate) varies nothing (its heading named
+    "(head, decode)" where only the head was swept)."""
+    return [g for g in registry.AXES if len({options(p).get(g) for p in all_params} - {None}) > 1]
 
 
 def fact(group: str, name: str, what: str):

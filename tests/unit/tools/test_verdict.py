@@ -73,6 +73,9 @@ def test_the_verdict_takes_the_loosest_exactness_of_what_changed_and_a_pipeline_
     assert verdict.exactness_of({"head.name": "tiled"}, {"head.name": "dense"}) == "fp_tolerance"
     runs = [{"rollout.pipeline": "sync"}, {"rollout.pipeline": "async"}]
     assert verdict.varying(runs) == ["pipeline"]
+    # a paired sweep: the replaying jobs have no rollout.decode / rollout.speculate key; only the head was swept
+    paired = [{"head.name": "dense", "rollout.decode": "eager", "rollout.speculate": "off"}, {"head.name": "tiled"}]
+    assert verdict.varying(paired) == ["head"]
     assert "step" in verdict.changed_phases(["pipeline"], runs)
     data = [run([0.1] * 8, generate=[1.0] * 8), run([0.1] * 8, generate=[0.5] * 8)]
     headline, _ = verdict.answer(["sync", "async"], data, runs, {})
