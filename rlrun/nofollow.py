@@ -77,13 +77,6 @@ def open_existing(path: str, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
-def write_new(path: str, data: bytes, mode: int = 0o644) -> None:
-    """All of `data` into a new file at `path` (see `create`)."""
-    fd = create(path, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-
-
 def write_replacing(path: str, data: bytes, fsync: bool = False) -> None:
     """`path` holds `data` afterwards, written through a new temporary file renamed over it: a link at `path` is
     LinkError (not replaced); a failed write leaves no temporary file."""
