@@ -49,9 +49,11 @@ def references(config_obj) -> dict[str, str]:
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW(OR)?D|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|AUTH", re.I)
 # scheme://user:password@ (requests, MLflow and SQLAlchemy take credentials there): the password goes
 USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@'\"]*):(?P<password>[^\s@/'\"]+)@")
-# ?token=... &password=... (signed URLs, API keys in query strings): the value goes
-QUERY = re.compile(r"(?P<head>[?&;](?:[\w.-]*(?:token|secret|passw(?:or)?d|pwd|api_?key|key|sig|signature|auth)"
-                   r"[\w.-]*)=)(?P<value>[^&#\s'\"]+)", re.I)
+# ?token=... &password=... &X-Amz-Signature=... (signed URLs, API keys in query strings): the value goes. A name is
+# a secret's when it is one of these words, alone or after a `_`, `-` or `.` (`access_token`, `X-Amz-Signature`);
+# not when the word ends a longer word (MLflow's own `viewStateShareKey` is no key)
+QUERY = re.compile(r"(?P<head>[?&;](?:[\w.-]*[_.-])?(?:token|secret|passw(?:or)?d|pwd|api_?key|key|sig|signature|"
+                   r"auth|credential|credentials)=)(?P<value>[^&#\s'\"]+)", re.I)
 HIDDEN = "***"
 KNOWN: dict[str, str] = {}  # values the loaded config read from the environment -> their `${oc.env:NAME}`
 

@@ -26,6 +26,10 @@ def test_scrub_hides_passwords_query_secrets_and_secret_named_variables(monkeypa
         "see tok-abcdef123456 here": "see ${oc.env:MY_API_TOKEN} here",
         "abc rlrun-own-value-1 /data/some/long/path": "abc rlrun-own-value-1 /data/some/long/path",
         "sqlite:///mlflow.db http://host:5000 user@host": "sqlite:///mlflow.db http://host:5000 user@host",
+        # rlrun's own links: a parameter whose name ends in "Key" is no key (it broke every printed runs link)
+        "http://h:5000/#/experiments/1/runs?workflowType=machine_learning&viewStateShareKey=rlrun":
+            "http://h:5000/#/experiments/1/runs?workflowType=machine_learning&viewStateShareKey=rlrun",
+        "u?access_token=a1&apikey=b2&monkey=c3": "u?access_token=***&apikey=***&monkey=c3",
     }
     for raw, want in cases.items():
         assert secrets.scrub(raw) == want, raw
