@@ -144,6 +144,8 @@ class Scrubbed:
         return len(text)
 
     def __getattr__(self, name: str):
+        if name == "_stream":  # (being unpickled or copied: not set yet)
+            raise AttributeError(name)
         return getattr(self._stream, name)
 
 

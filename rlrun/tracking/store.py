@@ -128,6 +128,8 @@ class Redacting:
         self._client = client
 
     def __getattr__(self, name: str):
+        if name == "_client":  # not set yet: an instance being unpickled (joblib and submitit pickle the sweep's
+            raise AttributeError(name)  # callback, its client with it), where looking it up again recursed
         return getattr(self._client, name)
 
     def set_tag(self, run_id, key, value, *args, **kwargs):

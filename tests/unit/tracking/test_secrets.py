@@ -94,3 +94,13 @@ def test_no_planted_secret_reaches_the_store_its_artifacts_or_the_console(tmp_pa
     leaks = [(name, where) for where, text in places.items() for name, value in PLANTED.items() if value in text]
     assert not leaks, leaks
     assert "alice:***@" in console  # the links printed, scrubbed
+
+
+def test_the_redacting_client_pickles_as_the_sweep_s_launchers_need(tmp_path):
+    """joblib and submitit pickle the sweep's callback with its client: unpickling looked `_client` up through
+    __getattr__ before it was set, and recursed until the job failed to start."""
+    import pickle
+
+    client = store.open_client(f"sqlite:///{tmp_path}/m.db")
+    again = pickle.loads(pickle.dumps(client))
+    assert isinstance(again, store.Redacting) and again.search_experiments() is not None
