@@ -66,8 +66,24 @@ def remember(found: dict[str, str]) -> None:
 def environment_secrets() -> dict[str, str]:
     """{value: `${oc.env:NAME}`} of every environment variable named like a secret whose value is long enough to be
     one (MIN_ANYWHERE characters: a short value would mangle unrelated text), beyond rlrun's own."""
-    return {v: f"${{oc.env:{k}}}" for k, v in os.environ.items()
-            if SECRET_NAME.search(k) and not k.startswith(OWN) and len(v) >= MIN_ANYWHERE}
+    out = {}
+    for k in names():
+        v = os.environ.get(k)  # (None: removed since by another thread)
+        if v and SECRET_NAME.search(k) and not k.startswith(OWN) and len(v) >= MIN_ANYWHERE:
+            out[v] = f"${{oc.env:{k}}}"
+    return out
+
+
+def names() -> list[str]:
+    """The environment's variable names. Other threads change the environment while this runs (MLflow's telemetry
+    sets and removes _MLFLOW_TELEMETRY_SESSION_ID): iterating os.environ.items() then raised KeyError in a sweep's
+    jobs, so the names are read alone, again if the table changed size meanwhile."""
+    for _ in range(10):
+        try:
+            return list(os.environ)
+        except RuntimeError:  # dictionary changed size during iteration
+            continue
+    return []
 
 
 def scrub(value: str) -> str:
